@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Install the real services that ftrun's infrastructure tests start: Slurm (slurm-wlm 22.05 on
+# Debian 12) with munge for authentication, and iproute2/iptables for network-namespace hosts.
+#
+# Why a script: CI machines and fresh sessions start with none of this installed, and the
+# test fixtures skip (with a reason naming this script) rather than install anything
+# themselves.  The script is idempotent and fast when everything is already present, so
+# the suite's set-up can call it every time.
+#
+# Usage: sudo bash scripts/install_test_services.sh        (needs root; non-interactive)
+#        WITH_ETCD=1 bash scripts/install_test_services.sh  (also etcd-server/etcd-client)
+set -euo pipefail
+
+if [[ $(id -u) -ne 0 ]]; then
+    echo "install_test_services.sh: must run as root (apt-get, /etc/munge)" >&2
+    exit 1
+fi
+
+# Debian package -> a command it provides (checked first so a warm machine costs ~no time).
+declare -A PROVIDES=(
+    [slurm-wlm]=slurmctld     # pulls slurmctld, slurmd and slurm-client (srun, sinfo)
+    [munge]=munged
+    [iproute2]=ip
+    [iptables]=iptables
+)
+if [[ ${WITH_ETCD:-0} == 1 ]]; then
+    PROVIDES[etcd-server]=etcd
+    PROVIDES[etcd-client]=etcdctl
+fi
+
+have() {
+    # A command may live in /usr/sbin, which is not on every PATH (non-root shells).
+    command -v "$1" >/dev/null 2>&1 || [[ -x /usr/sbin/$1 || -x /sbin/$1 ]]
+}
+
+missing=()
+for pkg in "${!PROVIDES[@]}"; do
+    if ! have "${PROVIDES[$pkg]}" || ! dpkg -s "$pkg" >/dev/null 2>&1; then
+        missing+=("$pkg")
+    fi
+done
+
+if ((${#missing[@]})); then
+    export DEBIAN_FRONTEND=noninteractive
+    # `apt-get update` only when the package lists are absent: a fresh image has none, and
+    # refreshing them on every run would cost tens of seconds.
+    if ! compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null; then
+        apt-get update -q
+    fi
+    if ! apt-get install -y -q --no-install-recommends "${missing[@]}"; then
+        # Stale lists (a package version gone from the mirror): refresh once and retry.
+        apt-get update -q
+        apt-get install -y -q --no-install-recommends "${missing[@]}"
+    fi
+fi
+
+# munge: directories and permissions munged insists on (it refuses to start otherwise).
+# Packages normally create these, but /run is a tmpfs on real machines and containers
+# often start without the postinst having created the runtime directory.
+mkdir -p /run/munge /var/log/munge /var/lib/munge /etc/munge
+if [[ ! -s /etc/munge/munge.key ]]; then
+    # Debian ships a key; create one if the image stripped it.
+    if have mungekey; then
+        mungekey --create --keyfile=/etc/munge/munge.key --force
+    else
+        dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key status=none
+    fi
+fi
+chown -R munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge
+chmod 0700 /etc/munge /var/log/munge /var/lib/munge
+chmod 0755 /run/munge
+chmod 0400 /etc/munge/munge.key
+
+echo "install_test_services.sh: slurm-wlm, munge, iproute2, iptables ready"
