@@ -1,0 +1,325 @@
+"""The ``ftrun`` command line.
+
+``ftrun [torchrun flags] script [script args]`` launches a job; ``ftrun doctor`` checks a
+node; ``ftrun --version`` prints the version. Subcommands are recognised only as the first
+argument, so a script that happens to be called ``doctor`` runs as ``ftrun ./doctor`` (or
+``ftrun -- doctor``, or with any flag first).
+
+The launch command is parsed with :mod:`argparse` on purpose: torchrun compatibility means
+argparse's own behaviour (unambiguous prefixes such as ``--nproc-per 8``, everything after
+the script passed through untouched), which click and typer do not reproduce. The doctor,
+a plain command, is a typer app.
+
+Errors are one line on stderr and exit code 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from ftrun import __version__
+from ftrun.config import (
+    DEFAULT_MASTER_PORT,
+    DEFAULT_RDZV_PORT,
+    ConfigError,
+    LaunchConfig,
+    Recovery,
+    check_entrypoint,
+    check_port_free,
+    check_resolvable,
+    parse_comma_list,
+    parse_endpoint,
+    parse_local_ranks_filter,
+    parse_nnodes,
+    parse_nproc_per_node,
+    parse_port,
+    parse_rdzv_conf,
+    parse_seconds,
+    parse_signals,
+    parse_stream_spec,
+)
+from ftrun.exitcodes import ExitCode
+
+SUBCOMMANDS = ("doctor",)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with torchrun's spellings: each flag in dash and snake case, prefixes
+    matched once per flag, and errors as one line instead of usage plus message."""
+
+    def _get_option_tuples(self, option_string: str):  # type: ignore[no-untyped-def]
+        # Both spellings of one flag share a prefix ("--nproc" matches --nproc-per-node and
+        # --nproc_per_node); that is not an ambiguity, so keep one match per action.
+        seen: set[int] = set()
+        unique = []
+        for item in super()._get_option_tuples(option_string):
+            if id(item[0]) not in seen:
+                seen.add(id(item[0]))
+                unique.append(item)
+        return unique
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+# (flags, env-fallback dest, default, help). One table: torchrun's flags in its order.
+def _torchrun_flags(parser: argparse.ArgumentParser) -> None:
+    def flag(*names: str, default: object = None, help: str, **kwargs: object) -> None:
+        spelled: list[str] = []
+        for name in names:
+            spelled.append(name)
+            if name.startswith("--") and "-" in name[2:]:
+                spelled.append("--" + name[2:].replace("-", "_"))
+        parser.add_argument(*spelled, default=default, help=help, **kwargs)  # type: ignore[arg-type]
+
+    flag("--nnodes", default="1:1", help="Number of nodes, N or MIN:MAX.")
+    flag("--nproc-per-node", default="1", help="Workers per node: N, cpu, gpu or auto.")
+    flag("--rdzv-backend", default="static", help="Rendezvous backend: static or c10d.")
+    flag("--rdzv-endpoint", default="", help="Rendezvous endpoint HOST[:PORT].")
+    flag("--rdzv-id", default="none", help="Job id shared by every node.")
+    flag("--rdzv-conf", default="", help="Rendezvous options KEY=VALUE,...")
+    flag("--standalone", action="store_true", help="Single node with its own store.")
+    flag("--max-restarts", default="0", help="Restarts allowed before the job fails.")
+    flag("--monitor-interval", default="0.1", help="Seconds between checks of remote state.")
+    flag("--start-method", default="spawn", help="spawn, fork or forkserver (scripts: no effect).")
+    flag("--event-log-handler", default="null", help="null, or console for JSON events.")
+    flag("--role", default="default", help="Worker role name.")
+    flag("-m", "--module", action="store_true", help="Run the entrypoint as python -m.")
+    flag("--no-python", action="store_true", help="Run the entrypoint without python.")
+    flag("--run-path", action="store_true", help="Run the script with runpy.run_path.")
+    flag("--log-dir", help="Directory for per-attempt, per-rank log files.")
+    flag("-r", "--redirects", default="0", help="Streams to files only: 0-3 or RANK:N,...")
+    flag("-t", "--tee", default="0", help="Streams to files and console: 0-3 or RANK:N,...")
+    flag("--local-ranks-filter", default="", help="Local ranks shown on the console.")
+    flag("--duplicate-stdout-filters", default="", help="Copy matching stdout lines to a file.")
+    flag("--duplicate-stderr-filters", default="", help="Copy matching stderr lines to a file.")
+    flag("--node-rank", default="0", help="This node's rank (static rendezvous).")
+    flag("--master-addr", default="127.0.0.1", help="Store host (static rendezvous).")
+    flag("--master-port", help=f"Store port (static; default {DEFAULT_MASTER_PORT}).")
+    flag("--local-addr", help="This node's address as others reach it.")
+    flag("--logs-specs", help="torchrun LogsSpecs plugin (not supported).")
+    flag("--numa-binding", help="NUMA binding mode (not supported yet).")
+    flag(
+        "--signals-to-handle",
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="Signals forwarded to the workers.",
+    )
+    flag("--shutdown-timeout", help="Seconds from the forwarded signal to SIGKILL.")
+    flag("--virtual-local-rank", action="store_true", help="LOCAL_RANK=0, one GPU per worker.")
+
+
+# ftrun's own options: (flag, dest, environment variable, default, help).
+FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("--heartbeat-interval", "heartbeat_interval", "FTRUN_HEARTBEAT_INTERVAL", "1.0",
+     "Seconds between an agent's heartbeats."),
+    ("--heartbeat-timeout", "heartbeat_timeout", "FTRUN_HEARTBEAT_TIMEOUT", "5.0",
+     "Seconds without a heartbeat before an agent is declared lost."),
+    ("--stop-grace", "stop_grace", "FTRUN_STOP_GRACE", "",
+     "Seconds from SIGTERM to SIGKILL when stopping workers (same as --shutdown-timeout)."),
+    ("--recovery", "recovery", "FTRUN_RECOVERY", "auto",
+     "auto, restart or regroup."),
+    ("--events-file", "events_file", "FTRUN_EVENTS_FILE", "",
+     "Write one JSON line per event to this file."),
+)
+
+
+def build_parser(environ: Mapping[str, str]) -> _Parser:
+    parser = _Parser(
+        prog="ftrun",
+        description="Fault-tolerant launcher for distributed PyTorch; accepts torchrun's flags.",
+        allow_abbrev=True,
+    )
+    parser.add_argument("--version", action="version", version=f"ftrun {__version__}")
+    _torchrun_flags(parser)
+    for name, dest, env_name, default, text in FTRUN_OPTIONS:
+        parser.add_argument(
+            name, name.replace("-", "_").replace("__", "--", 1), dest=dest,
+            default=environ.get(env_name, default), help=f"{text} [{env_name}]",
+        )
+    parser.add_argument(
+        "--no-shim", "--no_shim", action="store_true",
+        default=environ.get("FTRUN_SHIM", "1") == "0",
+        help="Do not put the NCCL shim into workers. [FTRUN_SHIM=0]",
+    )
+    parser.add_argument("training_script", help="The script (or module, or program) to run.")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    # torchrun's PET_<DEST> fallbacks: a set variable becomes the default, a flag still wins.
+    for action in parser._actions:
+        pet = environ.get(f"PET_{action.dest.upper()}")
+        if pet is None or action.dest in ("help", "version", "training_script"):
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = pet.strip().lower() in ("1", "true", "yes")
+        else:
+            action.default = pet
+    return parser
+
+
+def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchConfig:
+    """Parse and validate a launch command line. Raises ConfigError on any bad input."""
+    ns = build_parser(environ).parse_args(list(argv))
+    _refuse_unsupported(ns)
+
+    nnodes_min, nnodes_max = parse_nnodes(ns.nnodes)
+    nproc = parse_nproc_per_node(ns.nproc_per_node)
+    if ns.no_python and ns.module:
+        raise ConfigError("--no-python and -m cannot be used together")
+    check_entrypoint(ns.training_script, module=ns.module, no_python=ns.no_python)
+
+    backend = ns.rdzv_backend.strip().lower()
+    if backend not in ("static", "c10d"):
+        raise ConfigError(f"--rdzv-backend={ns.rdzv_backend!r}: ftrun supports static and c10d")
+    try:
+        node_rank = int(ns.node_rank)
+    except ValueError:
+        raise ConfigError(f"--node-rank={ns.node_rank!r}: not an integer") from None
+    if not 0 <= node_rank < nnodes_max:
+        raise ConfigError(f"--node-rank={node_rank}: must be in [0, {nnodes_max})")
+    try:
+        max_restarts = int(ns.max_restarts)
+    except ValueError:
+        raise ConfigError(f"--max-restarts={ns.max_restarts!r}: not an integer") from None
+    if max_restarts < 0:
+        raise ConfigError("--max-restarts: cannot be negative")
+
+    rdzv_conf = parse_rdzv_conf(ns.rdzv_conf)
+    rdzv_id = ns.rdzv_id
+    single_static = backend == "static" and not ns.rdzv_endpoint and ns.master_port is None
+    if ns.standalone or (single_static and nnodes_max == 1):
+        # torchrun's own rewrite: one node needs no well-known port, so take a free one (two
+        # single-node jobs on one machine do not collide on 29500).
+        backend, rdzv_id, rdzv_host, rdzv_port = "c10d", str(uuid.uuid4()), "localhost", 0
+        explicit = False
+        if nnodes_max != 1:
+            raise ConfigError("--standalone runs one node: drop --nnodes or set it to 1")
+    elif backend == "static" or not ns.rdzv_endpoint:
+        rdzv_host = ns.master_addr if backend == "static" else "127.0.0.1"
+        explicit = ns.master_port is not None
+        rdzv_port = parse_port(ns.master_port, "--master-port") if explicit else DEFAULT_MASTER_PORT
+        if backend == "c10d":
+            rdzv_host, port = parse_endpoint(ns.rdzv_endpoint, DEFAULT_RDZV_PORT)
+            rdzv_host = rdzv_host or "127.0.0.1"
+            explicit, rdzv_port = port is not None, port if port is not None else DEFAULT_RDZV_PORT
+    else:
+        rdzv_host, port = parse_endpoint(ns.rdzv_endpoint, DEFAULT_RDZV_PORT)
+        explicit, rdzv_port = port is not None, port if port is not None else DEFAULT_RDZV_PORT
+    if nnodes_max > 1 and (backend == "c10d" or nnodes_min != nnodes_max):
+        raise ConfigError(
+            "multi-node c10d or elastic (MIN:MAX) rendezvous is not supported yet; "
+            "use the static backend (--node-rank, --master-addr, --master-port)"
+        )
+    check_resolvable(rdzv_host, "--master-addr" if backend == "static" else "--rdzv-endpoint")
+    if ns.local_addr:
+        check_resolvable(ns.local_addr, "--local-addr")
+
+    grace_text = ns.stop_grace or ns.shutdown_timeout or environ.get(
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"
+    )
+    try:
+        recovery = Recovery(ns.recovery.strip().lower())
+    except ValueError:
+        raise ConfigError(
+            f"--recovery={ns.recovery!r}: expected auto, restart or regroup"
+        ) from None
+    if recovery is Recovery.REGROUP:
+        raise ConfigError("--recovery=regroup needs the in-process worker API, not available yet")
+    handler = ns.event_log_handler.strip().lower()
+    if handler not in ("null", "console"):
+        raise ConfigError(f"--event-log-handler={ns.event_log_handler!r}: expected null or console")
+    start_method = ns.start_method.strip().lower()
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise ConfigError(f"--start-method={ns.start_method!r}: expected spawn, fork or forkserver")
+    heartbeat_interval = parse_seconds(ns.heartbeat_interval, "--heartbeat-interval")
+    heartbeat_timeout = parse_seconds(ns.heartbeat_timeout, "--heartbeat-timeout")
+    if heartbeat_timeout <= heartbeat_interval:
+        raise ConfigError("--heartbeat-timeout must be longer than --heartbeat-interval")
+
+    config = LaunchConfig(
+        entrypoint=ns.training_script,
+        args=tuple(ns.training_script_args),
+        module=ns.module,
+        no_python=ns.no_python,
+        run_path=ns.run_path,
+        nnodes_min=nnodes_min,
+        nnodes_max=nnodes_max,
+        nproc_per_node=nproc,
+        node_rank=node_rank,
+        role=ns.role,
+        virtual_local_rank=ns.virtual_local_rank,
+        rdzv_backend=backend,
+        rdzv_host=rdzv_host,
+        rdzv_port=rdzv_port,
+        rdzv_port_explicit=explicit,
+        rdzv_id=rdzv_id,
+        rdzv_conf=rdzv_conf,
+        local_addr=ns.local_addr,
+        standalone=ns.standalone,
+        max_restarts=max_restarts,
+        monitor_interval_s=parse_seconds(ns.monitor_interval, "--monitor-interval"),
+        shutdown_timeout_s=parse_seconds(grace_text, "--shutdown-timeout", allow_zero=True),
+        signals_to_handle=parse_signals(ns.signals_to_handle),
+        signals_to_handle_text=ns.signals_to_handle,
+        recovery=recovery,
+        heartbeat_interval_s=heartbeat_interval,
+        heartbeat_timeout_s=heartbeat_timeout,
+        join_timeout_s=parse_seconds(rdzv_conf.get("join_timeout", "600"), "join_timeout"),
+        use_shim=not ns.no_shim,
+        log_dir=Path(ns.log_dir) if ns.log_dir else None,
+        redirects=parse_stream_spec(ns.redirects, "--redirects"),
+        tee=parse_stream_spec(ns.tee, "--tee"),
+        local_ranks_filter=parse_local_ranks_filter(ns.local_ranks_filter),
+        duplicate_stdout_filters=parse_comma_list(ns.duplicate_stdout_filters),
+        duplicate_stderr_filters=parse_comma_list(ns.duplicate_stderr_filters),
+        events_file=Path(ns.events_file) if ns.events_file else None,
+        event_log_console=handler == "console",
+        start_method=start_method,
+    )
+    if config.hosts_store and config.rdzv_port != 0:
+        flag = "--master-port" if backend == "static" else "--rdzv-endpoint"
+        check_port_free(config.rdzv_port, flag)
+    return config
+
+
+def _refuse_unsupported(ns: argparse.Namespace) -> None:
+    """Flags torchrun has and ftrun cannot honour yet: refuse rather than ignore them."""
+    if ns.logs_specs:
+        raise ConfigError(
+            "--logs-specs: torchrun LogsSpecs plugins are not supported; ftrun writes "
+            "torchrun's default layout under --log-dir"
+        )
+    if ns.numa_binding:
+        raise ConfigError(
+            "--numa-binding is not supported yet; wrap the script in numactl with --no-python"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        return _run_subcommand(args[0], args[1:])
+    try:
+        config = config_from_args(args, os.environ)
+    except ConfigError as error:
+        print(f"ftrun: error: {error}", file=sys.stderr)
+        return ExitCode.USAGE
+    from ftrun.agent import run_agent  # imports torch: only once the command line is good
+
+    return run_agent(config)
+
+
+def _run_subcommand(name: str, args: list[str]) -> int:
+    if name == "doctor":
+        from ftrun.doctor import app
+
+        try:
+            app(args=args, prog_name="ftrun doctor")
+        except SystemExit as done:
+            return int(done.code or 0) if not isinstance(done.code, str) else ExitCode.USAGE
+        return 0
+    raise AssertionError(name)

@@ -1,0 +1,365 @@
+"""One validated launch configuration, built from flags, environment and Slurm.
+
+The command line (``ftrun.cli``) only collects raw strings; every rule about what a value
+may be lives here, so that the CLI, ``ftrun doctor`` and tests all reject the same inputs
+with the same one-line message. A :class:`ConfigError` is always a user error: the CLI
+prints it on one line and exits 2 before anything is started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_RDZV_PORT = 29400
+
+
+class ConfigError(ValueError):
+    """A launch option is invalid; the message is one line a user can act on."""
+
+
+class Recovery(str, Enum):
+    """What the agents do when a generation ends with a failure."""
+
+    AUTO = "auto"  # regroup when the script uses the worker API, else restart
+    RESTART = "restart"  # stop every worker, start them all again (torchrun's behaviour)
+    REGROUP = "regroup"  # survivors carry on in-process (needs the worker API)
+
+
+class Std(int, Enum):
+    """Which worker streams go to a file (torchrun's ``-r``/``-t`` values)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+    @property
+    def stdout(self) -> bool:
+        return bool(self.value & Std.OUT.value)
+
+    @property
+    def stderr(self) -> bool:
+        return bool(self.value & Std.ERR.value)
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Per-local-rank stream choice, as torchrun spells it: ``3`` or ``0:1,1:2``."""
+
+    default: Std = Std.NONE
+    per_rank: Mapping[int, Std] = field(default_factory=dict)
+
+    def for_rank(self, local_rank: int) -> Std:
+        return self.per_rank.get(local_rank, self.default)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one agent needs to run its share of a job. Immutable once validated."""
+
+    # What to run.
+    entrypoint: str
+    args: tuple[str, ...]
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    # Shape of the job.
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    role: str = "default"
+    virtual_local_rank: bool = False
+    # Rendezvous.
+    rdzv_backend: str = "static"
+    rdzv_host: str = "127.0.0.1"
+    rdzv_port: int = DEFAULT_MASTER_PORT
+    rdzv_port_explicit: bool = False
+    rdzv_id: str = "none"
+    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    local_addr: str | None = None
+    standalone: bool = False
+    # Failure handling.
+    max_restarts: int = 0
+    monitor_interval_s: float = 0.1
+    shutdown_timeout_s: float = 30.0
+    signals_to_handle: tuple[signal.Signals, ...] = (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+    )
+    signals_to_handle_text: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    recovery: Recovery = Recovery.AUTO
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    join_timeout_s: float = 600.0
+    use_shim: bool = True
+    # Logs and events.
+    log_dir: Path | None = None
+    redirects: StreamSpec = field(default_factory=StreamSpec)
+    tee: StreamSpec = field(default_factory=StreamSpec)
+    local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    events_file: Path | None = None
+    event_log_console: bool = False
+    start_method: str = "spawn"
+
+    @property
+    def nnodes(self) -> int:
+        """The node count a static job waits for (elastic jobs start at the minimum)."""
+        return self.nnodes_min
+
+    @property
+    def is_single_node(self) -> bool:
+        return self.nnodes_max == 1
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this agent serves the job's store (static: node rank 0)."""
+        flag = self.rdzv_conf.get("is_host")
+        if flag is not None:
+            return flag.lower() in ("1", "true", "yes")
+        return self.is_single_node or self.node_rank == 0
+
+    def worker_command(self) -> list[str]:
+        """The argv of one worker, as torchrun builds it (unbuffered Python)."""
+        if self.no_python:
+            return [self.entrypoint, *self.args]
+        python = os.environ.get("PYTHON_EXEC", _python())
+        if self.module:
+            return [python, "-u", "-m", self.entrypoint, *self.args]
+        if self.run_path:
+            runner = (
+                "import runpy, sys; sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')"
+            )
+            return [python, "-u", "-c", runner, self.entrypoint, *self.args]
+        return [python, "-u", self.entrypoint, *self.args]
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
+# --- parsers for torchrun's value syntaxes ---------------------------------------------
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` with 0 < MIN <= MAX."""
+    parts = value.split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--nnodes={value!r}: expected N or MIN:MAX") from None
+    if not 0 < low <= high:
+        raise ConfigError(f"--nnodes={value!r}: need 0 < MIN <= MAX")
+    return low, high
+
+
+def parse_nproc_per_node(value: str, gpu_count: int | None = None) -> int:
+    """``N``, ``cpu``, ``gpu`` or ``auto`` (GPUs if any, else CPUs), as torchrun reads it."""
+    text = value.strip().lower()
+    if text.isdigit():
+        count = int(text)
+        if count < 1:
+            raise ConfigError(f"--nproc-per-node={value!r}: must be at least 1")
+        return count
+    cpus = len(os.sched_getaffinity(0))
+    if text == "cpu":
+        return cpus
+    if text in ("gpu", "auto"):
+        gpus = visible_gpu_count() if gpu_count is None else gpu_count
+        if gpus > 0:
+            return gpus
+        if text == "gpu":
+            raise ConfigError("--nproc-per-node=gpu: no GPU is visible on this node")
+        return cpus
+    raise ConfigError(f"--nproc-per-node={value!r}: expected a number, 'cpu', 'gpu' or 'auto'")
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, without initialising CUDA in the agent."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver, no library: a CPU node
+        return 0
+
+
+def parse_stream_spec(value: str, flag: str) -> StreamSpec:
+    """torchrun's ``-r``/``-t`` syntax: ``3`` for every rank, or ``0:1,1:2`` per local rank."""
+    text = value.strip()
+    try:
+        if ":" not in text:
+            return StreamSpec(default=Std(int(text or "0")))
+        per_rank: dict[int, Std] = {}
+        for item in text.split(","):
+            rank, std = item.split(":")
+            per_rank[int(rank)] = Std(int(std))
+        return StreamSpec(per_rank=per_rank)
+    except ValueError:
+        raise ConfigError(
+            f"{flag}={value!r}: expected 0-3 (0 none, 1 stdout, 2 stderr, 3 both) "
+            "or LOCAL_RANK:VALUE pairs such as 0:1,1:2"
+        ) from None
+
+
+def parse_local_ranks_filter(value: str) -> frozenset[int] | None:
+    if not value.strip():
+        return None
+    try:
+        ranks = frozenset(int(item) for item in value.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--local-ranks-filter={value!r}: expected a comma-separated list of integers"
+        ) from None
+    if any(rank < 0 for rank in ranks):
+        raise ConfigError(f"--local-ranks-filter={value!r}: ranks cannot be negative")
+    return ranks
+
+
+def parse_comma_list(value: str | list[str]) -> tuple[str, ...]:
+    """torchrun's filter lists: comma separated, ``,,`` for a literal comma."""
+    if isinstance(value, list):
+        return tuple(value)
+    placeholder = "\0"
+    return tuple(
+        item.replace(placeholder, ",")
+        for item in value.replace(",,", placeholder).split(",")
+        if item
+    )
+
+
+def parse_signals(value: str) -> tuple[signal.Signals, ...]:
+    names = [item.strip().upper() for item in value.split(",") if item.strip()]
+    result = []
+    for name in names:
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        try:
+            sig = signal.Signals[full]
+        except KeyError:
+            raise ConfigError(f"--signals-to-handle: unknown signal {name!r}") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise ConfigError(f"--signals-to-handle: {full} cannot be handled or forwarded")
+        result.append(sig)
+    return tuple(result)
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``key=value,key=value`` as torchrun's ``--rdzv-conf``."""
+    conf: dict[str, str] = {}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--rdzv-conf: {item!r} is not KEY=VALUE")
+        conf[key.strip()] = val.strip()
+    return conf
+
+
+def parse_endpoint(value: str, default_port: int) -> tuple[str, int | None]:
+    """``host``, ``host:port`` or ``[v6]:port``; the port is None when not given."""
+    text = value.strip()
+    if not text:
+        return "", None
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host, None
+    return host, parse_port(port_text, "--rdzv-endpoint")
+
+
+def parse_port(value: str | int, flag: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise ConfigError(f"{flag}={value!r}: not a port number") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{flag}={value!r}: port must be 0-65535")
+    return port
+
+
+def parse_seconds(value: str | float, flag: str, *, allow_zero: bool = False) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"{flag}={value!r}: not a number of seconds") from None
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ConfigError(f"{flag}={value!r}: must be positive")
+    return seconds
+
+
+# --- checks on the world outside the process -------------------------------------------
+
+
+def check_resolvable(host: str, flag: str) -> None:
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError(f"{flag}={host!r}: cannot resolve this host name") from None
+
+
+def check_port_free(port: int, flag: str) -> None:
+    """Refuse early when a port the store must bind is taken (a clearer error than torch's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise ConfigError(f"{flag}={port}: port is in use ({error.strerror})") from None
+
+
+def check_entrypoint(entrypoint: str, *, module: bool, no_python: bool) -> None:
+    if module:
+        if not entrypoint.replace(".", "").replace("_", "").isalnum():
+            raise ConfigError(f"-m {entrypoint!r}: not a module name")
+        return
+    if no_python:
+        path = Path(entrypoint)
+        if path.parent != Path() or path.exists():
+            if not path.is_file():
+                raise ConfigError(f"{entrypoint}: no such file")
+            if not os.access(path, os.X_OK):
+                raise ConfigError(f"{entrypoint}: not executable (--no-python runs it directly)")
+        elif shutil.which(entrypoint) is None:
+            raise ConfigError(f"{entrypoint}: command not found on PATH")
+        return
+    path = Path(entrypoint)
+    if not path.exists():
+        raise ConfigError(f"{entrypoint}: no such file")
+    if path.is_dir():
+        if not (path / "__main__.py").is_file():
+            raise ConfigError(f"{entrypoint}: a directory without __main__.py")
+        return
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{entrypoint}: not readable")

@@ -1,0 +1,148 @@
+"""What happened to a job, for people and for programs.
+
+Two outputs share one vocabulary:
+
+* :class:`EventLog` writes one JSON object per line (``--events-file``, ``--log-dir``, or
+  stderr with ``--event-log-handler console``) for programs: spawn, exit, failure,
+  generation, restart, stop, signal, done. Keys never change meaning; new keys may appear.
+* :class:`WorkerExit` is the cause record of one worker's end: rank, node, pid, exit code or
+  signal, sub-second time, and the root-cause traceback the script left in
+  ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record`` decorator writes it).
+
+Writing an event never raises: a full disk must not turn a worker failure into an agent
+crash. The first failure of a generation is marked ``first=True``; workers that the agent
+stopped because of it carry ``stopped_by_agent=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+MAX_TRACEBACK_CHARS = 20_000
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one worker process ended."""
+
+    rank: int
+    local_rank: int
+    node: str
+    pid: int
+    generation: int
+    returncode: int  # negative: killed by that signal, as subprocess reports it
+    time: float
+    stopped_by_agent: bool = False
+    first: bool = False
+    message: str | None = None  # from the error file
+    traceback: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return f"signal {-self.returncode}"
+
+    @property
+    def reason(self) -> str:
+        """One line: 'exit code 3' or 'killed by SIGKILL', plus the error message."""
+        what = (
+            f"killed by {self.signal_name}" if self.signal_name else f"exit code {self.returncode}"
+        )
+        if self.stopped_by_agent:
+            what += " (stopped by ftrun)"
+        return f"{what}: {self.message}" if self.message else what
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["signal"] = self.signal_name
+        return data
+
+
+def read_error_file(path: Path) -> tuple[str | None, str | None]:
+    """(message, traceback) from torch's error file, or (None, None) when absent or unreadable.
+
+    The file is written by the worker, so it is treated as untrusted: any shape other than
+    torch's documented one yields what can be salvaged, never an exception.
+    """
+    try:
+        raw = path.read_text(errors="replace")
+    except OSError:
+        return None, None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        return raw.strip()[:500] or None, None
+    if not isinstance(data, dict):
+        return None, None
+    message = data.get("message")
+    if isinstance(message, str):
+        return message[:2000], None
+    if isinstance(message, dict):
+        text = message.get("message")
+        extra = message.get("extraInfo")
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        return (
+            text[:2000] if isinstance(text, str) else None,
+            stack[-MAX_TRACEBACK_CHARS:] if isinstance(stack, str) else None,
+        )
+    return None, None
+
+
+class EventLog:
+    """JSON-lines sink for events; safe to call from several threads."""
+
+    def __init__(self, node: str, sinks: Iterable[IO[str]] = ()) -> None:
+        self._node = node
+        self._sinks = list(sinks)
+        self._lock = threading.Lock()
+        self._owned: list[IO[str]] = []
+
+    @classmethod
+    def open(cls, node: str, path: Path | None, console: bool) -> EventLog:
+        log = cls(node)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = path.open("a", buffering=1)
+            log._sinks.append(handle)
+            log._owned.append(handle)
+        if console:
+            log._sinks.append(sys.stderr)
+        return log
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if not self._sinks:
+            return
+        record = {"ts": round(time.time(), 6), "event": event, "node": self._node, **fields}
+        line = json.dumps(record, default=str, separators=(",", ":")) + "\n"
+        with self._lock:
+            for sink in self._sinks:
+                try:
+                    sink.write(line)
+                    sink.flush()
+                except (OSError, ValueError):
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            for handle in self._owned:
+                with contextlib.suppress(OSError):
+                    handle.close()
+            self._sinks = [s for s in self._sinks if s not in self._owned]
+            self._owned.clear()

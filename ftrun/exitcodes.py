@@ -1,0 +1,29 @@
+"""ftrun's exit codes, one table for the CLI, the man page and scripts that call ftrun.
+
+Shell scripts and Slurm requeue logic read these, so they never change meaning:
+
+====  =========================================================================
+0     every worker finished successfully
+1     a worker failed and no restart was left (the summary names the first failure)
+2     bad usage: an invalid flag or value; nothing was started
+3     the rendezvous or the store failed (join timeout, store host lost)
+128+N ftrun was stopped by signal N, which it forwarded to the workers first
+====  =========================================================================
+"""
+
+from __future__ import annotations
+
+import signal
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    SUCCESS = 0
+    WORKER_FAILED = 1
+    USAGE = 2
+    RENDEZVOUS_FAILED = 3
+
+
+def for_signal(signum: int) -> int:
+    """The shell's convention for a process ended by a signal."""
+    return 128 + int(signal.Signals(signum))

@@ -1,0 +1,249 @@
+"""Spawn, watch, signal and reap the local worker processes of one generation.
+
+Every worker is started in its own session (so a signal to its process group reaches the
+worker and everything it started, and a terminal's Ctrl-C reaches only the agent, which
+forwards it), with ``PR_SET_PDEATHSIG=SIGKILL`` (so ``kill -9`` of the agent cannot leave
+workers running), and with a pidfd (so the agent's watch loop sleeps in ``select`` and
+wakes the moment a worker exits, instead of polling).
+
+Workers' stdout and stderr come back through pipes and are routed line by line: to the
+console with a rank prefix, to torchrun's per-rank log files, or both, as ``--redirects``,
+``--tee`` and ``--local-ranks-filter`` say.
+
+Error semantics: :meth:`LocalWorkers.stop` never raises for a process that is already gone;
+spawning raises ``OSError`` if the program cannot be executed at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+from ftrun.config import Std
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_console_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What to start for one local worker, and where its streams go."""
+
+    local_rank: int
+    rank: int
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    console: Std  # streams shown on the console
+    files: Std  # streams written to log files
+    log_dir: Path | None  # <attempt>/<local_rank>/ ; None: no files
+    prefix: str  # console line prefix, e.g. "[rank3]:"
+    duplicate_dir: Path | None = None
+    duplicate_stdout: tuple[str, ...] = ()
+    duplicate_stderr: tuple[str, ...] = ()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec: SIGKILL us when the agent dies."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+@dataclass
+class WorkerProcess:
+    """One running (or finished) worker."""
+
+    launch: WorkerLaunch
+    popen: subprocess.Popen[bytes]
+    pidfd: int
+    started: float
+    returncode: int | None = None
+    ended: float | None = None
+    stopped_by_agent: bool = False
+    killed_frozen: bool = False
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.launch.local_rank
+
+    def poll(self) -> int | None:
+        """Reap without blocking; records the end time the first time it is seen."""
+        if self.returncode is None:
+            code = self.popen.poll()
+            if code is not None:
+                self.returncode = code
+                self.ended = time.time()
+                self._close_pidfd()
+        return self.returncode
+
+    def is_frozen(self) -> bool:
+        """Stopped by SIGSTOP or a tracer: it cannot act on SIGTERM until resumed."""
+        try:
+            return psutil.Process(self.pid).status() in (
+                psutil.STATUS_STOPPED,
+                psutil.STATUS_TRACING_STOP,
+            )
+        except psutil.Error:
+            return False
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def _close_pidfd(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def spawn(launch: WorkerLaunch) -> WorkerProcess:
+    """Start one worker. Must be called from the agent's main thread: PDEATHSIG follows the
+    thread that forked, not the process."""
+    if launch.log_dir is not None:
+        launch.log_dir.mkdir(parents=True, exist_ok=True)
+    agent_pid = os.getpid()
+    popen = subprocess.Popen(
+        list(launch.argv),
+        env=dict(launch.env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=lambda: _die_with_parent(agent_pid),
+        close_fds=True,
+    )
+    worker = WorkerProcess(launch, popen, os.pidfd_open(popen.pid), time.time())
+    assert popen.stdout is not None and popen.stderr is not None
+    for stream, pipe, bit in (
+        ("stdout", popen.stdout, Std.OUT),
+        ("stderr", popen.stderr, Std.ERR),
+    ):
+        thread = threading.Thread(
+            target=_pump,
+            args=(launch, stream, pipe, bit),
+            name=f"ftrun-log-{launch.rank}-{stream}",
+            daemon=True,
+        )
+        thread.start()
+        worker.pumps.append(thread)
+    return worker
+
+
+def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std) -> None:
+    """Copy one worker stream, line by line, to wherever it belongs."""
+    console = sys.stdout if stream == "stdout" else sys.stderr
+    show = bool(launch.console.value & bit.value)
+    log_file = None
+    if launch.log_dir is not None and launch.files.value & bit.value:
+        log_file = (launch.log_dir / f"{stream}.log").open("w", buffering=1, errors="replace")
+    filters = launch.duplicate_stdout if stream == "stdout" else launch.duplicate_stderr
+    duplicate = None
+    if filters and launch.duplicate_dir is not None:
+        duplicate = (launch.duplicate_dir / f"filtered_{stream}.log").open("a", buffering=1)
+    try:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace")
+            if not line.endswith("\n"):
+                line += "\n"
+            if log_file is not None:
+                log_file.write(line)
+            if show:
+                with _console_lock:
+                    console.write(f"{launch.prefix} {line}")
+                    console.flush()
+            if duplicate is not None and any(f in line for f in filters):
+                with _console_lock:
+                    duplicate.write(f"{launch.prefix} {line}")
+    except (OSError, ValueError):
+        pass  # the console went away; the worker's own fate is reported elsewhere
+    finally:
+        pipe.close()
+        for handle in (log_file, duplicate):
+            if handle is not None:
+                handle.close()
+
+
+def wait_any(
+    workers: Iterable[WorkerProcess], timeout_s: float, extra_fds: Sequence[int] = ()
+) -> list[int]:
+    """Sleep until a worker exits, an extra fd is readable, or the timeout passes.
+
+    Returns the extra fds that are readable. Exited workers are reaped (see ``poll``).
+    """
+    live = [w for w in workers if w.returncode is None and w.pidfd >= 0]
+    fds = [w.pidfd for w in live] + list(extra_fds)
+    try:
+        readable, _, _ = select.select(fds, [], [], max(timeout_s, 0.0))
+    except InterruptedError:
+        readable = []
+    for worker in live:
+        if worker.pidfd in readable:
+            worker.poll()
+    return [fd for fd in readable if fd in extra_fds]
+
+
+def stop(workers: Sequence[WorkerProcess], sig: int, grace_s: float) -> None:
+    """Stop every live worker: ``sig`` to its process group, SIGKILL after ``grace_s``.
+
+    A worker that is frozen (SIGSTOP, traced) cannot act on ``sig`` before it is resumed, so
+    waiting for it would only burn the grace period: it is killed at once.
+    """
+    for worker in workers:
+        if worker.poll() is not None:
+            continue
+        worker.stopped_by_agent = True
+        if worker.is_frozen():
+            worker.killed_frozen = True
+            worker.signal_group(signal.SIGKILL)
+        else:
+            worker.signal_group(sig)
+    deadline = time.monotonic() + grace_s
+    while any(w.poll() is None for w in workers):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        wait_any(workers, min(left, 0.5))
+    for worker in workers:
+        if worker.poll() is None:
+            worker.signal_group(signal.SIGKILL)
+    kill_deadline = time.monotonic() + 10.0
+    while any(w.poll() is None for w in workers) and time.monotonic() < kill_deadline:
+        wait_any(workers, 0.2)
+    reap_leftovers(workers)
+
+
+def reap_leftovers(workers: Iterable[WorkerProcess]) -> None:
+    """Kill anything the workers started in their sessions and left behind (no orphans)."""
+    for worker in workers:
+        worker.signal_group(signal.SIGKILL)
+
+
+def join_pumps(workers: Iterable[WorkerProcess], timeout_s: float = 2.0) -> None:
+    """Wait for the log pumps to drain what the workers wrote before they ended."""
+    deadline = time.monotonic() + timeout_s
+    for worker in workers:
+        for thread in worker.pumps:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,106 @@
+"""A real data-parallel training job for CPU: DDP over gloo, an MLP on a synthetic task.
+
+It is an ordinary torchrun script (nothing ftrun-specific), used as ftrun's main job, by the
+tests and by the launch benchmark. It resumes from its own checkpoint, so a job restarted
+by ``--max-restarts`` continues where the last checkpoint left it.
+
+    ftrun --nproc-per-node 4 scripts/train_ddp.py --steps 200
+
+Each step prints one line, ``step=N loss=L rank=R pid=P t=UNIX``, which tests and
+benchmarks parse. ``--fail-at-step`` makes one rank raise (to exercise error files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument("--fail-at-step", type=int, default=-1)
+    parser.add_argument("--fail-rank", type=int, default=0)
+    parser.add_argument("--fail-once-marker", type=Path, default=None,
+                        help="fail only if this file does not exist yet (then create it)")
+    return parser.parse_args()
+
+
+def make_model(hidden: int) -> nn.Module:
+    torch.manual_seed(0)  # identical initial parameters on every rank
+    return nn.Sequential(
+        nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+    )
+
+
+def batch_for(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic data: the same (step, rank) always yields the same batch."""
+    generator = torch.Generator().manual_seed(step * 1_000 + rank)
+    inputs = torch.randn(size, 32, generator=generator)
+    target = (inputs[:, :8].sum(dim=1, keepdim=True)).sin()
+    return inputs, target
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(make_model(args.hidden))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start = 0
+    checkpoint = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        print(f"resumed step={start} rank={rank}", flush=True)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    print(f"start rank={rank} world={world} restart={restart} pid={os.getpid()}", flush=True)
+
+    for step in range(start, args.steps):
+        if step == args.fail_at_step and rank == args.fail_rank:
+            marker = args.fail_once_marker
+            if marker is None or not marker.exists():
+                if marker is not None:
+                    marker.touch()
+                raise RuntimeError(f"injected failure at step {step} on rank {rank}")
+        inputs, target = batch_for(step, rank, args.batch)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        print(
+            f"step={step + 1} loss={loss.item():.5f} rank={rank} pid={os.getpid()} "
+            f"t={time.time():.6f}",
+            flush=True,
+        )
+        if checkpoint is not None and rank == 0 and (step + 1) % args.checkpoint_every == 0:
+            tmp = checkpoint.with_suffix(".tmp")
+            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                     "step": step + 1}
+            torch.save(state, tmp)
+            tmp.replace(checkpoint)  # atomic: a crash never leaves half a checkpoint
+    digest = sum(p.detach().double().sum().item() for p in model.parameters())
+    print(f"done rank={rank} steps={args.steps} param_sum={digest:.10f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
