@@ -48,6 +48,7 @@ __all__ = [
     "NetnsHost",
     "NetnsNetwork",
     "NetnsUnavailable",
+    "ftrun_namespaces",
     "netns_hosts",
     "netns_missing_reason",
     "reap_stale_namespaces",
@@ -134,6 +135,11 @@ def _kill_pids(pids: Sequence[int], timeout: float) -> list[int]:
 def _list_netns() -> list[str]:
     res = _ip("netns", "list", check=False)
     return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+
+
+def ftrun_namespaces() -> set[str]:
+    """Every namespace named by this module (any run's): what leak checks compare."""
+    return {n for n in _list_netns() if _NAME_RE.match(n)}
 
 
 def _delete_netns(names: Sequence[str], timeout: float) -> list[str]:

@@ -1,0 +1,286 @@
+"""The test infrastructure works for real: namespace hosts talk TCP, faults bite and heal,
+a private Slurm runs steps, and ftrun.slurm parses what real srun tasks see.
+
+Every test checks that it left no namespace, daemon or process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.infra.netns import (
+    NetnsHost,
+    NetnsNetwork,
+    ftrun_namespaces,
+    tcp_connect,
+    wait_tcp,
+)
+from tests.infra.slurm_cluster import SlurmCluster, marked_processes
+
+pytest_plugins = ["tests.infra.fixtures"]
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 7000
+
+# A line-echo server: replies "<its hostname-ish tag> <line>" so the client knows who answered.
+_ECHO_SERVER = textwrap.dedent(
+    """
+    import socket, sys, threading
+    tag = sys.argv[1]
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", int(sys.argv[2])))
+    srv.listen(512)
+    def serve(c):
+        with c:
+            data = c.recv(1024)
+            if data:
+                c.sendall(tag.encode() + b" " + data)
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+    """
+)
+
+
+def _start_echo(host: NetnsHost, port: int = PORT) -> subprocess.Popen[bytes]:
+    return host.popen([sys.executable, "-c", _ECHO_SERVER, host.name, str(port)])
+
+
+def _echo(host_from: NetnsHost, addr: str, port: int = PORT, timeout: float = 2.0) -> str:
+    with host_from.socket() as s:
+        s.settimeout(timeout)
+        s.connect((addr, port))
+        s.sendall(b"hello")
+        return s.recv(1024).decode()
+
+
+def _attempts(host_from: NetnsHost, addr: str, n: int, timeout: float) -> int:
+    """n concurrent TCP connects; how many succeeded.  Concurrent to bound the time."""
+
+    def one(_: int) -> bool:
+        try:
+            tcp_connect(host_from, addr, PORT, timeout)
+        except OSError:
+            return False
+        return True
+
+    with ThreadPoolExecutor(max_workers=n) as ex:
+        return sum(ex.map(one, range(n)))
+
+
+# ----------------------------------------------------------------------------- netns
+def test_three_hosts_reach_each_other(infra_leak_check: None, netns_network: NetnsNetwork) -> None:
+    net = netns_network
+    assert [h.name for h in net] == ["h1", "h2", "h3"]
+    assert len({h.addr for h in net}) == 3
+    for h in net:
+        _start_echo(h)
+    for src in net:
+        for dst in net:
+            if src is dst:
+                continue
+            wait_tcp(src, dst.addr, PORT, timeout=10)
+            assert _echo(src, dst.addr) == f"{dst.name} hello"
+    # A subprocess client inside h1 (host.run) sees the same network.
+    client = (
+        "import socket,sys; s=socket.create_connection((sys.argv[1], 7000), timeout=5);"
+        "s.sendall(b'x'); print(s.recv(64).decode())"
+    )
+    res = net["h1"].run([sys.executable, "-c", client, net["h3"].addr], timeout=20)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "h3 x"
+
+
+def test_cut_link_and_restore(infra_leak_check: None, netns_network: NetnsNetwork) -> None:
+    h1, h2, _ = netns_network
+    _start_echo(h2)
+    wait_tcp(h1, h2.addr, PORT, timeout=10)
+    netns_network.cut_link(h2)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        wait_tcp(h1, h2.addr, PORT, timeout=0.5, attempt_timeout=0.25)
+    assert time.monotonic() - start < 2.0  # bounded by the deadline, not a TCP timeout
+    # The cut host still has its own address (a silent cable cut, not a missing device).
+    assert h2.addr in h2.run(["ip", "-o", "addr", "show", "eth0"]).stdout
+    netns_network.restore_link(h2)
+    assert wait_tcp(h1, h2.addr, PORT, timeout=5) < 5
+    assert _echo(h1, h2.addr) == "h2 hello"
+
+
+def test_packet_loss_drops_a_fraction(infra_leak_check: None, netns_network: NetnsNetwork) -> None:
+    h1, h2, _ = netns_network
+    _start_echo(h2)
+    wait_tcp(h1, h2.addr, PORT, timeout=10)
+    n = 100
+    start = time.monotonic()
+    # Incoming only: a connect then fails iff its one SYN is dropped (p=0.5), as the
+    # 0.3 s attempt timeout is below the 1 s SYN retransmit.
+    netns_network.add_loss(h2, 0.5, direction="in")
+    ok_half = _attempts(h1, h2.addr, n, timeout=0.3)
+    netns_network.add_loss(h2, 1.0)
+    ok_none = _attempts(h1, h2.addr, 20, timeout=0.3)
+    netns_network.clear_loss(h2)
+    ok_all = _attempts(h1, h2.addr, n, timeout=2.0)
+    elapsed = time.monotonic() - start
+    assert 20 <= ok_half <= 80, ok_half  # binomial(100, 0.5): 6 sigma either side
+    assert ok_none == 0
+    assert ok_all == n
+    assert elapsed < 5.0, elapsed
+    # Loss rules are in the host's namespace only: the root namespace has none.
+    assert "FTRUN_LOSS" not in subprocess.run(
+        ["iptables", "-S"], capture_output=True, text=True
+    ).stdout
+
+
+def test_netns_teardown_kills_everything_inside() -> None:
+    """Also processes the test did not start through popen (a daemonized server)."""
+    before = ftrun_namespaces()
+    with NetnsNetwork(2) as net:
+        tracked = net["h1"].popen(["sleep", "600"])
+        # setsid + background: not our child, not in our process group.
+        net["h2"].run("setsid sleep 600 >/dev/null 2>&1 < /dev/null &", timeout=10)
+        deadline = time.monotonic() + 5
+        while not net["h2"].pids() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stray = net["h2"].pids()
+        assert stray, "the daemonized sleep did not show up in h2"
+        names = net.namespaces
+        assert set(names) <= ftrun_namespaces()
+    assert tracked.poll() is not None
+    for pid in stray:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    assert ftrun_namespaces() == before
+    assert not set(names) & ftrun_namespaces()
+
+
+# ----------------------------------------------------------------------------- slurm
+def _clean_env() -> dict[str, str]:
+    """Task environment for srun: ftrun importable, no GPUs or port overrides leaking in."""
+    return {
+        "PYTHONPATH": str(REPO),
+        "CUDA_VISIBLE_DEVICES": "",
+        "FTRUN_RDZV_PORT": "",
+    }
+
+
+def test_srun_two_tasks(infra_leak_check: None, slurm_cluster: SlurmCluster) -> None:
+    res = slurm_cluster.srun(
+        ["-N1", "-n2", "bash", "-c", "echo $SLURM_PROCID $SLURM_NTASKS"], timeout=30
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.split("\n")[:-1]) == ["0 2", "1 2"]
+
+
+_PRINT_DEFAULTS = textwrap.dedent(
+    """
+    import json, os
+    from ftrun.slurm import SlurmEnvironment, slurm_launch_defaults
+    for k in ("CUDA_VISIBLE_DEVICES", "FTRUN_RDZV_PORT"):
+        if not os.environ.get(k):
+            os.environ.pop(k, None)
+    s = SlurmEnvironment()
+    print(json.dumps({
+        "in_slurm": s.in_slurm,
+        "defaults": slurm_launch_defaults(),
+        "procid": os.environ.get("SLURM_PROCID"),
+        "jobid": os.environ.get("SLURM_JOB_ID"),
+        "hosts": list(s.hostnames) if s.in_slurm else None,
+        "tpn": list(s.ntasks_per_node) if s.in_slurm else None,
+    }))
+    """
+)
+
+
+def test_slurm_environment_of_real_srun_tasks(
+    infra_leak_check: None, slurm_cluster: SlurmCluster
+) -> None:
+    res = slurm_cluster.srun(
+        ["-N1", "-n2", sys.executable, "-c", _PRINT_DEFAULTS], env=_clean_env(), timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    tasks = sorted((json.loads(line) for line in res.stdout.splitlines()),
+                   key=lambda t: t["procid"])
+    assert [t["procid"] for t in tasks] == ["0", "1"]
+    node = slurm_cluster.node_name
+    for rank, task in enumerate(tasks):
+        assert task["in_slurm"] is True
+        assert task["hosts"] == [node]
+        assert task["tpn"] == [2]
+        assert task["defaults"] == {
+            "nnodes": "2",  # two agents share the one node: one rendezvous node per task
+            "node_rank": str(rank),
+            "rdzv_id": f"{task['jobid']}.0",
+            "rdzv_backend": "c10d",
+            "rdzv_endpoint": f"{node}:29400",
+        }
+
+
+def test_slurm_batch_script_gets_no_defaults(
+    infra_leak_check: None, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """A real sbatch batch script: SLURM_PROCID=0 is set, yet it is not a step."""
+    out = tmp_path / "out.json"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH -N1 -n2\nexec {sys.executable} -c '{_PRINT_DEFAULTS}' > {out}\n"
+    )
+    res = slurm_cluster.run(["sbatch", "--wait", "--quiet", str(script)],
+                            env=_clean_env(), timeout=60)
+    assert res.returncode == 0, res.stderr
+    task = json.loads(out.read_text())
+    assert task["procid"] == "0"
+    assert task["in_slurm"] is False
+    assert task["defaults"] == {}
+
+
+def test_slurm_cluster_teardown_and_stale_reaping(infra_leak_check: None) -> None:
+    """stop() kills a running step's tasks; a dead run's cluster is reaped by the next."""
+    stale = SlurmCluster()
+    stale.start()
+    # A step still running, as a test killed mid-way would leave it.
+    srun = subprocess.Popen(
+        ["srun", "-N1", "-n1", "sleep", "600"], env=stale.env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if "R" in stale.run(["squeue", "-h", "-o", "%t"]).stdout:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the sleep step never ran")
+    daemons = [int((stale.root / f).read_text()) for f in ("slurmctld.pid", "slurmd.pid")]
+    # Pretend the owning test process died without teardown.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (stale.root / "owner.pid").write_text(f"{dead.pid}\n")
+    stale_root = stale.root
+    assert len(marked_processes(stale_root)) >= 4  # munged, slurmctld, slurmd, stepd, sleep
+
+    with SlurmCluster() as fresh:
+        assert not stale_root.exists()
+        assert marked_processes(stale_root) == []
+        assert all(not Path(f"/proc/{p}").exists() or _zombie(p) for p in daemons)
+        res = fresh.srun(["-n1", "hostname"], timeout=30)
+        assert res.returncode == 0, res.stderr
+        fresh_root = fresh.root
+    assert not fresh_root.exists()
+    assert marked_processes(fresh_root) == []
+    srun.wait(timeout=10)  # it lost its controller: it must not outlive the test
+    stale._started = False  # already reaped; nothing left to stop
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
