@@ -233,9 +233,9 @@ def test_slurm_batch_script_gets_no_defaults(
     script.write_text(
         f"#!/bin/bash\n#SBATCH -N1 -n2\nexec {sys.executable} -c '{_PRINT_DEFAULTS}' > {out}\n"
     )
-    res = slurm_cluster.run(["sbatch", "--wait", "--quiet", str(script)],
-                            env=_clean_env(), timeout=60)
-    assert res.returncode == 0, res.stderr
+    job = slurm_cluster.sbatch([f"--output={tmp_path / 'job.log'}", str(script)],
+                               env=_clean_env())
+    assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
     task = json.loads(out.read_text())
     assert task["procid"] == "0"
     assert task["in_slurm"] is False

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +54,10 @@ DEFAULT_PARENT = Path(tempfile.gettempdir()) / "ftrun-test-slurm"
 INSTALL_HINT = "run scripts/install_test_services.sh"
 _BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sinfo", "scontrol", "scancel", "sbatch")
 _SBIN = ("/usr/sbin", "/sbin")
+_FINAL_STATES = frozenset({
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+    "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+})
 
 
 class SlurmClusterError(RuntimeError):
@@ -151,26 +156,29 @@ def marked_processes(root: Path | str | None = None) -> list[int]:
     return pids
 
 
-def _kill_and_wait(pids: Sequence[int], timeout: float) -> list[int]:
-    """SIGTERM the pids, SIGKILL what is left at half the deadline; returns survivors."""
+def _kill_and_wait(pids: Sequence[int], timeout: float, grace: float | None = None) -> list[int]:
+    """SIGTERM, SIGKILL after ``grace`` seconds (default half the deadline; 0 = SIGKILL at
+    once), wait until gone or the deadline; returns the survivors."""
     deadline = time.monotonic() + timeout
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    killed = False
-    while True:
-        alive = [p for p in pids if _pid_alive(p)]
-        if not alive:
-            return []
-        now = time.monotonic()
-        if now >= deadline:
-            return alive
-        if not killed and now >= deadline - timeout / 2:
-            for pid in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            killed = True
-        time.sleep(0.05)
+    grace = timeout / 2 if grace is None else min(grace, timeout)
+    for sig, until in ((signal.SIGTERM, time.monotonic() + grace), (signal.SIGKILL, deadline)):
+        if sig == signal.SIGTERM and grace <= 0:
+            continue
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        while time.monotonic() < until:
+            if not any(_pid_alive(p) for p in pids):
+                return []
+            time.sleep(0.02)
+    return [p for p in pids if _pid_alive(p)]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _read_pid(path: Path) -> int | None:
@@ -199,7 +207,7 @@ def reap_stale_clusters(parent: Path = DEFAULT_PARENT, timeout: float = 10.0) ->
             pid = _read_pid(d / name)
             if pid is not None and pid not in pids and _is_our_daemon(pid, d):
                 pids.append(pid)
-        _kill_and_wait(pids, timeout)
+        _kill_and_wait(pids, timeout, grace=0)  # a dead run's cluster needs no grace
         shutil.rmtree(d, ignore_errors=True)
         reaped.append(d)
     return reaped
@@ -303,40 +311,47 @@ class SlurmCluster:
             self.stop()
             raise
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """Cancel jobs, stop the daemons by their pid files, kill stragglers, delete files.
+    def stop(self, timeout: float = 10.0) -> None:
+        """Kill job steps, stop the daemons by their pid files, sweep, delete the files.
 
-        Safe to call twice, and after a failed start.
+        Steps and their tasks get SIGKILL at once: a test cluster's jobs need no grace, and
+        a slurmd asked to stop while it still tears down steps takes seconds to exit.  The
+        daemons get SIGTERM (then SIGKILL after a short grace); munged goes last because
+        slurmd talks to it while exiting.  Safe to call twice and after a failed start;
+        raises SlurmClusterError if something survives SIGKILL.
         """
         if not self._started:
             return
         self._started = False
         deadline = time.monotonic() + timeout
-        if _read_pid(self.root / "slurmctld.pid") is not None:
-            # Best effort: lets slurmd kill the job steps the clean way first.
-            with contextlib.suppress(subprocess.SubprocessError, OSError):
-                subprocess.run(
-                    ["scancel", "--quiet", "--full", "--user", "root"],
-                    env=self.env(), capture_output=True, timeout=5,
-                )
-        daemons = [
-            pid
-            for name in ("slurmd.pid", "slurmctld.pid")
-            if (pid := _read_pid(self.root / name)) is not None and _pid_alive(pid)
+
+        def left() -> float:
+            return max(0.5, deadline - time.monotonic())
+
+        daemons = {
+            name: pid
+            for name in ("slurmd", "slurmctld", "munge/munged")
+            if (pid := _read_pid(self.root / f"{name}.pid")) is not None
+            and _is_our_daemon(pid, self.root)
+        }
+        # Not slurmctld's own helper (slurmscriptd): killing it first stalls slurmctld's exit.
+        ctld = daemons.get("slurmctld")
+        steps = [
+            p for p in marked_processes(self.root)
+            if p not in daemons.values() and (ctld is None or _ppid(p) != ctld)
         ]
-        _kill_and_wait(daemons, max(1.0, deadline - time.monotonic()))
-        # Orphaned slurmstepd and job tasks, then munged last (slurmd needs it to exit).
-        munged = _read_pid(self.root / "munge" / "munged.pid")
-        rest = [p for p in marked_processes(self.root) if p != munged]
-        _kill_and_wait(rest, max(1.0, deadline - time.monotonic()))
-        if munged is not None and _is_our_daemon(munged, self.root):
-            _kill_and_wait([munged], max(1.0, deadline - time.monotonic()))
-        survivors = marked_processes(self.root)
-        if survivors:
-            _kill_and_wait(survivors, 2.0)
+        _kill_and_wait(steps, min(3.0, left()), grace=0)
+        slurm = [pid for name, pid in daemons.items() if name != "munge/munged"]
+        _kill_and_wait(slurm, min(4.0, left()), grace=1.0)
+        if "munge/munged" in daemons:
+            _kill_and_wait([daemons["munge/munged"]], min(2.0, left()), grace=0.5)
+        # Anything slurmd launched after the first sweep, or that ignored the daemons' exit.
+        survivors = _kill_and_wait(marked_processes(self.root), min(2.0, left()), grace=0)
         shutil.rmtree(self.root, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.parent.rmdir()  # only when empty: other clusters may live there
+        if survivors:
+            raise SlurmClusterError(f"processes of {self.root} survived SIGKILL: {survivors}")
 
     def pids(self) -> list[int]:
         """Live processes belonging to this cluster (daemons, steps, tasks)."""
@@ -375,6 +390,40 @@ class SlurmCluster:
         except subprocess.TimeoutExpired:
             self.run(["scancel", "--quiet", "--full", "--user", "root"], timeout=10)
             raise
+
+    def sbatch(
+        self, args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 30.0
+    ) -> str:
+        """Submit a batch job (``sbatch --parsable ARGS``); returns its job id."""
+        res = self.run(["sbatch", "--parsable", f"--partition={self.partition}", *args],
+                       env=env, timeout=timeout)
+        if res.returncode != 0:
+            raise SlurmClusterError(f"sbatch {' '.join(args)}: {res.stderr.strip()}")
+        return res.stdout.strip().split(";")[0]
+
+    def wait_job(self, job_id: str, timeout: float = 60.0) -> str:
+        """Poll until the job is in a final state; returns it (e.g. ``COMPLETED``).
+
+        Polls every 50 ms instead of ``sbatch --wait`` (whose poll interval starts at 2 s
+        and grows).  A record purged after being seen (``MinJobAge``) returns ``PURGED``;
+        one never seen raises, as the id was wrong.
+        """
+        deadline = time.monotonic() + timeout
+        seen = False
+        while True:
+            res = self.run(["scontrol", "-o", "show", "job", job_id], timeout=10)
+            m = re.search(r"\bJobState=(\S+)", res.stdout)
+            if m:
+                seen = True
+                if m.group(1) in _FINAL_STATES:
+                    return m.group(1)
+            elif "Invalid job id" in res.stderr:
+                if seen:
+                    return "PURGED"
+                raise SlurmClusterError(f"job {job_id}: {res.stderr.strip()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not finished after {timeout}s: {res.stdout}")
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ internals
     def _write_conf(self) -> None:
