@@ -1,7 +1,8 @@
 """The test infrastructure works for real: namespace hosts talk TCP, faults bite and heal,
 a private Slurm runs steps, and ftrun.slurm parses what real srun tasks see.
 
-Every test checks that it left no namespace, daemon or process behind.
+Every test checks that it left no namespace, daemon or process behind.  The fixtures come
+from tests/infra/fixtures.py, registered by tests/conftest.py (``pytest_plugins``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from tests.infra.netns import (
     wait_tcp,
 )
 from tests.infra.slurm_cluster import SlurmCluster, marked_processes
-
-pytest_plugins = ["tests.infra.fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 7000
