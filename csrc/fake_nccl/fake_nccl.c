@@ -1,0 +1,414 @@
+/* fake_nccl.c - a CPU test double of libnccl.so.2 for the shim's tests (no GPU needed).
+ *
+ * Symbol shape as in the real library: every function is a global pncclX with a weak alias
+ * ncclX, no symbol versions, soname libnccl.so.2. Two builds:
+ *   default        "2.32.3": has ncclCommRevoke and ncclCommShrink; destroy after a peer
+ *                  aborted waits forever (the 2.31.2+ untimed barrier)
+ *   -DFAKE_OLD     "2.26.2": no ncclCommRevoke/ncclCommShrink symbols at all (dlsym fails)
+ *
+ * The model (in-process only: the ranks of one communicator are threads of one process that
+ * call ncclCommInitRank with the same unique id; a rank that never shows up is a dead peer):
+ *  - collective number k of rank r completes when every rank of the clique has issued its
+ *    collective number k. Until then:
+ *      FAKE_NCCL_BLOCK=stream (default): the call returns at once and the work is queued on
+ *        the "stream"; fakeStreamSynchronize(stream) blocks like cudaStreamSynchronize;
+ *      FAKE_NCCL_BLOCK=host: the calling thread blocks inside the collective.
+ *  - ncclCommAbort sets the rank's stop flag (kernels and host loops poll it, as in NCCL),
+ *    wakes every waiter, then frees the communicator AT ONCE, without waiting for threads
+ *    that are inside a call on it: that is NCCL's documented unsafe race, and a woken thread
+ *    touching the freed comm is a heap-use-after-free that AddressSanitizer reports.
+ *  - ncclCommRevoke sets the stop flag and frees nothing; later collectives return
+ *    ncclInvalidUsage; ncclCommGetAsyncError reports ncclSuccess (as the real one does).
+ *  - a stopped stream operation completes "as if done" (garbage output): fakeStreamSynchronize
+ *    returns 1 so tests can tell.
+ *  - FAKE_NCCL_CALL_US=N: every collective spends N microseconds inside the call, touching the
+ *    communicator, so a test can catch an abort racing a call in flight.
+ * Guesses (not documented by NCCL, chosen to be conservative): a host-blocked collective
+ * released by abort/revoke returns ncclRemoteError; collectives inside a group run at once
+ * (no deferral to ncclGroupEnd); split/shrink only coordinate ranks within this process;
+ * init does not wait for peers.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../ftshim_nccl_types.h"
+
+#ifdef FAKE_OLD
+#define FAKE_VERSION 22602
+#else
+#define FAKE_VERSION 23203
+#define FAKE_HAVE_REVOKE 1
+#endif
+
+#define EXPORT __attribute__((visibility("default")))
+/* pnccl##name is the implementation, nccl##name a weak alias of it (as in libnccl). */
+#define DEF(ret, name, params)                                                     \
+  EXPORT ret pnccl##name params;                                                   \
+  EXPORT ret nccl##name params __attribute__((weak, alias("pnccl" #name)));         \
+  EXPORT ret pnccl##name params
+
+#define MAXR 64
+#define COMM_LIVE 0x11CC0A11u
+#define COMM_DEAD 0xDEADC0DEu
+
+typedef struct clique {
+  char id[128];
+  int nranks;
+  int refs;
+  int splits;             /* children made by split/shrink (for child ids) */
+  uint64_t progress[MAXR];/* collectives issued per rank */
+  int stopped[MAXR];      /* the rank's abort flag */
+  int any_aborted;        /* some rank aborted: destroy would wait forever (2.31.2+) */
+  int destroy_arrived;
+  struct clique* next;
+} clique;
+
+struct ncclComm {
+  uint32_t magic;
+  int rank, nranks, dev;
+  int revoked;
+  clique* cl;
+  volatile uint64_t nops;
+  void* regs[64];
+};
+
+typedef struct fake_stream {
+  int n;
+  struct { clique* cl; int rank; uint64_t k; } ops[256];
+} fake_stream;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static clique* cliques;
+static uint64_t id_counter;
+static int live_comms;
+static __thread int group_depth;
+
+static int host_blocking(void) {
+  const char* e = getenv("FAKE_NCCL_BLOCK");
+  return e && strcmp(e, "host") == 0;
+}
+static long call_us(void) {
+  const char* e = getenv("FAKE_NCCL_CALL_US");
+  return e ? atol(e) : 0;
+}
+
+static void check(struct ncclComm* c, const char* fn) {
+  if (c->magic != COMM_LIVE) {
+    fprintf(stderr, "fake-nccl: %s on a freed or invalid communicator %p\n", fn, (void*)c);
+    abort();
+  }
+}
+
+static clique* clique_get(const char* id, int nranks) { /* mu held */
+  for (clique* q = cliques; q; q = q->next)
+    if (memcmp(q->id, id, 128) == 0) { q->refs++; return q; }
+  clique* q = calloc(1, sizeof *q);
+  memcpy(q->id, id, 128);
+  q->nranks = nranks;
+  q->refs = 1;
+  q->next = cliques;
+  cliques = q;
+  return q;
+}
+static void clique_put(clique* q) { /* mu held */
+  if (--q->refs) return;
+  for (clique** pp = &cliques; *pp; pp = &(*pp)->next)
+    if (*pp == q) { *pp = q->next; break; }
+  free(q);
+}
+static int op_done(clique* q, uint64_t k) { /* mu held */
+  for (int j = 0; j < q->nranks; j++)
+    if (q->progress[j] < k) return 0;
+  return 1;
+}
+
+static struct ncclComm* comm_new(const char* id, int nranks, int rank) {
+  struct ncclComm* c = calloc(1, sizeof *c);
+  c->magic = COMM_LIVE;
+  c->rank = rank;
+  c->nranks = nranks;
+  c->dev = 0;
+  pthread_mutex_lock(&mu);
+  c->cl = clique_get(id, nranks);
+  live_comms++;
+  pthread_mutex_unlock(&mu);
+  return c;
+}
+static void comm_free(struct ncclComm* c) {
+  pthread_mutex_lock(&mu);
+  clique_put(c->cl);
+  live_comms--;
+  pthread_mutex_unlock(&mu);
+  for (int i = 0; i < 64; i++) free(c->regs[i]);
+  c->magic = COMM_DEAD;
+  free(c);
+}
+
+DEF(ncclResult_t, GetVersion, (int* version)) {
+  if (!version) return ncclInvalidArgument;
+  *version = FAKE_VERSION;
+  return ncclSuccess;
+}
+DEF(const char*, GetErrorString, (ncclResult_t r)) {
+  switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    default: return "fake error";
+  }
+}
+DEF(const char*, GetLastError, (ncclComm_t comm)) {
+  if (comm) check(comm, "ncclGetLastError");
+  return "";
+}
+DEF(ncclResult_t, GetUniqueId, (ncclUniqueId* id)) {
+  if (!id) return ncclInvalidArgument;
+  memset(id, 0, sizeof *id);
+  pthread_mutex_lock(&mu);
+  uint64_t n = ++id_counter;
+  pthread_mutex_unlock(&mu);
+  snprintf(id->internal, sizeof id->internal, "fake-%d-%llu", (int)getpid(), (unsigned long long)n);
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommInitRank, (ncclComm_t* comm, int nranks, ncclUniqueId id, int rank)) {
+  if (!comm || nranks < 1 || nranks > MAXR || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  *comm = comm_new(id.internal, nranks, rank);
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommInitRankConfig,
+    (ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config)) {
+  if (config) {
+    const ftshim_nccl_config_head* h = (const ftshim_nccl_config_head*)config;
+    if (h->magic != FTSHIM_NCCL_API_MAGIC) return ncclInvalidArgument;
+  }
+  return pncclCommInitRank(comm, nranks, id, rank);
+}
+DEF(ncclResult_t, CommInitAll, (ncclComm_t* comm, int ndev, const int* devlist)) {
+  (void)devlist;
+  ncclUniqueId id;
+  pncclGetUniqueId(&id);
+  for (int i = 0; i < ndev; i++) comm[i] = comm_new(id.internal, ndev, i);
+  return ncclSuccess;
+}
+static ncclResult_t derive(struct ncclComm* c, int nranks, int rank, int tag, ncclComm_t* out) {
+  char id[128];
+  pthread_mutex_lock(&mu);
+  int n = c->cl->splits; /* ranks in this process derive in the same order: same child id */
+  c->cl->splits = n + (rank == 0 ? 1 : 0);
+  pthread_mutex_unlock(&mu);
+  memcpy(id, c->cl->id, 128);
+  snprintf(id + 96, 32, "/%d/%d", tag, n);
+  *out = comm_new(id, nranks, rank);
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommSplit, (ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
+                              ncclConfig_t* config)) {
+  (void)key; (void)config;
+  check(comm, "ncclCommSplit");
+  if (color < 0) { *newcomm = NULL; return ncclSuccess; }
+  return derive(comm, comm->nranks, comm->rank, color, newcomm);
+}
+#ifdef FAKE_HAVE_REVOKE
+DEF(ncclResult_t, CommShrink, (ncclComm_t comm, int* excl, int nexcl, ncclComm_t* newcomm,
+                               ncclConfig_t* config, int flags)) {
+  (void)config; (void)flags;
+  check(comm, "ncclCommShrink");
+  int newrank = comm->rank;
+  for (int i = 0; i < nexcl; i++) {
+    if (excl[i] == comm->rank) { *newcomm = NULL; return ncclSuccess; }
+    if (excl[i] < comm->rank) newrank--;
+  }
+  return derive(comm, comm->nranks - nexcl, newrank, 1000, newcomm);
+}
+DEF(ncclResult_t, CommRevoke, (ncclComm_t comm, int flags)) {
+  if (!comm) return ncclInvalidArgument;
+  check(comm, "ncclCommRevoke");
+  if (flags != 0) return ncclInvalidArgument;
+  pthread_mutex_lock(&mu);
+  comm->revoked = 1;
+  comm->cl->stopped[comm->rank] = 1;
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+  return ncclSuccess;
+}
+#endif
+DEF(ncclResult_t, CommFinalize, (ncclComm_t comm)) {
+  if (!comm) return ncclInvalidArgument;
+  check(comm, "ncclCommFinalize");
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommDestroy, (ncclComm_t comm)) {
+  if (!comm) return ncclSuccess;
+  check(comm, "ncclCommDestroy");
+#ifdef FAKE_HAVE_REVOKE
+  if (comm->nranks > 1 && !comm->revoked) {
+    /* 2.31.2+: an intra-node barrier without a timeout. A peer that aborted never arrives. */
+    pthread_mutex_lock(&mu);
+    clique* q = comm->cl;
+    q->destroy_arrived++;
+    while (q->destroy_arrived < q->nranks) pthread_cond_wait(&cv, &mu);
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+  }
+#endif
+  comm_free(comm);
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommAbort, (ncclComm_t comm)) {
+  if (!comm) return ncclSuccess;
+  check(comm, "ncclCommAbort");
+  pthread_mutex_lock(&mu);
+  comm->cl->stopped[comm->rank] = 1;
+  comm->cl->any_aborted = 1;
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+  comm_free(comm); /* no wait for threads inside a call: NCCL's documented unsafe race */
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommGetAsyncError, (ncclComm_t comm, ncclResult_t* err)) {
+  if (!comm || !err) return ncclInvalidArgument;
+  check(comm, "ncclCommGetAsyncError");
+  *err = ncclSuccess; /* also after revoke: the real library reports success there */
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommCount, (const ncclComm_t comm, int* count)) {
+  if (!comm || !count) return ncclInvalidArgument;
+  check(comm, "ncclCommCount");
+  *count = comm->nranks;
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommUserRank, (const ncclComm_t comm, int* rank)) {
+  if (!comm || !rank) return ncclInvalidArgument;
+  check(comm, "ncclCommUserRank");
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommCuDevice, (const ncclComm_t comm, int* dev)) {
+  if (!comm || !dev) return ncclInvalidArgument;
+  check(comm, "ncclCommCuDevice");
+  *dev = comm->dev;
+  return ncclSuccess;
+}
+DEF(ncclResult_t, CommRegister, (const ncclComm_t comm, void* buff, size_t size, void** handle)) {
+  (void)buff; (void)size;
+  check(comm, "ncclCommRegister");
+  for (int i = 0; i < 64; i++)
+    if (!comm->regs[i]) {
+      comm->regs[i] = malloc(32);
+      *handle = comm->regs[i];
+      return ncclSuccess;
+    }
+  return ncclSystemError;
+}
+DEF(ncclResult_t, CommDeregister, (const ncclComm_t comm, void* handle)) {
+  check(comm, "ncclCommDeregister");
+  for (int i = 0; i < 64; i++)
+    if (comm->regs[i] == handle) {
+      free(handle);
+      comm->regs[i] = NULL;
+      return ncclSuccess;
+    }
+  return ncclInvalidArgument;
+}
+DEF(ncclResult_t, GroupStart, (void)) { group_depth++; return ncclSuccess; }
+DEF(ncclResult_t, GroupEnd, (void)) {
+  if (group_depth <= 0) return ncclInvalidUsage;
+  group_depth--;
+  return ncclSuccess;
+}
+
+/* The body of every collective. */
+static ncclResult_t collective(struct ncclComm* c, cudaStream_t stream, const char* fn) {
+  if (!c) return ncclInvalidArgument;
+  check(c, fn);
+  if (c->revoked) return ncclInvalidUsage;
+  long us = call_us();
+  for (long t = 0; t < us; t += 100) { /* a call in flight, touching its communicator */
+    c->nops++;
+    usleep(100);
+  }
+  pthread_mutex_lock(&mu);
+  clique* q = c->cl;
+  int r = c->rank;
+  uint64_t k = ++q->progress[r];
+  if (host_blocking()) {
+    while (!op_done(q, k) && !q->stopped[r]) pthread_cond_wait(&cv, &mu);
+    pthread_cond_broadcast(&cv);
+    int stopped = q->stopped[r] && !op_done(q, k);
+    pthread_mutex_unlock(&mu);
+    c->nops++; /* a freed comm here is the abort-during-call race (ASan reports it) */
+    return stopped ? ncclRemoteError : ncclSuccess;
+  }
+  fake_stream* s = (fake_stream*)stream;
+  if (s && s->n < 256) {
+    q->refs++;
+    s->ops[s->n].cl = q;
+    s->ops[s->n].rank = r;
+    s->ops[s->n].k = k;
+    s->n++;
+  }
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+  c->nops++;
+  return ncclSuccess;
+}
+
+#define COLL_ARGS_AR (const void* sb, void* rb, size_t n, ncclDataType_t dt, ncclRedOp_t op, \
+                      ncclComm_t comm, cudaStream_t stream)
+DEF(ncclResult_t, AllReduce, COLL_ARGS_AR) {
+  (void)sb; (void)rb; (void)n; (void)dt; (void)op;
+  return collective(comm, stream, "ncclAllReduce");
+}
+DEF(ncclResult_t, Broadcast, (const void* sb, void* rb, size_t n, ncclDataType_t dt, int root,
+                              ncclComm_t comm, cudaStream_t stream)) {
+  (void)sb; (void)rb; (void)n; (void)dt; (void)root;
+  return collective(comm, stream, "ncclBroadcast");
+}
+DEF(ncclResult_t, AllGather, (const void* sb, void* rb, size_t n, ncclDataType_t dt,
+                              ncclComm_t comm, cudaStream_t stream)) {
+  (void)sb; (void)rb; (void)n; (void)dt;
+  return collective(comm, stream, "ncclAllGather");
+}
+DEF(ncclResult_t, Send, (const void* sb, size_t n, ncclDataType_t dt, int peer, ncclComm_t comm,
+                         cudaStream_t stream)) {
+  (void)sb; (void)n; (void)dt; (void)peer;
+  return collective(comm, stream, "ncclSend");
+}
+DEF(ncclResult_t, Recv, (void* rb, size_t n, ncclDataType_t dt, int peer, ncclComm_t comm,
+                         cudaStream_t stream)) {
+  (void)rb; (void)n; (void)dt; (void)peer;
+  return collective(comm, stream, "ncclRecv");
+}
+
+/* ---- test-only entry points (not NCCL API) ---- */
+EXPORT void* fakeStreamCreate(void) { return calloc(1, sizeof(fake_stream)); }
+EXPORT void fakeStreamDestroy(void* s) { free(s); }
+/* Like cudaStreamSynchronize: 0 when every queued operation completed, 1 when some were
+ * stopped by an abort/revoke of their communicator (output is garbage). */
+EXPORT int fakeStreamSynchronize(void* stream) {
+  fake_stream* s = stream;
+  int stopped = 0;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < s->n; i++) {
+    clique* q = s->ops[i].cl;
+    while (!op_done(q, s->ops[i].k) && !q->stopped[s->ops[i].rank]) pthread_cond_wait(&cv, &mu);
+    if (!op_done(q, s->ops[i].k)) stopped = 1;
+    clique_put(q);
+  }
+  s->n = 0;
+  pthread_mutex_unlock(&mu);
+  return stopped;
+}
+EXPORT int fakeLiveComms(void) {
+  pthread_mutex_lock(&mu);
+  int n = live_comms;
+  pthread_mutex_unlock(&mu);
+  return n;
+}
