@@ -283,3 +283,41 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_two_clusters_coexist(infra_leak_check: None, slurm_cluster: SlurmCluster) -> None:
+    """A second cluster of the same process neither reaps nor disturbs the first."""
+    with SlurmCluster(cpus=2) as other:
+        assert other.ctld_port != slurm_cluster.ctld_port
+        for c in (slurm_cluster, other):
+            res = c.srun(["-n1", "bash", "-c", "echo $SLURM_CONF"], timeout=30)
+            assert res.returncode == 0, res.stderr
+            assert res.stdout.strip() == str(c.conf)
+    assert slurm_cluster.root.exists()
+
+
+def test_stale_namespaces_of_a_dead_run_are_reaped(infra_leak_check: None) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"ftrun-h1-{dead.pid}-0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        sleeper = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "600"],
+                                   start_new_session=True)
+        with NetnsNetwork(1):
+            assert name not in ftrun_namespaces()
+        assert sleeper.wait(timeout=10) != 0  # killed by the reaper
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_skips_with_a_reason_when_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.infra.netns as netns_mod
+    import tests.infra.slurm_cluster as cluster_mod
+
+    monkeypatch.setattr(cluster_mod, "_which", lambda name: None)
+    with pytest.raises(pytest.skip.Exception, match=r"slurm-wlm not installed.*install_test"):
+        SlurmCluster().start()
+    monkeypatch.setattr(netns_mod.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match="need root"):
+        NetnsNetwork(2).start()

@@ -199,8 +199,7 @@ def reap_stale_clusters(parent: Path = DEFAULT_PARENT, timeout: float = 10.0) ->
     if not parent.is_dir():
         return reaped
     for d in sorted(parent.glob("cluster-*")):
-        owner = _read_pid(d / "owner.pid")
-        if owner is not None and owner != os.getpid() and _pid_alive(owner):
+        if _owner_alive(d / "owner.pid"):
             continue
         pids = marked_processes(d)
         for name in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):
@@ -211,6 +210,29 @@ def reap_stale_clusters(parent: Path = DEFAULT_PARENT, timeout: float = 10.0) ->
         shutil.rmtree(d, ignore_errors=True)
         reaped.append(d)
     return reaped
+
+
+def _start_time(pid: int) -> str:
+    """The process start time in clock ticks since boot ('' if gone): with the pid, an
+    identity that survives pid reuse."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _owner_alive(owner_file: Path) -> bool:
+    """Is the test process that made a cluster still running (and not a reused pid)?"""
+    try:
+        fields = owner_file.read_text().split()
+        pid = int(fields[0])
+    except (OSError, ValueError, IndexError):
+        return False  # no owner recorded: a start that died half-way
+    if pid == os.getpid():
+        return True  # another cluster of this very process
+    if not _pid_alive(pid):
+        return False
+    return len(fields) < 2 or _start_time(pid) == fields[1]
 
 
 def _is_our_daemon(pid: int, root: Path) -> bool:
@@ -292,7 +314,7 @@ class SlurmCluster:
         self.root = Path(tempfile.mkdtemp(prefix="cluster-", dir=self.parent))
         # munged runs as 'munge' and must traverse root to reach its socket dir.
         self.root.chmod(0o755)
-        (self.root / "owner.pid").write_text(f"{os.getpid()}\n")
+        (self.root / "owner.pid").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
         self.node_name = socket.gethostname().split(".")[0]
         self.ctld_port = _free_port()
         self.slurmd_port = _free_port()
@@ -347,9 +369,8 @@ class SlurmCluster:
             _kill_and_wait([daemons["munge/munged"]], min(2.0, left()), grace=0.5)
         # Anything slurmd launched after the first sweep, or that ignored the daemons' exit.
         survivors = _kill_and_wait(marked_processes(self.root), min(2.0, left()), grace=0)
+        # The parent dir stays: removing it races with a concurrent run's mkdtemp there.
         shutil.rmtree(self.root, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.parent.rmdir()  # only when empty: other clusters may live there
         if survivors:
             raise SlurmClusterError(f"processes of {self.root} survived SIGKILL: {survivors}")
 
