@@ -20,6 +20,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -88,7 +89,9 @@ class Agent:
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
         self.hostname = socket.gethostname()
-        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        # A log file or a pipe is read later, in a wider window than rich's 80-column default.
+        width = None if sys.stderr.isatty() else 160
+        self.console = Console(stderr=True, highlight=False, width=width)
         self.run_id = config.rdzv_id
         self.inbox = SignalInbox(config.signals_to_handle)
         base_log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="ftrun_"))

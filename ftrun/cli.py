@@ -310,7 +310,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.USAGE
     from ftrun.agent import run_agent  # imports torch: only once the command line is good
 
-    return run_agent(config)
+    try:
+        return run_agent(config)
+    except Exception as error:  # a bug in ftrun: one line for the user, the trace in a file
+        import tempfile
+        import traceback
+
+        with tempfile.NamedTemporaryFile("w", prefix="ftrun-crash-", delete=False) as dump:
+            traceback.print_exc(file=dump)
+        print(
+            f"ftrun: internal error: {type(error).__name__}: {error} "
+            f"(traceback in {dump.name}; please report it)",
+            file=sys.stderr,
+        )
+        return ExitCode.INTERNAL_ERROR
 
 
 def _run_subcommand(name: str, args: list[str]) -> int:

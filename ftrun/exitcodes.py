@@ -7,6 +7,7 @@ Shell scripts and Slurm requeue logic read these, so they never change meaning:
 1     a worker failed and no restart was left (the summary names the first failure)
 2     bad usage: an invalid flag or value; nothing was started
 3     the rendezvous or the store failed (join timeout, store host lost)
+70    an internal error in ftrun itself (the traceback is saved to a file it names)
 128+N ftrun was stopped by signal N, which it forwarded to the workers first
 ====  =========================================================================
 """
@@ -22,6 +23,7 @@ class ExitCode(IntEnum):
     WORKER_FAILED = 1
     USAGE = 2
     RENDEZVOUS_FAILED = 3
+    INTERNAL_ERROR = 70  # EX_SOFTWARE
 
 
 def for_signal(signum: int) -> int:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: virtual environment, the pinned CPU build of torch
+# (installed first, so nothing pulls a multi-GB CUDA build), the project with its test
+# dependencies, the real services the infrastructure tests start (Slurm, munge, iproute2,
+# iptables; needs root), a lint, then pytest. Extra arguments go to pytest.
+#
+#   bash scripts/test.sh            # everything
+#   bash scripts/test.sh -k launcher
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+python=${PYTHON:-python3}
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e '.[test]'
+if [[ $(id -u) -eq 0 ]]; then
+    bash scripts/install_test_services.sh
+else
+    echo "test.sh: not root: Slurm and network-namespace tests will skip" >&2
+fi
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest "$@"

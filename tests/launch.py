@@ -1,0 +1,177 @@
+"""Drive real ``ftrun`` (and ``torchrun``) processes from tests.
+
+A :class:`Launch` runs the launcher as a subprocess, collects its output lines in a
+thread, and lets a test wait for a condition on them with a deadline. Nothing here sleeps
+and hopes: every wait names what it waits for and fails with the output when it times out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = REPO / "scripts" / "train_ddp.py"
+BIN = Path(sys.executable).parent
+STEP = re.compile(r"step=(\d+) loss=([\d.]+) rank=(\d+) pid=(\d+) t=([\d.]+)")
+
+
+def launcher(name: str = "ftrun") -> str:
+    path = BIN / name
+    return str(path) if path.exists() else shutil.which(name) or name
+
+
+class Launch:
+    """One launcher process and its combined output."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        program: str = "ftrun",
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            [launcher(program), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            cwd=cwd,
+            text=True,
+            errors="replace",
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def wait_for(self, predicate: Callable[[list[str]], object], timeout_s: float, what: str):
+        """Wait until ``predicate(lines)`` is truthy; return its value."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                value = predicate(self.lines)
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(
+                        f"timed out waiting for {what}; output:\n" + "\n".join(self.lines[-60:])
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def wait_step(self, step: int, timeout_s: float, rank: int | None = None) -> StepLine:
+        def seen(lines: list[str]) -> StepLine | None:
+            for line in lines:
+                parsed = parse_step(line)
+                if parsed and parsed.step >= step and (rank is None or parsed.rank == rank):
+                    return parsed
+            return None
+
+        return self.wait_for(seen, timeout_s, f"step {step}")
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"launcher still running after {timeout_s}s; output:\n{self.output[-5000:]}"
+            ) from None
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def steps(self) -> list[StepLine]:
+        return [s for s in (parse_step(line) for line in list(self.lines)) if s]
+
+
+class StepLine:
+    __slots__ = ("loss", "pid", "rank", "step", "t")
+
+    def __init__(self, step: int, loss: float, rank: int, pid: int, t: float) -> None:
+        self.step, self.loss, self.rank, self.pid, self.t = step, loss, rank, pid, t
+
+
+def parse_step(line: str) -> StepLine | None:
+    match = STEP.search(line)
+    if not match:
+        return None
+    return StepLine(
+        int(match[1]), float(match[2]), int(match[3]), int(match[4]), float(match[5])
+    )
+
+
+def processes_mentioning(text: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(text in part for part in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return [p for p in found if p.pid != os.getpid()]
+
+
+def assert_no_processes_mention(text: str, timeout_s: float) -> None:
+    """Fail if processes mentioning ``text`` outlive ``timeout_s``; kill them either way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p in processes_mentioning(text) if _alive(p)]
+        if not left:
+            return
+        if time.monotonic() >= deadline:
+            described = [f"{p.pid}: {' '.join(p.cmdline())[:120]}" for p in left if _alive(p)]
+            for proc in left:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            raise AssertionError(f"processes left behind: {described}")
+        time.sleep(0.1)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def copy_train_script(directory: Path) -> Path:
+    """A private copy of the training script, so leftover checks can find its processes."""
+    target = directory / "train_ddp.py"
+    shutil.copy(TRAIN_SCRIPT, target)
+    return target

@@ -1,0 +1,298 @@
+"""End to end: real ftrun, real worker processes, real gloo DDP, real signals.
+
+Every test runs its script from a private directory (``job_dir``) and fails if any process
+mentioning that directory is still alive afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.launch import Launch, copy_train_script, launcher, processes_mentioning
+
+ENV_DUMP = """
+import json, os
+keys = [k for k in os.environ if k.startswith(("TORCH", "FTRUN_")) or k in {names}]
+print("ENV " + json.dumps({{k: os.environ[k] for k in sorted(keys)}}), flush=True)
+"""
+TORCHRUN_NAMES = {
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+}
+VARIES = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
+def _env_by_rank(launch: Launch) -> dict[str, dict[str, str]]:
+    result = {}
+    for line in launch.lines:
+        if "ENV {" in line:
+            env = json.loads(line.split("ENV ", 1)[1])
+            result[env["RANK"]] = env
+    return result
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--nproc-per-node", "2"],
+        ["--standalone", "--nproc-per-node", "3", "--max-restarts", "2", "--role", "trainer"],
+        ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
+         "--master-port", "{port}", "--nproc-per-node", "2"],
+    ],
+)
+def test_worker_environment_matches_torchrun(job_dir: Path, flags: list[str]) -> None:
+    script = job_dir / "dump_env.py"
+    script.write_text(ENV_DUMP.format(names=sorted(TORCHRUN_NAMES)))
+    seen = {}
+    for index, program in enumerate(("torchrun", "ftrun")):
+        filled = [f.format(port=29631 + index) for f in flags]
+        run = Launch([*filled, str(script)], program=program, cwd=job_dir)
+        assert run.wait(120) == 0, run.output
+        seen[program] = _env_by_rank(run)
+    assert seen["torchrun"].keys() == seen["ftrun"].keys()
+    for rank, theirs in seen["torchrun"].items():
+        ours = {k: v for k, v in seen["ftrun"][rank].items() if not k.startswith("FTRUN_")}
+        assert ours.keys() == theirs.keys(), (rank, ours.keys() ^ theirs.keys())
+        differing = {k for k in theirs if theirs[k] != ours[k]}
+        assert differing <= VARIES, {k: (theirs[k], ours[k]) for k in differing - VARIES}
+        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert seen["ftrun"][rank]["FTRUN_GENERATION"] == "0"
+
+
+def test_ddp_training_completes_with_identical_parameters(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    events = job_dir / "events.jsonl"
+    run = Launch(
+        ["--nproc-per-node", "4", "--events-file", str(events), str(script), "--steps", "30"],
+        cwd=job_dir,
+    )
+    assert run.wait(180) == 0, run.output
+    sums = {line.split("param_sum=")[1] for line in run.lines if "param_sum=" in line}
+    assert len(sums) == 1, run.output  # every rank ended with the same parameters
+    assert sum("done rank=" in line for line in run.lines) == 4
+    kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert kinds.count("spawn") == 4 and kinds.count("exit") == 4 and kinds[-1] == "done"
+
+
+def test_killed_worker_restarts_and_resumes_from_checkpoint(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    events = job_dir / "events.jsonl"
+    run = Launch(
+        ["--nproc-per-node", "4", "--max-restarts", "3", "--events-file", str(events),
+         str(script), "--steps", "60", "--checkpoint-dir", str(job_dir),
+         "--checkpoint-every", "10", "--step-sleep", "0.05"],
+        cwd=job_dir,
+    )
+    victim = run.wait_step(25, 120, rank=2)
+    os.kill(victim.pid, signal.SIGKILL)
+    run.wait_for(lambda lines: any("resumed step=" in x for x in lines), 120, "a resume")
+    assert run.wait(180) == 0, run.output
+    resumed = [int(x.split("resumed step=")[1].split()[0]) for x in run.lines if "resumed" in x]
+    assert resumed and all(step >= 20 for step in resumed), resumed  # from its checkpoint
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    failure = next(r for r in records if r["event"] == "failure")
+    assert failure["rank"] == 2 and failure["returncode"] == -signal.SIGKILL
+    assert failure["pid"] == victim.pid
+    assert any(r["event"] == "restart" for r in records)
+    assert "generation 0 ended: rank 2 (killed by SIGKILL)" in run.output
+
+
+def test_many_consecutive_restarts_always_recover(job_dir: Path) -> None:
+    """The failure torchrun shows here (pytorch#135712): a restart reading stale addresses.
+    Each generation has its own worker store, so every restart must form its group."""
+    script = copy_train_script(job_dir)
+    kills = 5
+    run = Launch(
+        ["--nproc-per-node", "2", "--max-restarts", str(kills), str(script),
+         "--steps", "100000", "--step-sleep", "0.02"],
+        cwd=job_dir,
+    )
+    for restart in range(kills):
+        line = run.wait_for(
+            lambda lines, r=restart: next(
+                (x for x in lines if f"restart={r} " in x and "start rank=1" in x), None
+            ),
+            120,
+            f"rank 1 of restart {restart}",
+        )
+        pid = int(line.split("pid=")[1].split()[0])
+        first = len(run.lines)
+        run.wait_for(
+            lambda lines, f=first: any("rank=1" in x and "step=" in x for x in lines[f:]),
+            120, f"a step of restart {restart}",
+        )
+        os.kill(pid, signal.SIGKILL)
+    run.wait_for(
+        lambda lines: any(f"restart={kills} " in x for x in lines), 120, "the last restart"
+    )
+    run.wait_for(
+        lambda lines: sum(1 for x in lines if "step=" in x and "rank=0" in x) > 0, 60, "progress"
+    )
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM
+
+
+def test_restarts_exhausted_prints_summary_with_root_cause(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "3", "--max-restarts", "1", str(script), "--steps", "50",
+         "--fail-at-step", "3", "--fail-rank", "1"],
+        cwd=job_dir,
+    )
+    assert run.wait(180) == 1, run.output
+    out = run.output
+    assert "job failed" in out and "all 1 restarts used" in out
+    summary = out[out.index("job failed"):]
+    first_row = next(line for line in summary.splitlines() if line.lstrip().startswith("first"))
+    assert " 1 " in first_row and "injected failure at step 3 on rank 1" in first_row
+    assert "root cause (rank 1)" in summary and "Traceback" in summary
+    assert "Traceback" not in out.split("job failed")[0].split("[ftrun")[-1]  # no agent trace
+
+
+def test_sigterm_is_forwarded_and_exit_code_is_128_plus_signal(job_dir: Path) -> None:
+    script = job_dir / "trap.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "def bye(signum, frame):\n"
+        "    print(f'got {signal.Signals(signum).name} rank={os.environ[\"RANK\"]}', flush=True)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    run = Launch(["--nproc-per-node", "2", str(script)], cwd=job_dir)
+    run.wait_for(lambda lines: sum("ready" in x for x in lines) == 2, 60, "both workers")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(30) == 128 + signal.SIGTERM
+    assert sum("got SIGTERM" in x for x in run.lines) == 2, run.output
+    assert "Traceback" not in run.output
+
+
+def test_shutdown_timeout_kills_workers_that_ignore_the_signal(job_dir: Path) -> None:
+    script = job_dir / "stubborn.py"
+    script.write_text(
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\nwhile True: time.sleep(0.05)\n"
+    )
+    run = Launch(["--nproc-per-node", "2", "--shutdown-timeout", "1", str(script)], cwd=job_dir)
+    run.wait_for(lambda lines: sum("ready" in x for x in lines) == 2, 60, "both workers")
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(30) == 128 + signal.SIGINT
+    assert time.monotonic() - sent < 10
+
+
+def test_sigkill_of_ftrun_leaves_no_worker(job_dir: Path) -> None:
+    script = job_dir / "sleeper.py"
+    script.write_text("import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)\n")
+    run = Launch(["--nproc-per-node", "3", str(script)], cwd=job_dir)
+    run.wait_for(lambda lines: sum("ready" in x for x in lines) == 3, 60, "three workers")
+    assert len(processes_mentioning(str(script))) == 3
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait(10)
+    deadline = time.monotonic() + 5
+    while processes_mentioning(str(script)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_mentioning(str(script)) == []
+
+
+def test_frozen_worker_does_not_cost_the_grace_period(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "3", "--max-restarts", "1", "--shutdown-timeout", "60",
+         str(script), "--steps", "100000", "--step-sleep", "0.02"],
+        cwd=job_dir,
+    )
+    frozen = run.wait_step(5, 120, rank=1)
+    doomed = run.wait_step(5, 120, rank=2)
+    os.kill(frozen.pid, signal.SIGSTOP)
+    killed_at = time.monotonic()
+    os.kill(doomed.pid, signal.SIGKILL)
+    run.wait_for(lambda lines: any("restart=1" in x for x in lines), 60, "the restart")
+    assert time.monotonic() - killed_at < 30  # far inside the 60 s grace
+    assert "was frozen; killed it at once" in run.output
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait(60)
+
+
+def test_log_dir_layout_redirects_and_rank_filter(job_dir: Path) -> None:
+    script = job_dir / "talk.py"
+    script.write_text(
+        "import os, sys\nr = os.environ['LOCAL_RANK']\n"
+        "print(f'out {r}', flush=True)\nprint(f'err {r}', file=sys.stderr, flush=True)\n"
+    )
+    logs = job_dir / "logs"
+    run = Launch(
+        ["--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "0:3",
+         "--tee", "1:1", "--local-ranks-filter", "1", str(script)],
+        cwd=job_dir,
+    )
+    assert run.wait(60) == 0, run.output
+    (run_dir,) = logs.iterdir()
+    attempt = run_dir / "attempt_0"
+    assert (attempt / "0" / "stdout.log").read_text() == "out 0\n"
+    assert (attempt / "0" / "stderr.log").read_text() == "err 0\n"
+    assert (attempt / "1" / "stdout.log").read_text() == "out 1\n"
+    assert not (attempt / "1" / "stderr.log").exists()
+    assert "[rank1]: out 1" in run.output and "[rank1]: err 1" in run.output
+    assert "out 0" not in run.output and "err 0" not in run.output
+    assert (run_dir / "events.jsonl").exists()
+
+
+def test_static_multi_node_on_localhost_restarts_both_nodes(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    port = 29651
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--max-restarts", "1"]
+    train = [str(script), "--steps", "40", "--step-sleep", "0.03"]
+    nodes = [
+        Launch([*common, "--node-rank", str(rank), *train], cwd=job_dir) for rank in (0, 1)
+    ]
+    victim = nodes[1].wait_step(10, 120, rank=3)
+    os.kill(victim.pid, signal.SIGKILL)
+    for node in nodes:
+        assert node.wait(180) == 0, node.output
+    assert any("restart=1" in x for x in nodes[0].lines)  # node 0 restarted because of node 1
+    assert "ended by node 1" in nodes[0].output
+    sums = {x.split("param_sum=")[1] for n in nodes for x in n.lines if "param_sum=" in x}
+    assert len(sums) == 1
+
+
+def test_script_entry_with_module_and_no_python(job_dir: Path) -> None:
+    result = subprocess.run(
+        [launcher(), "--nproc-per-node", "2", "--no-python", "sh", "-c", "echo rank=$RANK"],
+        capture_output=True, text=True, timeout=60, cwd=job_dir,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[rank0]: rank=0" in result.stdout and "[rank1]: rank=1" in result.stdout
+    module = subprocess.run(
+        [launcher(), "-m", "platform"], capture_output=True, text=True, timeout=60
+    )
+    assert module.returncode == 0 and "[rank0]: Linux" in module.stdout
+
+
+def test_no_zombies_or_children_after_success(job_dir: Path) -> None:
+    script = job_dir / "spawner.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{job_dir}'])\n"
+        "print('spawned', flush=True)\n"
+    )
+    run = Launch(["--nproc-per-node", "2", str(script)], cwd=job_dir)
+    assert run.wait(60) == 0
+    # The grandchildren that the workers left behind are gone with the job.
+    deadline = time.monotonic() + 5
+    while processes_mentioning(str(job_dir)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in processes_mentioning(str(job_dir)) if p.status() != "zombie"] == []
+    assert psutil.Process().children(recursive=True) == [] or sys.platform != "linux"
