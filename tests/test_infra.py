@@ -223,22 +223,35 @@ def test_slurm_environment_of_real_srun_tasks(
         }
 
 
-def test_slurm_batch_script_gets_no_defaults(
+def test_slurm_batch_script_and_its_steps(
     infra_leak_check: None, slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
-    """A real sbatch batch script: SLURM_PROCID=0 is set, yet it is not a step."""
-    out = tmp_path / "out.json"
+    """A real sbatch job: the batch script (SLURM_PROCID=0 set, yet not a step) gets no
+    defaults; its second srun step (step 1, two tasks) gets the step's values."""
+    prog = tmp_path / "print_defaults.py"
+    prog.write_text(_PRINT_DEFAULTS)
+    batch_out, step_out = tmp_path / "batch.json", tmp_path / "step.json"
     script = tmp_path / "job.sh"
     script.write_text(
-        f"#!/bin/bash\n#SBATCH -N1 -n2\nexec {sys.executable} -c '{_PRINT_DEFAULTS}' > {out}\n"
+        "#!/bin/bash\n#SBATCH -N1 -n2\nset -e\n"
+        f"{sys.executable} {prog} > {batch_out}\n"
+        "srun -n1 true\n"  # step 0; the one checked below is step 1
+        f"srun -n2 {sys.executable} {prog} > {step_out}\n"
     )
     job = slurm_cluster.sbatch([f"--output={tmp_path / 'job.log'}", str(script)],
                                env=_clean_env())
-    assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
-    task = json.loads(out.read_text())
-    assert task["procid"] == "0"
-    assert task["in_slurm"] is False
-    assert task["defaults"] == {}
+    state = slurm_cluster.wait_job(job, timeout=60)
+    log = (tmp_path / "job.log").read_text() if (tmp_path / "job.log").exists() else ""
+    assert state == "COMPLETED", log
+    batch = json.loads(batch_out.read_text())
+    assert batch["procid"] == "0"
+    assert batch["in_slurm"] is False
+    assert batch["defaults"] == {}
+    steps = sorted((json.loads(line) for line in step_out.read_text().splitlines()),
+                   key=lambda t: t["procid"])
+    assert [t["defaults"]["node_rank"] for t in steps] == ["0", "1"]
+    assert {t["defaults"]["rdzv_id"] for t in steps} == {f"{job}.1"}
+    assert {t["defaults"]["nnodes"] for t in steps} == {"2"}
 
 
 def test_slurm_cluster_teardown_and_stale_reaping(infra_leak_check: None) -> None:
