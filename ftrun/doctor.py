@@ -125,9 +125,42 @@ class Findings:
         if status == "pass":
             notes = [t for s, t, _ in self.items if s in ("pass", "skip") and t]
             return passed("; ".join([summary, *notes]) if notes else summary)
-        texts = [t for s, t, _ in self.items if s == status]
+        texts = group_gpu_texts([t for s, t, _ in self.items if s == status])
         hint = next((h for s, _, h in self.items if s == status and h), "")
         return CheckResult("", status, "; ".join(texts), hint)
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and i == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def group_gpu_texts(texts: list[str]) -> list[str]:
+    """Merge 'GPU 0: x', 'GPU 1: x' into 'GPUs 0-1: x' so 8 identical lines read as one."""
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    for text in texts:
+        m = re.fullmatch(r"GPU (\d+): (.*)", text, re.S)
+        key = m.group(2) if m else text
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        if m:
+            groups[key].append(int(m.group(1)))
+    out = []
+    for key in order:
+        idx = groups[key]
+        if not idx:
+            out.append(key)
+        else:
+            out.append(f"GPU{'s' if len(idx) > 1 else ''} {_ranges(idx)}: {key}")
+    return out
 
 
 # --------------------------------------------------------------------------- options
