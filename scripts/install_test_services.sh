@@ -42,15 +42,17 @@ done
 
 if ((${#missing[@]})); then
     export DEBIAN_FRONTEND=noninteractive
+    # Wait for a concurrent apt/dpkg (another session's installer) instead of failing.
+    apt_get() { apt-get -o DPkg::Lock::Timeout=120 "$@"; }
     # `apt-get update` only when the package lists are absent: a fresh image has none, and
     # refreshing them on every run would cost tens of seconds.
-    if ! compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null; then
-        apt-get update -q
+    if ! compgen -G "/var/lib/apt/lists/*_Packages*" >/dev/null; then
+        apt_get update -q
     fi
-    if ! apt-get install -y -q --no-install-recommends "${missing[@]}"; then
+    if ! apt_get install -y -q --no-install-recommends "${missing[@]}"; then
         # Stale lists (a package version gone from the mirror): refresh once and retry.
-        apt-get update -q
-        apt-get install -y -q --no-install-recommends "${missing[@]}"
+        apt_get update -q
+        apt_get install -y -q --no-install-recommends "${missing[@]}"
     fi
 fi
 
