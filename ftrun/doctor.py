@@ -545,14 +545,23 @@ def check_shim(ctx: Context) -> CheckResult:
         return status(f"shim not built: {exc}",
                       "build it: pip install -e . (compiles csrc/ into ftrun/_native/)")
     t = time.monotonic()
-    outcome = self_test(timeout_s=max(0.1, ctx.remaining() - 0.2))
+    outcome = self_test(timeout_s=max(0.1, ctx.remaining() - 0.3))
     took = time.monotonic() - t
-    ok = bool(getattr(outcome, "ok", outcome))
-    why = getattr(outcome, "detail", None) or getattr(outcome, "error", None) or ""
-    if ok:
-        return passed(f"{path}: loads, interposes, abort round trip in {took * 1000:.0f} ms")
-    return failed(f"{path}: self-test failed after {took * 1000:.0f} ms: {why}".rstrip(": "),
-                  "rebuild the shim (pip install -e .) and see docs for the self-test output")
+    why = str(getattr(outcome, "detail", "") or "")
+    if not getattr(outcome, "ok", False):
+        return failed(f"{path}: self-test failed after {took * 1000:.0f} ms: {why}",
+                      "rebuild the shim (pip install -e .); docs/shim.md explains the self-test")
+    trip = getattr(outcome, "abort_round_trip_s", None)
+    release = getattr(outcome, "release_latency_s", None)
+    timing = f"abort round trip {trip * 1000:.1f} ms" if trip is not None else "abort round trip ok"
+    if release is not None:
+        timing += f", collective released in {release * 1000:.1f} ms"
+    mechanism = getattr(outcome, "mechanism", None)
+    nccl = getattr(outcome, "nccl", None)
+    extra = "".join([f" via {mechanism}" if mechanism else "",
+                     f" (NCCL test double {nccl})" if nccl else ""])
+    return passed(f"{path.name} loads and interposes; {timing}{extra}; "
+                  f"self-test {took * 1000:.0f} ms")
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -1471,11 +1480,26 @@ def doctor(
     code = 1 if any(r.status == "fail" for r in results) else 0
     if any(t.name.startswith("doctor-") for t in threading.enumerate()):
         # A check is stuck in a blocking call (NVML, DNS...). Its daemon thread could still
-        # hold the import lock or wedge interpreter teardown: leave without teardown.
+        # hold the import lock or wedge interpreter teardown: leave without teardown, but
+        # not without the processes checks started (the shim self-test's worker).
         sys.stdout.flush()
         sys.stderr.flush()
+        _kill_children()
         os._exit(code)
     raise typer.Exit(code)
+
+
+def _kill_children() -> None:
+    """Kill and reap the processes this process started (only ever ours, by pid)."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            child.kill()
+        psutil.wait_procs(children, timeout=2)
+    except Exception:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

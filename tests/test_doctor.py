@@ -287,6 +287,38 @@ def test_nccl_ifname_exclusion_and_down_interfaces() -> None:
         assert run.status("net.nccl_ifname") == "fail", run
 
 
+def _shim_built() -> bool:
+    try:
+        from ftrun import shim
+
+        shim.shim_library_path()
+        shim.fake_nccl_dir()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _shim_built(), reason="the native shim is not built (pip install -e .)")
+def test_shim_self_test_round_trip_is_reported() -> None:
+    run = run_doctor()
+    assert run.status("shim") == "pass", run
+    assert "loads and interposes" in run.detail("shim")
+    assert "abort round trip" in run.detail("shim") and " ms" in run.detail("shim")
+
+
+def test_shim_not_built_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrun import shim
+
+    def not_built() -> Path:
+        raise shim.ShimNotBuiltError("libftrun_shim.so is missing")
+
+    monkeypatch.setattr(shim, "shim_library_path", not_built)
+    monkeypatch.setattr(doctor, "CHECKS", [s for s in doctor.CHECKS if s.name == "shim"])
+    [res] = doctor.run_checks(Options(nproc_per_node="cpu", timeout=5.0))
+    assert res.status == "warn"  # a CPU-only job does not need it; a GPU job would fail
+    assert "shim not built" in res.detail and "pip install" in res.hint
+
+
 # ------------------------------------------------------------------ GPUs, simulated
 
 
