@@ -149,7 +149,11 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
     )
     parser.add_argument("training_script", help="The script (or module, or program) to run.")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    # torchrun's PET_<DEST> fallbacks: a set variable becomes the default, a flag still wins.
+    # Precedence: an explicit flag, then PET_<DEST> (torchrun's fallback), then Slurm's.
+    slurm = _slurm_defaults(environ)
+    for action in parser._actions:
+        if action.dest in slurm:
+            action.default = slurm[action.dest]
     for action in parser._actions:
         pet = environ.get(f"PET_{action.dest.upper()}")
         if pet is None or action.dest in ("help", "version", "training_script"):
@@ -159,6 +163,37 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
         else:
             action.default = pet
     return parser
+
+
+SLURM_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+
+
+def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """Flag defaults from the srun step ftrun runs in ({} outside one).
+
+    Slurm knows every node up front, so its job maps onto the static rendezvous: node rank
+    from the step, the control store on the first host of the node list. Slurm's warning
+    signals (``--signal=USR1@90``) are forwarded too, so a script can checkpoint before a
+    preemption or time limit.
+    """
+    from ftrun.slurm import SlurmEnvironmentError, slurm_launch_defaults
+
+    try:
+        found = slurm_launch_defaults(environ)
+    except SlurmEnvironmentError as error:
+        raise ConfigError(f"Slurm environment: {error}") from None
+    if not found:
+        return {}
+    defaults = {"signals_to_handle": SLURM_SIGNALS, "rdzv_id": found["rdzv_id"]}
+    if "nproc_per_node" in found:
+        defaults["nproc_per_node"] = found["nproc_per_node"]
+    if int(found["nnodes"]) > 1:
+        host, port = parse_endpoint(found["rdzv_endpoint"], DEFAULT_RDZV_PORT)
+        defaults.update(
+            nnodes=found["nnodes"], node_rank=found["node_rank"], master_addr=host,
+            master_port=str(port or DEFAULT_RDZV_PORT),
+        )
+    return defaults
 
 
 def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchConfig:
