@@ -112,6 +112,7 @@ static struct {
   int debug;                     /* FTRUN_SHIM_DEBUG */
   int agent_fd;                  /* pidfd of the agent, -1 when unavailable */
   uint64_t last_request;         /* abort_request served last */
+  int thread_started;            /* the control thread runs (or is starting) */
 } g = {.mode = MODE_INERT,
        .inert_reason = "not initialised",
        .reg_lock = PTHREAD_MUTEX_INITIALIZER,
@@ -262,6 +263,7 @@ static inline ftshim_comm_slot* slot_lookup(ftshim_page* p, const void* comm) {
 }
 
 static void claim_from_call(void);
+static void start_thread(void);
 
 /* The registry entry for `comm`, or NULL when untracked (shim inert, comm unknown). */
 static inline ftshim_comm_slot* track(const void* comm) {
@@ -919,6 +921,7 @@ static void claim_from_call(void) {
   if (A_LOAD(&g.mode, ACQUIRE) == MODE_CANDIDATE) {
     int r = try_claim(1);
     if (r == CLAIM_NEVER) go_inert("another process owns the control page");
+    if (r == CLAIM_OK) start_thread();
   }
   pthread_mutex_unlock(&claim_lock);
 }
@@ -969,7 +972,13 @@ static void* control_thread(void* arg) {
       pthread_mutex_unlock(&claim_lock);
       if (r == CLAIM_NEVER) return NULL;
       if (r == CLAIM_WAIT) {
-        if (A_LOAD(&p->agent_flags, ACQUIRE) & FTSHIM_AGENT_CLOSED) return NULL;
+        int32_t bound = A_LOAD(&p->bound_pid, ACQUIRE);
+        if ((A_LOAD(&p->agent_flags, ACQUIRE) & FTSHIM_AGENT_CLOSED) ||
+            (bound != 0 && bound != getpid())) {
+          /* Not the worker: keep waiting for an NCCL call, without a thread. */
+          A_STORE(&g.thread_started, 0, RELEASE);
+          return NULL;
+        }
         uint32_t st = A_LOAD(&p->shim_state, RELAXED);
         if (st == FTSHIM_STATE_NONE) A_STORE(&p->shim_state, (uint32_t)FTSHIM_STATE_WAITING, RELAXED);
         futex_wait_ms(&p->doorbell, bell, tick);
@@ -998,6 +1007,21 @@ static void* control_thread(void* arg) {
       continue;
     }
     futex_wait_ms(&p->doorbell, bell, tick);
+  }
+}
+
+static void start_thread(void) {
+  if (__atomic_exchange_n(&g.thread_started, 1, __ATOMIC_ACQ_REL)) return;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 256 * 1024);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  pthread_t th;
+  int e = pthread_create(&th, &attr, control_thread, NULL);
+  pthread_attr_destroy(&attr);
+  if (e != 0) {
+    ftshim_log("cannot start the control thread (%s): the shim only forwards", strerror(e));
+    go_inert("control thread could not start");
   }
 }
 
@@ -1053,17 +1077,10 @@ __attribute__((constructor)) static void ftshim_init(void) {
     munmap(m, sizeof(ftshim_page));
     return;
   }
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setstacksize(&attr, 256 * 1024);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_t th;
-  int e = pthread_create(&th, &attr, control_thread, NULL);
-  pthread_attr_destroy(&attr);
-  if (e != 0) {
-    ftshim_log("cannot start the control thread (%s): the shim only forwards", strerror(e));
-    go_inert("control thread could not start");
-  }
+  /* A process that the agent bound to another pid (a child of the worker) waits for its
+   * first NCCL call without a thread: nothing runs in compilers, shells, nvidia-smi ... */
+  int32_t bound = A_LOAD(&p->bound_pid, ACQUIRE);
+  if (r == CLAIM_OK || bound == 0 || bound == getpid()) start_thread();
 }
 
 /* ---- introspection (tests, doctor) ---------------------------------------------------- */

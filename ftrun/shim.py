@@ -19,6 +19,7 @@ Usable on its own (tests, tools, doctor)::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -426,13 +427,15 @@ class ShimControl:
         directory: Path | None = None,
         tick_ms: int = 10,
         drain_ms: int = 20,
+        library: Path | None = None,
     ) -> None:
         """Create the control page (a file in /dev/shm by default, mode 0600).
 
         tick_ms: the shim's liveness period; drain_ms: how long an abort waits for NCCL calls in
-        flight to come back before freeing their communicator (see docs/shim.md).
+        flight to come back before freeing their communicator (see docs/shim.md);
+        library: another build of the shim (tests use an AddressSanitizer build).
         """
-        self._lib = shim_library_path()
+        self._lib = Path(library) if library is not None else shim_library_path()
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:64] or "worker"
         directory = Path(directory) if directory is not None else _default_directory()
         self.path = directory / f"ftrun-shim-{safe}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -602,12 +605,11 @@ class ShimControl:
         finally:
             self._page = None
             if self._mm is not None:
-                self._mm.close()
+                with contextlib.suppress(BufferError):  # a caller still holds a view: GC unmaps
+                    self._mm.close()
                 self._mm = None
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
-            except FileNotFoundError:
-                pass
 
     # -- helpers --
     def _read_report(self, generation: int, t0: float, *, complete: bool) -> AbortReport:
@@ -719,7 +721,9 @@ def self_test(timeout_s: float = 10.0) -> SelfTestResult:
         if not line or not line.startswith("BLOCKED"):
             proc.kill()
             _, err = proc.communicate(timeout=5)
-            return SelfTestResult(False, f"worker did not reach the collective: {line!r} {err[-500:]}")
+            return SelfTestResult(
+                False, f"worker did not reach the collective: {line!r} {err[-500:]}"
+            )
         t_cmd = time.monotonic_ns()
         report = ctl.abort(1, timeout_s=max(0.1, deadline - time.monotonic()))
         line = _read_line(proc, deadline)

@@ -129,8 +129,14 @@ static int op_done(clique* q, uint64_t k) { /* mu held */
   return 1;
 }
 
+/* Through a volatile pointer: GCC would otherwise fuse malloc + memset(0) back into calloc. */
+static void* (*volatile zero_fill)(void*, int, size_t) = memset;
+
 static struct ncclComm* comm_new(const char* id, int nranks, int rank) {
-  struct ncclComm* c = calloc(1, sizeof *c);
+  /* malloc + memset like NCCL's own calloc helper (glibc's calloc skips the thread cache, so
+   * it would almost never hand a freed communicator's address to the next one) */
+  struct ncclComm* c = malloc(sizeof *c);
+  zero_fill(c, 0, sizeof *c);
   c->magic = COMM_LIVE;
   c->rank = rank;
   c->nranks = nranks;
