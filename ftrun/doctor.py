@@ -657,8 +657,8 @@ def check_gpu(ctx: Context) -> CheckResult:
         return status(f"no GPU: CPU only (pynvml not importable: {one_line(exc)})",
                       "pip install nvidia-ml-py")
     except Exception as exc:
-        nvml = sys.modules["pynvml"]
-        if not isinstance(exc, nvml.NVMLError):
+        nvml = sys.modules.get("pynvml")
+        if nvml is None or not isinstance(exc, nvml.NVMLError):
             raise
         hint = _nvml_hint(nvml, exc)
         if isinstance(exc, nvml.NVMLError_LibraryNotFound):
@@ -1440,20 +1440,23 @@ def _usage_error(message: str) -> typer.Exit:
 def doctor(
     nproc_per_node: str = typer.Option(
         "auto", "--nproc-per-node", "--nproc_per_node", envvar="PET_NPROC_PER_NODE",
+        metavar="auto|cpu|gpu|N",
         help="auto, cpu, gpu or N workers, as for torchrun; 'gpu' makes a missing GPU a failure.",
     ),
     rdzv_endpoint: str | None = typer.Option(
         None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
+        metavar="HOST[:PORT]",
         help="host[:port] of the c10d rendezvous store (default port 29400); "
         "checked for reachability.",
     ),
     master_port: str | None = typer.Option(
-        None, "--master-port", "--master_port", envvar="PET_MASTER_PORT",
+        None, "--master-port", "--master_port", envvar="PET_MASTER_PORT", metavar="PORT",
         help="Port this node must be able to listen on (default 29500, only warned about).",
     ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
     timeout: str = typer.Option(
-        str(DEFAULT_TIMEOUT_S), "--timeout", help="Seconds before a check that hangs is failed."),
+        str(DEFAULT_TIMEOUT_S), "--timeout", metavar="SECONDS",
+        help="Seconds before a check that hangs is failed."),
 ) -> None:
     """Check this node (GPUs, drivers, NCCL, shim, host limits, network, Slurm) in seconds.
 
