@@ -991,6 +991,8 @@ static void* control_thread(void* arg) {
       return NULL;
     }
     A_ADD(&p->liveness, 1u, RELAXED);
+    /* Fill in version and capabilities once the program loads NCCL (python: import torch). */
+    if (!A_LOAD(&p->owner_has_nccl, ACQUIRE) && nccl_loaded()) probe_nccl(p);
     if (g.agent_fd == -2 || !agent_alive(agent)) agent_lost();
     if (A_LOAD(&p->agent_flags, ACQUIRE) & FTSHIM_AGENT_CLOSED) {
       /* The registry stays in use so stopped handles are still answered safely. */

@@ -414,7 +414,7 @@ def test_destroy_after_peer_abort(builds: dict[str, Build], procs: list[Proc]) -
 # ---- the Python side on its own -------------------------------------------------------------
 def test_shim_control_api(builds: dict[str, Build], tmp_path: Path) -> None:
     ctl = ShimControl(label="a/b c", generation=3, directory=tmp_path, library=builds["plain"].shim)
-    assert ctl.path.parent == tmp_path and "/" not in ctl.path.name[len("ftrun-shim-"):]
+    assert ctl.path.parent == tmp_path and "/" not in ctl.path.name[len("ftrun-shim-") :]
     assert ctl.path.stat().st_mode & 0o777 == 0o600
     env = ctl.worker_env({"LD_PRELOAD": "/x/liba.so", "PATH": "/bin"})
     assert env["LD_PRELOAD"] == f"/x/liba.so:{builds['plain'].shim}"
