@@ -100,8 +100,10 @@ def main() -> int:
         over_a = r.get("allreduce_overhead_ns")
         oc = "" if over_c is None else f"{over_c:+.2f}"
         oa = "" if over_a is None else f"{over_a:+.1f}"
-        print(f"{mode:<8} {r['count_ns_median']:>18.2f} {r['count_ns_best']:>8.2f} {oc:>9}   "
-              f"{r['allreduce_ns_median']:>14.1f} {r['allreduce_ns_best']:>8.1f} {oa:>9}")  # fmt: skip
+        print(
+            f"{mode:<8} {r['count_ns_median']:>18.2f} {r['count_ns_best']:>8.2f} {oc:>9}   "
+            f"{r['allreduce_ns_median']:>14.1f} {r['allreduce_ns_best']:>8.1f} {oa:>9}"
+        )
     print(f"goal: active overhead < 50 ns per call: {'PASS' if summary['ok'] else 'FAIL'}")
     return 0
 
