@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -459,6 +460,8 @@ class ShimControl:
         page.magic = MAGIC  # last: a shim never sees a half-written header
         self.label = label
         self.tick_s = page.tick_ms / 1000.0
+        # a forgotten close() still removes the file at garbage collection / interpreter exit
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
 
     # -- context manager --
     def __enter__(self) -> ShimControl:
@@ -608,8 +611,7 @@ class ShimControl:
                 with contextlib.suppress(BufferError):  # a caller still holds a view: GC unmaps
                     self._mm.close()
                 self._mm = None
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            self._finalizer()
 
     # -- helpers --
     def _read_report(self, generation: int, t0: float, *, complete: bool) -> AbortReport:
@@ -639,6 +641,11 @@ class ShimControl:
             group_result=rep.group_result,
             complete=complete,
         )
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 def _pid_alive(pid: int) -> bool:
