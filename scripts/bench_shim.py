@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -24,36 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ftrun.shim import ShimControl  # noqa: E402
-from tests.shim_helpers import Build, Proc, build_all, cc_version, worker_env  # noqa: E402
-
-
-def run_once(build: Build, mode: str, iters: int) -> tuple[float, float]:
-    env = worker_env(build, dict(os.environ))
-    ctl = None
-    if mode == "inert":
-        env["LD_PRELOAD"] = str(build.shim)
-    elif mode == "active":
-        ctl = ShimControl(label="bench", library=build.shim)
-        env = ctl.worker_env(env)
-    try:
-        p = Proc([str(build.worker), str(build.scenario), "bench", str(iters)], env)
-        if ctl is not None:
-            ctl.bind(p.pid)
-        try:
-            count_ns, coll_ns, status = p.expect("BENCH", timeout=300)
-            rc, _, err = p.finish()
-        finally:
-            p.kill()
-        if rc != 0:
-            raise RuntimeError(f"bench worker failed ({rc}): {err}")
-        want = {"direct": "-1", "inert": "0", "active": "2"}[mode]
-        if status != want:
-            raise RuntimeError(f"{mode}: shim status {status}, expected {want}")
-        return float(count_ns), float(coll_ns)
-    finally:
-        if ctl is not None:
-            ctl.close()
+from tests.shim_helpers import bench_once, build_all, cc_version  # noqa: E402
 
 
 def main() -> int:
@@ -66,7 +36,7 @@ def main() -> int:
         build = build_all(Path(tmp), asan=False)
         results: dict[str, dict[str, float]] = {}
         for mode in ("direct", "inert", "active"):
-            runs = [run_once(build, mode, args.iters) for _ in range(args.repeat)]
+            runs = [bench_once(build, mode, args.iters) for _ in range(args.repeat)]
             count = [r[0] for r in runs]
             coll = [r[1] for r in runs]
             results[mode] = {

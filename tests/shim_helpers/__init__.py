@@ -194,11 +194,44 @@ def worker_env(build: Build, base: dict[str, str], *, revoke: bool = True,
     return env
 
 
+def bench_once(build: Build, mode: str, iters: int) -> tuple[float, float]:
+    """(ns per ncclCommCount, ns per all-reduce launch) of one bench run.
+
+    mode: "direct" (no shim), "inert" (preloaded, no control page), "active" (attached)."""
+    from ftrun.shim import ShimControl
+
+    env = worker_env(build, dict(os.environ))
+    ctl = None
+    if mode == "inert":
+        env["LD_PRELOAD"] = str(build.shim)
+    elif mode == "active":
+        ctl = ShimControl(label="bench", library=build.shim)
+        env = ctl.worker_env(env)
+    try:
+        p = Proc([str(build.worker), str(build.scenario), "bench", str(iters)], env)
+        if ctl is not None:
+            ctl.bind(p.pid)
+        try:
+            count_ns, coll_ns, status = p.expect("BENCH", timeout=300)
+            rc, _, err = p.finish()
+        finally:
+            p.kill()
+        if rc != 0:
+            raise RuntimeError(f"bench worker failed ({rc}): {err}")
+        want = {"direct": "-1", "inert": "0", "active": "2"}[mode]
+        if status != want:
+            raise RuntimeError(f"{mode}: shim status {status}, expected {want}")
+        return float(count_ns), float(coll_ns)
+    finally:
+        if ctl is not None:
+            ctl.close()
+
+
 def cc_version() -> str:
     return subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
 
 
-__all__ = ["CSRC", "REPO", "Build", "Proc", "build_all", "cc_version", "have_cc",
+__all__ = ["CSRC", "REPO", "Build", "Proc", "bench_once", "build_all", "cc_version", "have_cc",
            "wait_until", "worker_env"]  # fmt: skip
 
 os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=0")
