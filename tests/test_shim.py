@@ -192,6 +192,36 @@ def test_abort_racing_call_in_flight(builds: dict[str, Build], procs: list[Proc]
         assert rc == 0 and "AddressSanitizer" not in err, err[-3000:]
 
 
+# ---- generations and parents ---------------------------------------------------------------
+@pytest.mark.parametrize("revoke", [True, False], ids=["nccl-revoke", "nccl-old"])
+def test_abort_spares_current_generation(
+    builds: dict[str, Build], procs: list[Proc], revoke: bool
+) -> None:
+    build = builds["asan"]
+    with control(build) as ctl:
+        p = start(procs, build, ctl, "split", revoke=revoke, stdin=True)
+        (parent_addr,) = (int(a) for a in p.expect("PARENT"))
+        ctl.set_generation(1)
+        p.send("\n")
+        rc, child_addr = (int(a) for a in p.expect("CHILD"))
+        assert rc == 0
+        parent, child = ctl.communicators()
+        assert (parent.address, parent.generation, parent.creator) == (
+            parent_addr, 0, "ncclCommInitRank")  # fmt: skip
+        assert (child.address, child.generation, child.creator) == (
+            child_addr, 1, "ncclCommSplit")  # fmt: skip
+        assert (child.parent_serial, child.parent_address) == (parent.serial, parent_addr)
+        assert parent.size == 1 and parent.rank == 0
+        report = ctl.abort(1, timeout_s=5)
+        assert [e.address for e in report.entries] == [parent_addr]
+        p.send("\n")
+        # the child works, the parent is refused, its size is still answered
+        assert p.expect("OPS") == ["0", "0", "5", "1"]
+        assert p.expect("RELEASE") == ["0", "0"]
+        code, _, err = p.finish()
+        assert code == 0 and "AddressSanitizer" not in err, err[-2000:]
+
+
 # ---- address reuse --------------------------------------------------------------------------
 @pytest.mark.parametrize("revoke", [True, False], ids=["nccl-revoke", "nccl-old"])
 def test_address_reuse_does_not_confuse_registry(builds: dict[str, Build], procs: list[Proc],

@@ -250,6 +250,27 @@ static int cmd_peer_destroy(int argc, char** argv) {
   return 0;
 }
 
+/* split: a parent made in generation 0, a child split from it after the agent moved to
+ * generation 1; the agent aborts generation 1: only the parent stops. */
+static int cmd_split(void) {
+  char line[16];
+  ncclComm_t parent = new_comm(1, 0), child = NULL;
+  printf("PARENT %llu\n", (unsigned long long)(uintptr_t)parent);
+  if (!fgets(line, sizeof line, stdin)) return 1;
+  ncclResult_t r = ncclCommSplit(parent, 0, 0, &child, NULL);
+  printf("CHILD %d %llu\n", (int)r, (unsigned long long)(uintptr_t)child);
+  if (!fgets(line, sizeof line, stdin)) return 1;
+  void* s = fakeStreamCreate();
+  ncclResult_t rc = AR(child, s);
+  int st = fakeStreamSynchronize(s);
+  ncclResult_t rp = AR(parent, NULL);
+  int n = -1;
+  ncclCommCount(parent, &n); /* answered from the registry once the parent is gone */
+  printf("OPS %d %d %d %d\n", (int)rc, st, (int)rp, n);
+  printf("RELEASE %d %d\n", (int)ncclCommDestroy(child), (int)ncclCommAbort(parent));
+  return 0;
+}
+
 /* bench <iters>: ns per ncclCommCount and per all-reduce launch. */
 static int cmd_bench(int argc, char** argv) {
   long iters = argc > 1 ? atol(argv[1]) : 1000000;
@@ -285,6 +306,7 @@ __attribute__((visibility("default"))) int scenario_run(int argc, char** argv, i
   if (!strcmp(cmd, "missing")) return cmd_missing();
   if (!strcmp(cmd, "peer-destroy")) return cmd_peer_destroy(argc, argv);
   if (!strcmp(cmd, "bench")) return cmd_bench(argc, argv);
+  if (!strcmp(cmd, "split")) return cmd_split();
   fprintf(stderr, "unknown scenario %s\n", cmd);
   return 2;
 }
