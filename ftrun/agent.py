@@ -33,9 +33,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from ftrun import workers as local
-from ftrun.config import LaunchConfig, Std
+from ftrun.config import LaunchConfig, Recovery, Std
 from ftrun.events import EventLog, WorkerExit, read_error_file
 from ftrun.exitcodes import ExitCode, for_signal
+from ftrun.regroup import RegroupSupervisor
 from ftrun.rendezvous import Generation, NodeSlot, RendezvousError, StaticRendezvous
 from ftrun.report import print_failure_summary
 from ftrun.store import JsonStore, StoreError, connect_store, serve_store
@@ -213,9 +214,11 @@ class Agent:
     # --- one generation ------------------------------------------------------------------
 
     def _run_generation(self, rdzv: StaticRendezvous, generation: Generation) -> GenerationResult:
-        attempt_dir = self.run_log_dir / f"attempt_{generation.restart_count}"
+        if self.config.recovery is not Recovery.RESTART and self.config.is_single_node:
+            supervisor = RegroupSupervisor(self, generation, rdzv.store, generation.restart_count)
+            return supervisor.run()
         group = [
-            self._spawn(generation, local_rank, attempt_dir)
+            self.spawn_worker(generation, local_rank)
             for local_rank in range(self.config.nproc_per_node)
         ]
         try:
@@ -223,14 +226,23 @@ class Agent:
         finally:
             local.join_pumps(group)
 
-    def _spawn(
-        self, generation: Generation, local_rank: int, attempt_dir: Path
+    def spawn_worker(
+        self,
+        generation: Generation,
+        local_rank: int,
+        *,
+        extra_env: dict[str, str] | None = None,
+        prefix: str | None = None,
+        log_name: str | None = None,
     ) -> local.WorkerProcess:
+        """Start one local worker of ``generation`` (must run on the main thread)."""
         config = self.config
+        attempt_dir = self.run_log_dir / f"attempt_{generation.restart_count}"
         rank = generation.rank_offset(config.node_rank) + local_rank
-        rank_dir = attempt_dir / str(local_rank)
+        rank_dir = attempt_dir / (log_name or str(local_rank))
         rank_dir.mkdir(parents=True, exist_ok=True)
         env = self._worker_env(generation, local_rank, rank, rank_dir / "error.json")
+        env.update(extra_env or {})
         redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)
         shown = config.local_ranks_filter is None or local_rank in config.local_ranks_filter
         console = Std(Std.ALL.value & ~redirect.value) if shown else Std.NONE
@@ -242,7 +254,7 @@ class Agent:
             console=console,
             files=Std(redirect.value | tee.value),
             log_dir=rank_dir,
-            prefix=f"[rank{rank}]:",
+            prefix=prefix or f"[rank{rank}]:",
             duplicate_dir=attempt_dir,
             duplicate_stdout=config.duplicate_stdout_filters,
             duplicate_stderr=config.duplicate_stderr_filters,
@@ -254,6 +266,7 @@ class Agent:
             rank=rank,
             local_rank=local_rank,
             pid=worker.pid,
+            member=(extra_env or {}).get("FTRUN_MEMBER_ID"),
         )
         return worker
 

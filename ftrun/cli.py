@@ -126,6 +126,16 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "auto, restart or regroup."),
     ("--events-file", "events_file", "FTRUN_EVENTS_FILE", "",
      "Write one JSON line per event to this file."),
+    ("--on-failure", "on_failure", "FTRUN_ON_FAILURE", "replace",
+     "Regroup: replace the failed worker, or shrink the job."),
+    ("--spares", "spares", "FTRUN_SPARES", "0",
+     "Regroup: warm spare workers per node."),
+    ("--min-workers", "min_workers", "FTRUN_MIN_WORKERS", "1",
+     "Regroup: stop the job below this many workers."),
+    ("--liveness-timeout", "liveness_timeout", "FTRUN_LIVENESS_TIMEOUT", "2.0",
+     "Regroup: seconds without a worker heartbeat before it is declared hung."),
+    ("--stall-floor", "stall_floor", "FTRUN_STALL_FLOOR", "5.0",
+     "Regroup: least seconds without a step before a lagging worker is declared stalled."),
 )
 
 
@@ -262,8 +272,17 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         raise ConfigError(
             f"--recovery={ns.recovery!r}: expected auto, restart or regroup"
         ) from None
-    if recovery is Recovery.REGROUP:
-        raise ConfigError("--recovery=regroup needs the in-process worker API, not available yet")
+    if recovery is Recovery.REGROUP and nnodes_max > 1:
+        raise ConfigError("--recovery=regroup runs on one node for now; multi-node uses restart")
+    on_failure = ns.on_failure.strip().lower()
+    if on_failure not in ("replace", "shrink"):
+        raise ConfigError(f"--on-failure={ns.on_failure!r}: expected replace or shrink")
+    spares = _count(ns.spares, "--spares", minimum=0)
+    if spares and recovery is not Recovery.REGROUP:
+        raise ConfigError("--spares needs --recovery regroup (spares run the worker API)")
+    min_workers = _count(ns.min_workers, "--min-workers", minimum=1)
+    if min_workers > nproc:
+        raise ConfigError(f"--min-workers={min_workers}: more than --nproc-per-node={nproc}")
     handler = ns.event_log_handler.strip().lower()
     if handler not in ("null", "console"):
         raise ConfigError(f"--event-log-handler={ns.event_log_handler!r}: expected null or console")
@@ -301,6 +320,11 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         signals_to_handle=parse_signals(ns.signals_to_handle),
         signals_to_handle_text=ns.signals_to_handle,
         recovery=recovery,
+        on_failure=on_failure,
+        spares=spares,
+        min_workers=min_workers,
+        liveness_timeout_s=parse_seconds(ns.liveness_timeout, "--liveness-timeout"),
+        stall_floor_s=parse_seconds(ns.stall_floor, "--stall-floor"),
         heartbeat_interval_s=heartbeat_interval,
         heartbeat_timeout_s=heartbeat_timeout,
         join_timeout_s=parse_seconds(rdzv_conf.get("join_timeout", "600"), "join_timeout"),
@@ -319,6 +343,16 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         flag = "--master-port" if backend == "static" else "--rdzv-endpoint"
         check_port_free(config.rdzv_port, flag)
     return config
+
+
+def _count(value: str, flag: str, *, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{flag}={value!r}: not an integer") from None
+    if number < minimum:
+        raise ConfigError(f"{flag}={value!r}: must be at least {minimum}")
+    return number
 
 
 def _refuse_unsupported(ns: argparse.Namespace) -> None:

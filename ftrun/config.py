@@ -99,6 +99,11 @@ class LaunchConfig:
     )
     signals_to_handle_text: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     recovery: Recovery = Recovery.AUTO
+    on_failure: str = "replace"  # regroup: "replace" the failed worker or "shrink"
+    spares: int = 0  # warm spare workers per node (regroup)
+    min_workers: int = 1  # regroup: below this many workers the job stops
+    liveness_timeout_s: float = 2.0  # regroup: silence of a worker's heartbeat
+    stall_floor_s: float = 5.0  # regroup: least time without a step before a stall
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     join_timeout_s: float = 600.0

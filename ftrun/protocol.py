@@ -1,0 +1,146 @@
+"""The regroup protocol between an agent and the workers that use ``import ftrun``.
+
+One table of store keys, and the one record both sides read, so that the agent
+(:mod:`ftrun.regroup`) and the worker API (:mod:`ftrun.worker`) cannot drift apart. All
+keys live under one prefix per job attempt (``FTRUN_REGROUP_PREFIX``, e.g.
+``ftrun/<run id>/a0``) in the agent's control store; values are JSON objects
+or plain integers (counters), never pickles, and every reader validates what it gets.
+
+=========================  ======================  ==========================================
+key                        written by              meaning
+=========================  ======================  ==========================================
+``member/<id>``            worker, once            ready to join: past its imports, API in use
+``member/<id>/synced``     worker                  holds the job's state (joined and loaded)
+``hb/<id>``                worker thread           liveness counter, bumped every beat
+``progress/<id>``          worker                  the step it is about to compute
+``rgen/latest``            agent                   number of the newest generation
+``rgen/<g>``               agent, once             :class:`MemberGeneration` record
+``rgen/<g>/end``           agent, first wins       why generation g ended (failure or join)
+``rgen/<g>/arrived``       workers (counter)       members that reached generation g
+``rgen/<g>/vote/<s>``      workers (counter)       members whose step s gradients are good
+``rgen/<g>/decision/<s>``  worker, first wins      ``commit``, ``commit-regroup`` or ``abort``
+``rgen/<g>/join``          agent                   a joiner waits: regroup at the next commit
+=========================  ======================  ==========================================
+
+The commit rule. After its gradient collective a member adds one to ``vote/<s>``. The
+member that brings the count to the world size writes ``commit`` (or ``commit-regroup`` when
+a joiner waits); a member that finds the generation ended before the count was complete
+writes ``abort``. Both writes are a compare-and-set on the same key, so exactly one decision
+exists per step and every survivor applies it: the update is applied everywhere or nowhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.store import StoreValueError, require
+
+COMMIT = "commit"
+COMMIT_REGROUP = "commit-regroup"
+ABORT = "abort"
+DECISIONS = (COMMIT, COMMIT_REGROUP, ABORT)
+
+
+def member_key(member: str) -> str:
+    return f"member/{member}"
+
+
+def heartbeat_key(member: str) -> str:
+    return f"hb/{member}"
+
+
+def progress_key(member: str) -> str:
+    return f"progress/{member}"
+
+
+LATEST = "rgen/latest"
+
+
+def generation_key(number: int) -> str:
+    return f"rgen/{number}"
+
+
+def end_key(number: int) -> str:
+    return f"rgen/{number}/end"
+
+
+def arrived_key(number: int) -> str:
+    return f"rgen/{number}/arrived"
+
+
+def vote_key(number: int, step: int) -> str:
+    return f"rgen/{number}/vote/{step}"
+
+
+def decision_key(number: int, step: int) -> str:
+    return f"rgen/{number}/decision/{step}"
+
+
+def join_key(number: int) -> str:
+    return f"rgen/{number}/join"
+
+
+def pg_prefix(prefix: str, number: int) -> str:
+    """The key space of generation ``number``'s process group: stale members of an older
+    generation can never read or overwrite a newer one's addresses."""
+    return f"{prefix}/rgen/{number}/pg/"
+
+
+def synced_key(member: str) -> str:
+    return f"member/{member}/synced"
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    rank: int
+    joiner: bool  # has no state yet: receives it from a survivor
+
+
+@dataclass(frozen=True)
+class MemberGeneration:
+    """Who computes in generation ``number``, with which ranks."""
+
+    number: int
+    members: tuple[Member, ...]  # ordered by rank 0..world_size-1
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member: str) -> int | None:
+        return next((m.rank for m in self.members if m.id == member), None)
+
+    @property
+    def has_joiners(self) -> bool:
+        return any(m.joiner for m in self.members)
+
+    @property
+    def source_rank(self) -> int | None:
+        """The rank that sends state to joiners: the lowest-ranked survivor, which is never
+        special otherwise (nothing in the job depends on rank 0's process)."""
+        return next((m.rank for m in self.members if not m.joiner), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "members": [{"id": m.id, "rank": m.rank, "joiner": m.joiner} for m in self.members],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MemberGeneration:
+        raw = require(data, "members", list)
+        members = []
+        for item in raw:
+            if not isinstance(item, dict):
+                raise StoreValueError("generation member is not an object")
+            members.append(
+                Member(require(item, "id", str), require(item, "rank", int),
+                       require(item, "joiner", bool))
+            )
+        if [m.rank for m in members] != list(range(len(members))) or not members:
+            raise StoreValueError("generation ranks are not 0..N-1 in order")
+        if len({m.id for m in members}) != len(members):
+            raise StoreValueError("generation lists a member twice")
+        return cls(require(data, "number", int), tuple(members))

@@ -1,0 +1,351 @@
+"""The agent's side of in-process regroup: keep the survivors, replace the failed.
+
+When the workers use the worker API (:mod:`ftrun.worker`), a fault does not stop the job.
+The supervisor owns a pool of member processes for one job attempt and publishes their
+generations in the control store (:mod:`ftrun.protocol`):
+
+* a member that exits non-zero or by a signal, that is stopped (SIGSTOP, a tracer), whose
+  heartbeat stops (a wedged process), or that stops reporting steps while the others wait
+  for it (its main thread sleeps) is a fault: the supervisor writes the generation's end
+  *first* (so the survivors' failing collective is explained), kills the member, and
+  publishes the next generation of survivors at once, topped up with warm spares;
+* with ``--on-failure replace`` a new process is started; the survivors do not wait for it
+  (importing torch takes seconds): it joins at a later step boundary, when it is ready, and
+  receives the state from a survivor; with ``shrink`` the job continues with fewer ranks
+  down to ``--min-workers``;
+* scripts that never called ``ftrun.init()`` cannot regroup: with ``--recovery auto`` the
+  supervisor then stops every worker and the agent restarts them (torchrun's behaviour).
+
+Detection bounds (defaults): exit at once; SIGSTOP within one monitor interval (0.1 s);
+a stopped heartbeat after ``--liveness-timeout`` (2 s); a stalled rank after
+max(``--stall-floor`` 5 s, 20 x the median step time). A member is attributed a stall only
+when the others have reported a later step than it has; a hang that every rank shares
+(inside one collective) is left to the collective timeout on gloo and to the shim on NCCL.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ftrun import protocol as P
+from ftrun import workers as local
+from ftrun.store import JsonStore, StoreError
+
+if TYPE_CHECKING:
+    from ftrun.agent import Agent, GenerationResult
+    from ftrun.rendezvous import Generation
+
+
+@dataclass
+class Slot:
+    """One member process and what the supervisor knows of it."""
+
+    member: str
+    process: local.WorkerProcess
+    initial: bool
+    heartbeat: int = 0
+    heartbeat_at: float = field(default_factory=time.monotonic)
+    progress: int = -1
+    progress_at: float = field(default_factory=time.monotonic)
+    ready: bool = False
+    synced: bool = False
+    finished: bool = False
+    removed: str | None = None  # why the supervisor took it out
+
+
+class RegroupSupervisor:
+    """Runs one job attempt with in-process regroup; see the module docstring."""
+
+    def __init__(self, agent: Agent, generation: Generation, store: JsonStore,
+                 attempt: int) -> None:
+        self.agent = agent
+        self.config = agent.config
+        self.generation = generation
+        self.prefix = f"ftrun/{agent.run_id}/a{attempt}"
+        self.store = JsonStore(store.raw, self.prefix)
+        self.slots: dict[str, Slot] = {}
+        self.latest: P.MemberGeneration | None = None
+        self.ended: set[int] = set()
+        self.next_member = 0
+        self.step_intervals: deque[float] = deque(maxlen=64)
+        self.failures: list[Any] = []
+        self.first_failure: local.WorkerProcess | None = None
+        self.target = self.config.nproc_per_node
+        self.replacement_failures = 0
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def run(self) -> GenerationResult:
+        from ftrun.agent import GenerationResult, Outcome
+
+        initial = [self._spawn(initial=True) for _ in range(self.target)]
+        for _ in range(self.config.spares):
+            self._spawn(initial=False)
+        self._publish([P.Member(s.member, rank, False) for rank, s in enumerate(initial)])
+        try:
+            while True:
+                if self.agent.inbox.received is not None:
+                    self._stop_all(self.agent.inbox.received, "signal")
+                    return GenerationResult(Outcome.SIGNALED, self._exits())
+                outcome = self._tick()
+                if outcome is not None:
+                    return GenerationResult(outcome, self._exits())
+                procs = [s.process for s in self.slots.values() if s.removed is None]
+                woke = local.wait_any(procs, self.config.monitor_interval_s,
+                                      [self.agent.inbox.fd])
+                if self.agent.inbox.fd in woke:
+                    self.agent.inbox.drain()
+        finally:
+            local.join_pumps([s.process for s in self.slots.values()])
+
+    def _tick(self) -> Any:
+        from ftrun.agent import Outcome
+
+        for slot in list(self.slots.values()):
+            code = slot.process.poll()
+            if code is None or slot.removed is not None or slot.finished:
+                continue
+            if code == 0 and self._is_active(slot):
+                slot.finished = True
+                self.agent.events.emit("exit", member=slot.member, pid=slot.process.pid,
+                                       returncode=0)
+                continue
+            cause = f"exit code {code}" if code > 0 else f"killed by {_signame(-code)}"
+            if self._fail(slot, cause) is Outcome.FAILED:
+                return Outcome.FAILED
+        active = [s for s in self.slots.values() if self._is_active(s)]
+        if active and all(s.finished for s in active):
+            self._stop_all(signal.SIGTERM, "job finished", only_idle=True)
+            return Outcome.SUCCEEDED
+        try:
+            verdict = self._watch_liveness()
+            if verdict is not None:
+                return verdict
+            self._admit_ready_joiners()
+        except StoreError as error:
+            self.agent.say(f"control store failed: {error}", style="red")
+            self._stop_all(signal.SIGTERM, "store failed")
+            return Outcome.FAILED
+        return None
+
+    # --- members -------------------------------------------------------------------------
+
+    def _spawn(self, *, initial: bool) -> Slot:
+        member = str(self.next_member)
+        self.next_member += 1
+        local_rank = int(member) if initial else self.target + (int(member) % 1000)
+        extra = {
+            "FTRUN_MEMBER_ID": member,
+            "FTRUN_REGROUP_PREFIX": self.prefix,
+            "FTRUN_INITIAL": "1" if initial else "0",
+        }
+        prefix = f"[rank{member}]:" if initial else f"[member{member}]:"
+        process = self.agent.spawn_worker(
+            self.generation, local_rank if initial else 0, extra_env=extra, prefix=prefix,
+            log_name=f"member_{member}",
+        )
+        slot = Slot(member, process, initial)
+        self.slots[member] = slot
+        return slot
+
+    def _is_active(self, slot: Slot) -> bool:
+        return (self.latest is not None and slot.removed is None
+                and self.latest.rank_of(slot.member) is not None)
+
+    def _publish(self, members: list[P.Member]) -> None:
+        number = 0 if self.latest is None else self.latest.number + 1
+        generation = P.MemberGeneration(number, tuple(members))
+        self.store.set(P.generation_key(number), generation.to_json())
+        self.store.set(P.LATEST, {"number": number})
+        self.latest = generation
+        self.agent.events.emit(
+            "generation", generation=number, world_size=generation.world_size,
+            members=[m.id for m in members], joiners=[m.id for m in members if m.joiner],
+        )
+
+    def _end(self, number: int, cause: dict[str, Any]) -> None:
+        if number not in self.ended:
+            self.ended.add(number)
+            self.store.set_first(P.end_key(number), cause)
+
+    def _fail(self, slot: Slot, cause: str, kill: bool = False) -> Any:
+        """Take a failed member out and publish the next generation of survivors."""
+        from ftrun.agent import Outcome
+
+        detected = time.time()
+        in_generation = self._is_active(slot)
+        assert self.latest is not None
+        if in_generation:
+            self._end(self.latest.number, {"member": slot.member, "cause": cause})
+        slot.removed = cause
+        if kill:  # after the end is written: survivors that fail next find it explained
+            slot.process.signal_group(signal.SIGKILL)
+        if self.first_failure is None:
+            self.first_failure = slot.process
+        self.failures.append(slot)
+        self.agent.events.emit(
+            "failure", member=slot.member, pid=slot.process.pid, cause=cause,
+            generation=self.latest.number, detected=detected,
+            rank=self.latest.rank_of(slot.member),
+        )
+        label = (f"rank {self.latest.rank_of(slot.member)}" if in_generation
+                 else f"member {slot.member}")
+        self.agent.say(f"{label} (pid {slot.process.pid}) failed: {cause}", style="yellow")
+        if not slot.ready and slot.initial and in_generation:
+            self.agent.say("the failed worker never called ftrun.init(): restarting all")
+            self._stop_all(signal.SIGTERM, "restart fallback")
+            return Outcome.FAILED
+        if not in_generation:
+            self.replacement_failures += 1
+            self._replace()
+            return None
+        survivors = [m for m in self.latest.members if m.id != slot.member
+                     and self.slots[m.id].removed is None]
+        if not any(not m.joiner or self.slots[m.id].synced for m in survivors):
+            self.agent.say("no surviving member holds the job's state", style="red")
+            self._stop_all(signal.SIGTERM, "no state left")
+            return Outcome.FAILED
+        self._replace()
+        members = [P.Member(m.id, rank, not (not m.joiner or self.slots[m.id].synced))
+                   for rank, m in enumerate(survivors)]
+        members = self._top_up(members)
+        if len(members) < self.config.min_workers:
+            self.agent.say(
+                f"{len(members)} workers left, fewer than --min-workers "
+                f"{self.config.min_workers}", style="red")
+            self._stop_all(signal.SIGTERM, "below minimum")
+            return Outcome.FAILED
+        self._publish(members)
+        return None
+
+    def _replace(self) -> None:
+        if self.config.on_failure != "replace" or self.replacement_failures > 3:
+            return
+        self._spawn(initial=False)
+
+    def _top_up(self, members: list[P.Member]) -> list[P.Member]:
+        """Fill free ranks with ready, idle members (spares, replacements)."""
+        idle = [s for s in self.slots.values() if s.removed is None and s.ready
+                and not any(m.id == s.member for m in members) and not s.finished]
+        for slot in idle:
+            if len(members) >= self.target:
+                break
+            members.append(P.Member(slot.member, len(members), True))
+        return members
+
+    def _admit_ready_joiners(self) -> None:
+        """A replacement that became ready joins at the survivors' next step boundary."""
+        assert self.latest is not None
+        if self.latest.world_size >= self.target:
+            return
+        before = self.latest.world_size
+        members = self._top_up(list(self.latest.members))
+        if len(members) == before:
+            return
+        self.store.set(P.join_key(self.latest.number), {"members": len(members)})
+        self.agent.say(f"a new member is ready: it joins at the next step ({len(members)} ranks)")
+        self._publish(members)
+
+    # --- detection -----------------------------------------------------------------------
+
+    def _watch_liveness(self) -> Any:
+        live = [s for s in self.slots.values() if s.removed is None and not s.finished]
+        if not live:
+            return None
+        keys = []
+        for slot in live:
+            keys += [self.store.key(P.heartbeat_key(slot.member)),
+                     self.store.key(P.progress_key(slot.member)),
+                     self.store.key(P.member_key(slot.member))]
+        present = self._multi_get_present(keys)
+        now = time.monotonic()
+        for index, slot in enumerate(live):
+            beat, progress, member = present[3 * index: 3 * index + 3]
+            if member is not None:
+                slot.ready = True
+            if beat is not None and int(beat) != slot.heartbeat:
+                slot.heartbeat, slot.heartbeat_at = int(beat), now
+            if progress is not None and int(progress) != slot.progress:
+                if slot.progress >= 0:
+                    self.step_intervals.append(now - slot.progress_at)
+                slot.progress, slot.progress_at = int(progress), now
+        if any(s.ready and not s.synced for s in live):
+            for slot in live:
+                if slot.ready and not slot.synced and self.store.exists(P.synced_key(slot.member)):
+                    slot.synced = True
+        for slot in live:
+            if slot.process.is_frozen():
+                verdict = self._fail(slot, "frozen (stopped by a signal)", kill=True)
+                if verdict is not None:
+                    return verdict
+            elif slot.ready and now - slot.heartbeat_at > self.config.liveness_timeout_s:
+                verdict = self._fail(slot, "heartbeat lost", kill=True)
+                if verdict is not None:
+                    return verdict
+        return self._watch_progress(now)
+
+    def _watch_progress(self, now: float) -> Any:
+        active = [s for s in self.slots.values() if self._is_active(s) and not s.finished
+                  and s.progress >= 0]
+        if len(active) < 2 or not self.step_intervals:
+            return None
+        limit = max(self.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
+        if now - max(s.progress_at for s in active) < limit:
+            return None
+        lowest = min(s.progress for s in active)
+        if lowest == max(s.progress for s in active):
+            return None  # everyone waits at the same step: not attributable to one rank
+        for slot in [s for s in active if s.progress == lowest]:
+            verdict = self._fail(
+                slot, f"stalled: no step for {now - slot.progress_at:.1f}s "
+                f"(limit {limit:.1f}s) while the others moved on", kill=True)
+            if verdict is not None:
+                return verdict
+        return None
+
+    def _multi_get_present(self, keys: list[str]) -> list[bytes | None]:
+        raw = self.store.raw
+        result: list[bytes | None] = []
+        for key in keys:  # check+get per key: TCPStore's multi_get fails on a missing key
+            result.append(raw.get(key) if raw.check([key]) else None)
+        return result
+
+    # --- endings -------------------------------------------------------------------------
+
+    def _stop_all(self, sig: int, why: str, only_idle: bool = False) -> None:
+        procs = [s.process for s in self.slots.values() if s.process.poll() is None]
+        if procs:
+            self.agent.events.emit("stop", reason=why, signal=signal.Signals(sig).name,
+                                   pids=[p.pid for p in procs])
+        local.stop(procs, sig, self.config.shutdown_timeout_s)
+        local.reap_leftovers([s.process for s in self.slots.values()])
+
+    def _exits(self) -> list[Any]:
+        from ftrun.events import WorkerExit
+
+        exits = []
+        for slot in self.slots.values():
+            proc = slot.process
+            if proc.returncode is None:
+                continue
+            rank = proc.rank
+            exits.append(WorkerExit(
+                rank=rank, local_rank=proc.local_rank, node=self.agent.hostname, pid=proc.pid,
+                generation=self.latest.number if self.latest else 0,
+                returncode=proc.returncode, time=proc.ended or time.time(),
+                stopped_by_agent=proc.stopped_by_agent, first=proc is self.first_failure,
+                message=slot.removed,
+            ))
+        return exits
+
+
+def _signame(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -1,0 +1,434 @@
+"""The worker API: ``import ftrun`` lets a training script survive a fault without a restart.
+
+    ft = ftrun.init()                                   # join the job
+    model = DistributedDataParallel(net, process_group=ft.process_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ft.register("model", model)                         # state a joiner must receive
+    ft.register("optimizer", optimizer)
+    while ft.step < total_steps:
+        ft.run_step(lambda: train_step(ft.step, ft.rank, ft.world_size), optimizer.step)
+
+What happens underneath. ``ft.process_group`` is one Python ``ProcessGroup`` object for the
+whole job; each generation swaps a fresh backend into it (gloo on CPU, NCCL on GPU), built
+on a store prefix of its own, so a DDP model built once keeps working. ``run_step`` runs
+``compute`` (forward and backward: the gradient collective happens inside), then the
+commit vote of :mod:`ftrun.protocol`: ``apply`` (the optimizer step) runs on every member or
+on none. When a member fails, the agent ends the generation; the survivors' collective
+fails fast (a dead gloo peer closes its sockets; the NCCL shim aborts hung communicators),
+the vote says ``abort``, and the survivors join the next generation and repeat the step.
+A joiner (a replacement or a warm spare) receives every registered object's state from the
+lowest-ranked survivor over the new group: no disk.
+
+Error semantics, written down:
+
+* absorbed and retried: any ``RuntimeError`` raised by ``compute`` (torch's
+  ``DistBackendError`` and gloo's connection errors are RuntimeErrors) *if* the agent ends
+  the generation within ``fault_grace_s`` (default 10 s) of it: that is a fault elsewhere;
+* raised: every other exception, at once, and a ``RuntimeError`` that no generation end
+  explains within the grace: those are the script's own errors, and the process exits;
+* after ``max_regroups`` consecutive generations that fail to form (default 5),
+  :class:`RegroupError` is raised and the worker exits, so the agent falls back to stopping
+  the job instead of looping forever.
+
+Without ftrun's regroup environment (under torchrun, or ``--recovery restart``) the same
+script runs unchanged: ``init`` forms an ordinary static group from ``env://`` variables
+and ``run_step`` simply computes and applies.
+
+``compute`` must start from zeroed gradients (call ``optimizer.zero_grad()`` first): a
+failed step leaves partial sums in them. Register objects with ``state_dict`` /
+``load_state_dict``; state is sent with ``torch.save`` and read with
+``torch.load(weights_only=True)``, which accepts tensors and plain containers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ftrun import protocol as P
+from ftrun.store import JsonStore, StoreError
+
+T = TypeVar("T")
+
+HEARTBEAT_S = float(os.environ.get("FTRUN_WORKER_HEARTBEAT_S", "0.2"))
+POLL_S = 0.005
+
+
+class RegroupError(RuntimeError):
+    """The job could not form a working generation; the worker gives up."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class ResilientProcessGroup(dist.ProcessGroup):
+    """A process group whose backend is replaced at each regroup.
+
+    torch calls ``getRank``/``getSize`` through virtual methods, so DDP and user code see
+    the current generation's rank and size; every collective goes to the current backend.
+    """
+
+    def __init__(self, backend: dist.ProcessGroup) -> None:
+        super().__init__(backend.rank(), backend.size())
+        self._backend = backend
+
+    @property
+    def backend(self) -> dist.ProcessGroup:
+        return self._backend
+
+    def swap(self, backend: dist.ProcessGroup) -> None:
+        self._backend = backend
+
+    def getRank(self) -> int:
+        return self._backend.rank()
+
+    def getSize(self) -> int:
+        return self._backend.size()
+
+    def getBackendName(self) -> str:
+        return "ftrun"
+
+    def allreduce(self, tensors: Any, opts: Any) -> dist.Work:
+        return self._backend.allreduce(tensors, opts)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any) -> dist.Work:
+        return self._backend.allreduce_coalesced(tensors, opts)
+
+    def broadcast(self, tensors: Any, opts: Any) -> dist.Work:
+        return self._backend.broadcast(tensors, opts)
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
+        return self._backend.allgather(outputs, inputs, opts)
+
+    def _allgather_base(self, output: Any, inp: Any, opts: Any) -> dist.Work:
+        return self._backend._allgather_base(output, inp, opts)
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
+        return self._backend.reduce_scatter(outputs, inputs, opts)
+
+    def barrier(self, opts: Any) -> dist.Work:
+        return self._backend.barrier(opts)
+
+
+def _renew_reducer(model: DistributedDataParallel) -> None:
+    """Give a DDP model a fresh reducer, as its unpickling does.
+
+    Survivors' reducers have rebuilt their buckets in gradient order and may hold state of
+    the failed step, while a joiner's is new: gradients would be reduced in mismatched
+    layouts. A fresh reducer on every member restores one layout, and the one-time bucket
+    rebuild then happens on all members at the same step. (Comm hooks are not carried
+    over: register them again in an ``on_regroup`` callback.)
+    """
+    parameters, sparse = model._build_params_for_reducer()
+    names = model._build_debug_param_to_name_mapping(parameters)
+    model._ddp_init_helper(parameters, sparse, names, model.static_graph)
+    model._has_rebuilt_buckets = False
+    if model.static_graph:
+        model.reducer._set_static_graph()
+
+
+def _backend_name() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _make_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+    if _backend_name() == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class FaultTolerance:
+    """One worker's membership in the job. Create it with :func:`init`."""
+
+    def __init__(self, *, collective_timeout_s: float, fault_grace_s: float,
+                 max_regroups: int) -> None:
+        self._timeout = timedelta(seconds=collective_timeout_s)
+        self._fault_grace_s = fault_grace_s
+        self._max_regroups = max_regroups
+        self._registered: dict[str, Stateful] = {}
+        self._callbacks: list[Callable[[int, int], None]] = []
+        self._step = 0
+        self._generation = -1
+        self._stop = threading.Event()
+        self.member_id = os.environ.get("FTRUN_MEMBER_ID", "")
+        self.managed = bool(self.member_id and os.environ.get("FTRUN_REGROUP_PREFIX"))
+        if self.managed:
+            self._connect()
+        else:
+            self._static_group()
+
+    # --- public ---------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.process_group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.process_group.size()
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def step(self) -> int:
+        """The number of committed steps: the index of the next step to compute."""
+        return self._step
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Register state that a joining worker must receive (model, optimizer, ...)."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"{name}: needs state_dict() and load_state_dict()")
+        self._registered[name] = obj
+
+    def on_regroup(self, callback: Callable[[int, int], None]) -> None:
+        """Call ``callback(rank, world_size)`` after every regroup (to re-shard data)."""
+        self._callbacks.append(callback)
+
+    def run_step(self, compute: Callable[[], T], apply: Callable[[], Any]) -> T | None:
+        """Compute one step and apply it if every member's gradients are good.
+
+        Returns what ``compute`` returned when the step was committed, ``None`` when it was
+        not (a fault or a join happened; ``step`` is unchanged, so the loop repeats it).
+        """
+        if not self.managed:
+            result = compute()
+            apply()
+            self._step += 1
+            return result
+        if self._pending_join:
+            self._regroup(after=-1)
+            return None
+        generation, step = self._generation, self._step
+        self._store.raw.set(self._store.key(P.progress_key(self.member_id)), str(step))
+        voted = True
+        result: T | None = None
+        try:
+            result = compute()
+        except RuntimeError as error:
+            if not self._fault_explains(error):
+                raise
+            voted = False
+        decision = self._decide(generation, step, voted)
+        if decision == P.ABORT:
+            self._regroup(after=generation)
+            return None
+        apply()
+        self._step += 1
+        if decision == P.COMMIT_REGROUP:
+            self._regroup(after=generation)
+        return result
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _static_group(self) -> None:
+        """Outside ftrun's regroup mode: an ordinary group from torchrun's variables."""
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+            is_master=False, timeout=self._timeout,
+        )
+        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        backend = _make_backend(dist.PrefixStore("ftrun/static/", store), rank, size,
+                                self._timeout)
+        self.process_group = ResilientProcessGroup(backend)
+        self._pending_join = False
+
+    def _connect(self) -> None:
+        host, _, port = os.environ["FTRUN_CONTROL_ADDR"].rpartition(":")
+        self._prefix = prefix = os.environ["FTRUN_REGROUP_PREFIX"]
+        raw = dist.TCPStore(host, int(port), is_master=False, timeout=self._timeout)
+        self._store = JsonStore(raw, prefix)
+        self._beat_store = JsonStore(
+            dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10)), prefix
+        )
+        self._beat_store.add(P.heartbeat_key(self.member_id), 1)
+        threading.Thread(target=self._beat, name="ftrun-heartbeat", daemon=True).start()
+        self._store.set(P.member_key(self.member_id), {"pid": os.getpid(), "api": 1})
+        if os.environ.get("FTRUN_INITIAL") == "1":
+            self.process_group = ResilientProcessGroup(self._solo_backend())
+            self._pending_join = False
+            self._regroup(after=-1)
+        else:
+            # A joiner starts alone, so that building DDP on it (whose constructor runs
+            # collectives) stays local; it joins the job at its first run_step.
+            self.process_group = ResilientProcessGroup(self._solo_backend())
+            self._pending_join = True
+
+    def _solo_backend(self) -> Any:
+        return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, self._timeout)
+
+    def _beat(self) -> None:
+        key = P.heartbeat_key(self.member_id)
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat_store.add(key, 1)
+            except StoreError:
+                return  # the agent is gone; PDEATHSIG ends this process
+
+    # --- the vote -------------------------------------------------------------------------
+
+    def _fault_explains(self, error: RuntimeError) -> bool:
+        """A collective failed: is it a fault the agent declared (or is about to)?"""
+        deadline = time.monotonic() + self._fault_grace_s
+        while time.monotonic() < deadline:
+            if self._store.exists(P.end_key(self._generation)):
+                return True
+            time.sleep(POLL_S * 4)
+        return False
+
+    def _decide(self, generation: int, step: int, voted: bool) -> str:
+        raw, key = self._store.raw, self._store.key(P.decision_key(generation, step))
+        if voted:
+            count = self._store.add(P.vote_key(generation, step), 1)
+            if count >= self.world_size:
+                joiner_waits = self._store.exists(P.join_key(generation))
+                wanted = P.COMMIT_REGROUP if joiner_waits else P.COMMIT
+                return raw.compare_set(key, "", wanted).decode()
+        end = self._store.key(P.end_key(generation))
+        while True:
+            if raw.check([key]):
+                return self._checked_decision(raw.get(key))
+            if raw.check([end]):
+                return self._checked_decision(raw.compare_set(key, "", P.ABORT))
+            with contextlib.suppress(RuntimeError):  # not decided yet: look at the end again
+                raw.wait([key], timedelta(milliseconds=50))
+
+    @staticmethod
+    def _checked_decision(value: bytes) -> str:
+        text = value.decode(errors="replace")
+        if text not in P.DECISIONS:
+            raise RegroupError(f"invalid decision {text!r} in the store")
+        return text
+
+    # --- regroup --------------------------------------------------------------------------
+
+    def _regroup(self, after: int) -> None:
+        """Join the first generation newer than ``after`` that includes this member."""
+        failures = 0
+        with_abort = getattr(self.process_group.backend, "abort", None)
+        if after >= 0 and callable(with_abort):
+            with contextlib.suppress(RuntimeError):
+                with_abort()  # release anything still pending on the old backend
+        while True:
+            generation = self._await_generation(after)
+            if self._enter(generation):
+                self._pending_join = False
+                return
+            failures += 1
+            if failures >= self._max_regroups:
+                raise RegroupError(
+                    f"member {self.member_id}: {failures} generations in a row failed to form"
+                )
+            after = generation.number
+
+    def _await_generation(self, after: int) -> P.MemberGeneration:
+        while True:
+            latest = self._store.get(P.LATEST)
+            number = latest.get("number") if latest else None
+            if isinstance(number, int) and number > after:
+                record = self._store.get(P.generation_key(number))
+                if record is not None:
+                    generation = P.MemberGeneration.from_json(record)
+                    if generation.rank_of(self.member_id) is not None:
+                        return generation
+                    after = number  # not in this one (a spare): wait for a later one
+            time.sleep(POLL_S)
+
+    def _enter(self, generation: P.MemberGeneration) -> bool:
+        """Meet the other members of ``generation``, build its backend, share state.
+        False when the generation ended before it formed."""
+        number, size = generation.number, generation.world_size
+        rank = generation.rank_of(self.member_id)
+        assert rank is not None
+        self._store.add(P.arrived_key(number), 1)
+        while self._store.add(P.arrived_key(number), 0) < size:
+            if self._store.exists(P.end_key(number)):
+                return False
+            time.sleep(POLL_S)
+        try:
+            store = dist.PrefixStore(P.pg_prefix(self._prefix, number), self._store.raw)
+            backend = _make_backend(store, rank, size, self._timeout)
+            self.process_group.swap(backend)
+            self._generation = number
+            for obj in self._registered.values():
+                if isinstance(obj, DistributedDataParallel):
+                    _renew_reducer(obj)
+            if generation.has_joiners:
+                self._share_state(generation, rank)
+            if generation.members[rank].joiner:
+                self._store.set(P.synced_key(self.member_id), {"generation": number})
+        except RuntimeError:
+            if self._store.exists(P.end_key(number)):
+                return False
+            raise
+        for callback in self._callbacks:
+            callback(rank, size)
+        return True
+
+    def _share_state(self, generation: P.MemberGeneration, rank: int) -> None:
+        source = generation.source_rank
+        if source is None:
+            raise RegroupError("a generation of joiners only has no state to start from")
+        joiner = generation.members[rank].joiner
+        if rank == source:
+            buffer = io.BytesIO()
+            state = {name: obj.state_dict() for name, obj in self._registered.items()}
+            torch.save({"step": self._step, "state": state}, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(length, source)
+        if rank != source:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._broadcast(payload, source)
+        if joiner:
+            received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+            for name, obj in self._registered.items():
+                obj.load_state_dict(received["state"][name])
+            self._step = int(received["step"])
+
+    def _broadcast(self, tensor: torch.Tensor, source: int) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = source
+        options.rootTensor = 0
+        self.process_group.backend.broadcast([tensor], options).wait()
+
+
+def init(
+    *,
+    collective_timeout_s: float = 300.0,
+    fault_grace_s: float = 10.0,
+    max_regroups: int = 5,
+) -> FaultTolerance:
+    """Join the job: returns when this worker is a member of a working generation (a
+    joiner returns at once and joins at its first ``run_step``)."""
+    return FaultTolerance(
+        collective_timeout_s=collective_timeout_s,
+        fault_grace_s=fault_grace_s,
+        max_regroups=max_regroups,
+    )
+
+
+def describe(ft: FaultTolerance) -> str:
+    return json.dumps({"member": ft.member_id, "rank": ft.rank, "world": ft.world_size,
+                       "generation": ft.generation, "step": ft.step})

@@ -1,0 +1,103 @@
+"""A training job written with ftrun's worker API: it survives a failed worker in-process.
+
+    ftrun --nproc-per-node 4 --recovery regroup scripts/train_elastic.py --steps 300
+
+An MLP learns a synthetic regression task with DDP over gloo. Each step's global batch is
+fixed by the step number and split evenly among the current ranks, so the gradient of a
+step is the same whoever computes it and however many ranks there are: after a fault and
+a replacement the final parameters match a fault-free run (to float tolerance; the sum
+order of the reduction changes with the world size, so not bitwise).
+
+Output, one line each, parsed by tests and benchmarks:
+    step=N loss=L rank=R pid=P t=UNIX gen=G world=W
+    regroup gen=G rank=R world=W step=S checksum=C
+    done rank=R steps=N param_sum=C
+Fault injection for tests: --raise-at-step, --sleep-at-step (the main thread stops making
+progress while the process stays alive), each on --fault-rank, once per job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ftrun
+
+GLOBAL_BATCH = 96  # divisible by every world size from 1 to 4 (and 6, 8, 12)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--raise-at-step", type=int, default=-1)
+    parser.add_argument("--sleep-at-step", type=int, default=-1)
+    parser.add_argument("--fault-rank", type=int, default=1)
+    return parser.parse_args()
+
+
+def make_model(hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+        nn.Linear(hidden, 1),
+    )
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    inputs = torch.randn(GLOBAL_BATCH, 32, generator=generator)
+    return inputs, inputs[:, :8].sum(dim=1, keepdim=True).sin()
+
+
+def checksum(model: nn.Module) -> str:
+    return f"{sum(p.detach().double().sum().item() for p in model.parameters()):.12f}"
+
+
+def main() -> None:
+    args = parse_args()
+    ft = ftrun.init()
+    model = DistributedDataParallel(make_model(args.hidden), process_group=ft.process_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    ft.register("model", model)
+    ft.register("optimizer", optimizer)
+    ft.on_regroup(lambda rank, world: print(
+        f"regroup gen={ft.generation} rank={rank} world={world} step={ft.step} "
+        f"checksum={checksum(model)}", flush=True))
+    once = os.environ.get("FTRUN_INITIAL") == "1" or os.environ.get("FTRUN_MEMBER_ID") is None
+
+    def compute() -> float:
+        step, rank, world = ft.step, ft.rank, ft.world_size
+        if once and rank == args.fault_rank and step == args.raise_at_step:
+            raise ValueError(f"injected error at step {step} on rank {rank}")
+        if once and rank == args.fault_rank and step == args.sleep_at_step:
+            while True:  # alive, beating, but no progress: a stalled main thread
+                time.sleep(1)
+        inputs, target = global_batch(step)
+        share = GLOBAL_BATCH // world
+        rows = slice(rank * share, (rank + 1) * share)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs[rows]), target[rows])
+        loss.backward()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        return loss.item()
+
+    while ft.step < args.steps:
+        loss = ft.run_step(compute, optimizer.step)
+        if loss is not None:
+            print(f"step={ft.step} loss={loss:.6f} rank={ft.rank} pid={os.getpid()} "
+                  f"t={time.time():.6f} gen={ft.generation} world={ft.world_size}", flush=True)
+    print(f"done rank={ft.rank} steps={ft.step} param_sum={checksum(model)}", flush=True)
+    ft.close()
+
+
+if __name__ == "__main__":
+    main()
