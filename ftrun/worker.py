@@ -197,6 +197,17 @@ class FaultTolerance:
             raise TypeError(f"{name}: needs state_dict() and load_state_dict()")
         self._registered[name] = obj
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every registered object's state and the step counter: a disk checkpoint."""
+        return {"step": self._step,
+                "state": {name: obj.state_dict() for name, obj in self._registered.items()}}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Restore a checkpoint written from :meth:`state_dict` (for a cold restart)."""
+        for name, obj in self._registered.items():
+            obj.load_state_dict(checkpoint["state"][name])
+        self._step = int(checkpoint["step"])
+
     def on_regroup(self, callback: Callable[[int, int], None]) -> None:
         """Call ``callback(rank, world_size)`` after every regroup (to re-shard data)."""
         self._callbacks.append(callback)
@@ -391,8 +402,7 @@ class FaultTolerance:
         joiner = generation.members[rank].joiner
         if rank == source:
             buffer = io.BytesIO()
-            state = {name: obj.state_dict() for name, obj in self._registered.items()}
-            torch.save({"step": self._step, "state": state}, buffer)
+            torch.save(self.state_dict(), buffer)
             payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
@@ -402,10 +412,9 @@ class FaultTolerance:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
         self._broadcast(payload, source)
         if joiner:
-            received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-            for name, obj in self._registered.items():
-                obj.load_state_dict(received["state"][name])
-            self._step = int(received["step"])
+            self.load_state_dict(
+                torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+            )
 
     def _broadcast(self, tensor: torch.Tensor, source: int) -> None:
         options = dist.BroadcastOptions()
