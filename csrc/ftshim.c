@@ -871,6 +871,32 @@ enum { CLAIM_WAIT = 0, CLAIM_OK = 1, CLAIM_NEVER = 2 };
 
 static int pid_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
+/* Does `pid` have a libnccl mapped? Asked of the current owner before taking the page over:
+ * its own owner_has_nccl flag lags by up to one tick after it loads NCCL. Claim path only. */
+static int pid_has_nccl(pid_t pid) {
+  char path[64], buf[8192];
+  snprintf(path, sizeof path, "/proc/%d/maps", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  size_t have = 0;
+  int found = 0;
+  for (;;) {
+    ssize_t n = read(fd, buf + have, sizeof buf - have);
+    if (n <= 0) break;
+    have += (size_t)n;
+    if (memmem(buf, have, "libnccl", 7)) {
+      found = 1;
+      break;
+    }
+    if (have >= 6) { /* keep the tail: the name may be split across two reads */
+      memmove(buf, buf + have - 6, 6);
+      have = 6;
+    }
+  }
+  close(fd);
+  return found;
+}
+
 /* Decide who owns the page. The first process that has NCCL loaded (or that the agent named
  * with bind()) claims it; a process with NCCL may take it over from an owner without NCCL
  * (a wrapper shell that then started python); an exec keeps the pid and re-claims. Everyone
@@ -883,8 +909,8 @@ static int try_claim(int have_nccl) {
     int32_t bound = A_LOAD(&p->bound_pid, ACQUIRE);
     int bound_me = bound == self;
     if (owner != 0 && owner != self) {
-      int owner_nccl = (int)A_LOAD(&p->owner_has_nccl, ACQUIRE);
       int alive = pid_alive(owner);
+      int owner_nccl = (int)A_LOAD(&p->owner_has_nccl, ACQUIRE) || (alive && pid_has_nccl(owner));
       if (alive && owner_nccl && !(bound_me && have_nccl && owner != bound)) return CLAIM_NEVER;
       if (alive && !have_nccl) return CLAIM_WAIT;
       if (!alive && !have_nccl && !bound_me) return CLAIM_WAIT;

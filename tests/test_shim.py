@@ -404,6 +404,31 @@ def test_inert_in_fork_and_exec_children(builds: dict[str, Build], procs: list[P
         assert ctl.status()["attach_count"] == 1 and ctl.status()["owner_pid"] == p.pid
 
 
+def test_wrapper_shell_hands_over_to_the_nccl_process(
+    builds: dict[str, Build], procs: list[Proc]
+) -> None:
+    """The agent spawned (and bound) a shell that forks the real worker: the shell owns the
+    page until the worker makes its first communicator, then the worker takes it over."""
+    build = builds["plain"]
+    with control(build, tick_ms=2) as ctl:
+        env = ctl.worker_env(worker_env(build, dict(os.environ)))
+        cmd = f"{build.worker} {build.scenario} block 1; exit $?"  # not exec'd: a real fork
+        p = Proc(["/bin/sh", "-c", cmd], env)
+        procs.append(p)
+        ctl.bind(p.pid)
+        wait_until(lambda: ctl.status()["owner_pid"] != 0, 5, "a claim")
+        p.expect("BLOCKED")
+        status = ctl.status()
+        assert status["owner_pid"] not in (0, p.pid) and status["state"] == "active"
+        assert status["attach_count"] == 2  # the shell, then the worker
+        first = ctl.liveness()
+        wait_until(lambda: ctl.liveness() > first + 3, 5, "the new owner's liveness")
+        report = ctl.abort(1, timeout_s=5)
+        assert len(report.entries) == 1 and report.entries[0].state_after == "revoked"
+        p.expect("RELEASED")
+        assert p.finish()[0] == 0
+
+
 def test_inert_without_control_environment(builds: dict[str, Build], procs: list[Proc]) -> None:
     build = builds["plain"]
     env = worker_env(build, dict(os.environ))
