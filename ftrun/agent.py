@@ -39,6 +39,7 @@ from ftrun.exitcodes import ExitCode, for_signal
 from ftrun.regroup import RegroupSupervisor
 from ftrun.rendezvous import Generation, NodeSlot, RendezvousError, StaticRendezvous
 from ftrun.report import print_failure_summary
+from ftrun.shim import SURVIVOR_TORCH_ENV, ShimControl, ShimError
 from ftrun.store import JsonStore, StoreError, connect_store, serve_store
 
 
@@ -105,6 +106,7 @@ class Agent:
         self.control_server: Any = None
         self.worker_stores: list[Any] = []
         self.history: list[WorkerExit] = []
+        self._shim_unavailable = False
 
     # --- messages ------------------------------------------------------------------------
 
@@ -214,7 +216,7 @@ class Agent:
     # --- one generation ------------------------------------------------------------------
 
     def _run_generation(self, rdzv: StaticRendezvous, generation: Generation) -> GenerationResult:
-        if self.config.recovery is not Recovery.RESTART and self.config.is_single_node:
+        if self._survivors_continue:
             supervisor = RegroupSupervisor(self, generation, rdzv.store, generation.restart_count)
             return supervisor.run()
         group = [
@@ -243,6 +245,12 @@ class Agent:
         rank_dir.mkdir(parents=True, exist_ok=True)
         env = self._worker_env(generation, local_rank, rank, rank_dir / "error.json")
         env.update(extra_env or {})
+        shim = self._shim_control(f"rank{rank}", generation.number)
+        if shim is not None:
+            env = shim.worker_env(env)
+        # torchrun's values stay; a worker that joins a regroup (ftrun.init) switches to the
+        # survivor settings itself, except those the user chose.
+        env["FTRUN_USER_TORCH_ENV"] = ",".join(k for k in SURVIVOR_TORCH_ENV if k in os.environ)
         redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)
         shown = config.local_ranks_filter is None or local_rank in config.local_ranks_filter
         console = Std(Std.ALL.value & ~redirect.value) if shown else Std.NONE
@@ -260,6 +268,9 @@ class Agent:
             duplicate_stderr=config.duplicate_stderr_filters,
         )
         worker = local.spawn(launch)
+        if shim is not None:
+            shim.bind(worker.pid)
+            worker.shim = shim
         self.events.emit(
             "spawn",
             generation=generation.number,
@@ -269,6 +280,23 @@ class Agent:
             member=(extra_env or {}).get("FTRUN_MEMBER_ID"),
         )
         return worker
+
+    @property
+    def _survivors_continue(self) -> bool:
+        """Whether a failure leaves the other workers running (in-process regroup)."""
+        return self.config.recovery is not Recovery.RESTART and self.config.is_single_node
+
+    def _shim_control(self, label: str, generation: int) -> ShimControl | None:
+        """The NCCL shim's control page for one worker, or None (disabled, or not built:
+        then said once, and the job runs without it)."""
+        if not self.config.use_shim or self._shim_unavailable:
+            return None
+        try:
+            return ShimControl(label=label, generation=generation)
+        except ShimError as error:
+            self._shim_unavailable = True
+            self.say(f"NCCL shim not used: {error}", style="yellow")
+            return None
 
     def _worker_env(
         self, generation: Generation, local_rank: int, rank: int, error_file: Path

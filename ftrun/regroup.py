@@ -25,6 +25,7 @@ when the others have reported a later step than it has; a hang that every rank s
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import statistics
 import time
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol as P
 from ftrun import workers as local
+from ftrun.shim import ShimError, ShimTimeoutError
 from ftrun.store import JsonStore, StoreError
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class Slot:
     process: local.WorkerProcess
     initial: bool
     heartbeat: int = 0
+    native_liveness: int = -1
     heartbeat_at: float = field(default_factory=time.monotonic)
     progress: int = -1
     progress_at: float = field(default_factory=time.monotonic)
@@ -220,8 +223,33 @@ class RegroupSupervisor:
                 f"{self.config.min_workers}", style="red")
             self._stop_all(signal.SIGTERM, "below minimum")
             return Outcome.FAILED
+        self._abort_communicators(survivors, self.latest.number + 1)
         self._publish(members)
         return None
+
+    def _abort_communicators(self, survivors: list[P.Member], generation: int) -> None:
+        """Release survivors stuck in an NCCL collective with the failed member.
+
+        Done before the next generation is published, so that no communicator of the new
+        generation can be created under the old number and be aborted with the old ones.
+        A shim that cannot finish in time means a worker wedged in NCCL: it is killed.
+        """
+        for member in survivors:
+            slot = self.slots[member.id]
+            shim = slot.process.shim
+            if shim is None or slot.process.poll() is not None:
+                continue
+            try:
+                report = shim.abort(generation, timeout_s=self.config.abort_timeout_s)
+            except ShimTimeoutError:
+                self.agent.say(f"member {member.id}: NCCL abort timed out; killing it")
+                slot.process.signal_group(signal.SIGKILL)
+                continue
+            except ShimError:
+                continue
+            if report.entries:
+                self.agent.events.emit("abort", member=member.id, generation=generation,
+                                       report=report.to_dict())
 
     def _replace(self) -> None:
         if self.config.on_failure != "replace" or self.replacement_failures > 3:
@@ -268,7 +296,7 @@ class RegroupSupervisor:
             beat, progress, member = present[3 * index: 3 * index + 3]
             if member is not None:
                 slot.ready = True
-            if beat is not None and int(beat) != slot.heartbeat:
+            if beat is not None and int(beat) != slot.heartbeat and slot.process.shim is None:
                 slot.heartbeat, slot.heartbeat_at = int(beat), now
             if progress is not None and int(progress) != slot.progress:
                 if slot.progress >= 0:
@@ -279,11 +307,20 @@ class RegroupSupervisor:
                 if slot.ready and not slot.synced and self.store.exists(P.synced_key(slot.member)):
                     slot.synced = True
         for slot in live:
+            shim = slot.process.shim
+            if shim is not None:  # native: keeps counting while the GIL is held elsewhere
+                with contextlib.suppress(ShimError, OSError, ValueError):
+                    ticks = shim.liveness()
+                    if ticks != slot.native_liveness:
+                        slot.native_liveness, slot.heartbeat_at = ticks, now
+        for slot in live:
             if slot.process.is_frozen():
                 verdict = self._fail(slot, "frozen (stopped by a signal)", kill=True)
                 if verdict is not None:
                     return verdict
-            elif slot.ready and now - slot.heartbeat_at > self.config.liveness_timeout_s:
+            elif (slot.ready or slot.native_liveness >= 0) and (
+                now - slot.heartbeat_at > self.config.liveness_timeout_s
+            ):
                 verdict = self._fail(slot, "heartbeat lost", kill=True)
                 if verdict is not None:
                     return verdict

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol as P
+from ftrun.shim import SURVIVOR_TORCH_ENV
 from ftrun.store import JsonStore, StoreError
 
 T = TypeVar("T")
@@ -264,6 +265,13 @@ class FaultTolerance:
         self._pending_join = False
 
     def _connect(self) -> None:
+        # A survivor must outlive an aborted communicator: torch's defaults tear the process
+        # down instead. The agent kept torchrun's values (scripts without this API expect
+        # them) and names the ones the user set, which win.
+        chosen = set(os.environ.get("FTRUN_USER_TORCH_ENV", "").split(","))
+        for key, value in SURVIVOR_TORCH_ENV.items():
+            if key not in chosen:
+                os.environ[key] = value
         host, _, port = os.environ["FTRUN_CONTROL_ADDR"].rpartition(":")
         self._prefix = prefix = os.environ["FTRUN_REGROUP_PREFIX"]
         raw = dist.TCPStore(host, int(port), is_master=False, timeout=self._timeout)

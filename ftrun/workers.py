@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psutil
 
@@ -76,6 +76,7 @@ class WorkerProcess:
     stopped_by_agent: bool = False
     killed_frozen: bool = False
     pumps: list[threading.Thread] = field(default_factory=list)
+    shim: Any = None  # ftrun.shim.ShimControl while the worker runs with the NCCL shim
 
     @property
     def pid(self) -> int:
@@ -97,6 +98,8 @@ class WorkerProcess:
                 self.returncode = code
                 self.ended = time.time()
                 self._close_pidfd()
+                if self.shim is not None:
+                    self.shim.close()
         return self.returncode
 
     def is_frozen(self) -> bool:

@@ -11,9 +11,18 @@ order of the reduction changes with the world size, so not bitwise).
 Output, one line each, parsed by tests and benchmarks:
     step=N loss=L rank=R pid=P t=UNIX gen=G world=W
     regroup gen=G rank=R world=W step=S checksum=C
+    resumed step=S rank=R
     done rank=R steps=N param_sum=C
 Fault injection for tests: --raise-at-step, --sleep-at-step (the main thread stops making
 progress while the process stays alive), each on --fault-rank, once per job.
+
+Disk checkpoints, for restart-based recovery (torchrun, ``ftrun --recovery restart``):
+``--checkpoint-dir D --checkpoint-every K`` makes rank 0 save ``ft.state_dict()`` to
+``D/checkpoint.pt`` (written to a temporary file, then renamed) after every K committed
+steps, and every rank resume from it at start, printing ``resumed step=S rank=R``. Under
+``--recovery regroup`` the flags are harmless: the initial workers resume from an existing
+checkpoint the same way, a replacement skips the disk (it receives the state from a
+survivor), and rank 0 of the current generation keeps saving.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,6 +50,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--raise-at-step", type=int, default=-1)
     parser.add_argument("--sleep-at-step", type=int, default=-1)
     parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--slow-rank", type=int, default=-1,
+                        help="this rank sleeps --slow-sleep before each backward, so the "
+                        "others wait inside the gradient allreduce (for fault tests)")
+    parser.add_argument("--slow-sleep", type=float, default=0.0)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=20,
+                        help="committed steps between checkpoints (with --checkpoint-dir)")
     return parser.parse_args()
 
 
@@ -61,6 +78,12 @@ def checksum(model: nn.Module) -> str:
     return f"{sum(p.detach().double().sum().item() for p in model.parameters()):.12f}"
 
 
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: a crash never leaves half a checkpoint
+
+
 def main() -> None:
     args = parse_args()
     ft = ftrun.init()
@@ -72,6 +95,13 @@ def main() -> None:
         f"regroup gen={ft.generation} rank={rank} world={world} step={ft.step} "
         f"checksum={checksum(model)}", flush=True))
     once = os.environ.get("FTRUN_INITIAL") == "1" or os.environ.get("FTRUN_MEMBER_ID") is None
+    checkpoint = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
+    if checkpoint is not None:
+        args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        # A replacement under regroup gets the state from a survivor, not from the disk.
+        if checkpoint.exists() and os.environ.get("FTRUN_INITIAL", "1") == "1":
+            ft.load_state_dict(torch.load(checkpoint, weights_only=True))
+            print(f"resumed step={ft.step} rank={ft.rank}", flush=True)
 
     def compute() -> float:
         step, rank, world = ft.step, ft.rank, ft.world_size
@@ -85,6 +115,8 @@ def main() -> None:
         rows = slice(rank * share, (rank + 1) * share)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(inputs[rows]), target[rows])
+        if rank == args.slow_rank:
+            time.sleep(args.slow_sleep)
         loss.backward()
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -95,6 +127,9 @@ def main() -> None:
         if loss is not None:
             print(f"step={ft.step} loss={loss:.6f} rank={ft.rank} pid={os.getpid()} "
                   f"t={time.time():.6f} gen={ft.generation} world={ft.world_size}", flush=True)
+            if (checkpoint is not None and args.checkpoint_every > 0 and ft.rank == 0
+                    and ft.step % args.checkpoint_every == 0):
+                save_checkpoint(checkpoint, ft.state_dict())
     print(f"done rank={ft.rank} steps={ft.step} param_sum={checksum(model)}", flush=True)
     ft.close()
 
