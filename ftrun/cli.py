@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ftrun import __version__
+from ftrun.auth import TokenError, load_secret
 from ftrun.config import (
     DEFAULT_MASTER_PORT,
     DEFAULT_RDZV_PORT,
@@ -132,7 +133,7 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "Regroup: warm spare workers per node."),
     ("--min-workers", "min_workers", "FTRUN_MIN_WORKERS", "1",
      "Regroup: stop the job below this many workers."),
-    ("--liveness-timeout", "liveness_timeout", "FTRUN_LIVENESS_TIMEOUT", "2.0",
+    ("--liveness-timeout", "liveness_timeout", "FTRUN_LIVENESS_TIMEOUT", "5.0",
      "Regroup: seconds without a worker heartbeat before it is declared hung."),
     ("--stall-floor", "stall_floor", "FTRUN_STALL_FLOOR", "5.0",
      "Regroup: least seconds without a step before a lagging worker is declared stalled."),
@@ -254,11 +255,19 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     else:
         rdzv_host, port = parse_endpoint(ns.rdzv_endpoint, DEFAULT_RDZV_PORT)
         explicit, rdzv_port = port is not None, port if port is not None else DEFAULT_RDZV_PORT
-    if nnodes_max > 1 and (backend == "c10d" or nnodes_min != nnodes_max):
+    if nnodes_min != nnodes_max and backend == "static":
         raise ConfigError(
-            "multi-node c10d or elastic (MIN:MAX) rendezvous is not supported yet; "
-            "use the static backend (--node-rank, --master-addr, --master-port)"
+            f"--nnodes={ns.nnodes}: an elastic MIN:MAX job needs --rdzv-backend c10d "
+            "(the static backend waits for a fixed set of node ranks)"
         )
+    if backend == "c10d" and nnodes_max > 1 and not ns.rdzv_endpoint:
+        raise ConfigError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint "
+                          "HOST[:PORT] (the host whose agent serves the store)")
+    _check_rdzv_conf(rdzv_conf)
+    try:
+        load_secret(environ)
+    except TokenError as error:
+        raise ConfigError(str(error)) from None
     check_resolvable(rdzv_host, "--master-addr" if backend == "static" else "--rdzv-endpoint")
     if ns.local_addr:
         check_resolvable(ns.local_addr, "--local-addr")
@@ -339,10 +348,30 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         event_log_console=handler == "console",
         start_method=start_method,
     )
-    if config.hosts_store and config.rdzv_port != 0:
+    # A c10d agent whose address merely matches the endpoint takes the store only if the
+    # port is free (another agent on this host may already serve it), as torchrun does.
+    inferred_host = backend == "c10d" and nnodes_max > 1 and "is_host" not in rdzv_conf
+    if config.hosts_store and config.rdzv_port != 0 and not inferred_host:
         flag = "--master-port" if backend == "static" else "--rdzv-endpoint"
         check_port_free(config.rdzv_port, flag)
     return config
+
+
+# torchrun's --rdzv-conf keys; ftrun acts on the first four and accepts the others.
+RDZV_CONF_KEYS = ("is_host", "join_timeout", "last_call_timeout", "read_timeout",
+                  "close_timeout", "timeout", "keep_alive_interval", "keep_alive_max_attempt",
+                  "use_libuv")
+
+
+def _check_rdzv_conf(conf: Mapping[str, str]) -> None:
+    for key, value in conf.items():
+        if key not in RDZV_CONF_KEYS:
+            raise ConfigError(f"--rdzv-conf: unknown key {key!r} (known: "
+                              f"{', '.join(RDZV_CONF_KEYS)})")
+        if key == "is_host" and value.lower() not in ("0", "1", "true", "false", "yes", "no"):
+            raise ConfigError(f"--rdzv-conf: is_host={value!r}: expected true or false")
+        if key.endswith("timeout") and key != "timeout":
+            parse_seconds(value, key, allow_zero=key == "last_call_timeout")
 
 
 def _count(value: str, flag: str, *, minimum: int) -> int:

@@ -102,7 +102,7 @@ class LaunchConfig:
     on_failure: str = "replace"  # regroup: "replace" the failed worker or "shrink"
     spares: int = 0  # warm spare workers per node (regroup)
     min_workers: int = 1  # regroup: below this many workers the job stops
-    liveness_timeout_s: float = 2.0  # regroup: silence of a worker's heartbeat
+    liveness_timeout_s: float = 5.0  # regroup: silence of a worker's heartbeat
     stall_floor_s: float = 5.0  # regroup: least time without a step before a stall
     abort_timeout_s: float = 5.0  # the shim's deadline to abort a worker's communicators
     heartbeat_interval_s: float = 1.0

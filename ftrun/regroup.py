@@ -17,7 +17,8 @@ generations in the control store (:mod:`ftrun.protocol`):
   supervisor then stops every worker and the agent restarts them (torchrun's behaviour).
 
 Detection bounds (defaults): exit at once; SIGSTOP within one monitor interval (0.1 s);
-a stopped heartbeat after ``--liveness-timeout`` (2 s); a stalled rank after
+a stopped heartbeat after ``--liveness-timeout`` (5 s; counted from the worker's
+``ftrun.init()``: an import can starve a process for over a second on a busy node); a stalled rank after
 max(``--stall-floor`` 5 s, 20 x the median step time). A member is attributed a stall only
 when the others have reported a later step than it has; a hang that every rank shares
 (inside one collective) is left to the collective timeout on gloo and to the shim on NCCL.
@@ -318,9 +319,7 @@ class RegroupSupervisor:
                 verdict = self._fail(slot, "frozen (stopped by a signal)", kill=True)
                 if verdict is not None:
                     return verdict
-            elif (slot.ready or slot.native_liveness >= 0) and (
-                now - slot.heartbeat_at > self.config.liveness_timeout_s
-            ):
+            elif slot.ready and now - slot.heartbeat_at > self.config.liveness_timeout_s:
                 verdict = self._fail(slot, "heartbeat lost", kill=True)
                 if verdict is not None:
                     return verdict

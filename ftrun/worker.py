@@ -142,6 +142,13 @@ def _renew_reducer(model: DistributedDataParallel) -> None:
         model.reducer._set_static_graph()
 
 
+def _release(holder: list[Any]) -> None:
+    backend = holder.pop()
+    with contextlib.suppress(RuntimeError):
+        backend.abort()
+    del backend  # the destructor closes the backend's connections
+
+
 def _backend_name() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -343,10 +350,8 @@ class FaultTolerance:
     def _regroup(self, after: int) -> None:
         """Join the first generation newer than ``after`` that includes this member."""
         failures = 0
-        with_abort = getattr(self.process_group.backend, "abort", None)
-        if after >= 0 and callable(with_abort):
-            with contextlib.suppress(RuntimeError):
-                with_abort()  # release anything still pending on the old backend
+        if after >= 0:
+            self._retire_backend()
         while True:
             generation = self._await_generation(after)
             if self._enter(generation):
@@ -358,6 +363,23 @@ class FaultTolerance:
                     f"member {self.member_id}: {failures} generations in a row failed to form"
                 )
             after = generation.number
+
+    def _retire_backend(self) -> None:
+        """Drop the failed generation's backend so that its connections close.
+
+        A survivor that gave up on a collective must not leave its sockets open: a peer
+        still waiting on it inside that collective (in a ring, not every survivor is next
+        to the dead member) only fails when they close, and gloo's ``abort`` does not
+        release a waiting peer. The last reference is dropped on a helper thread because
+        the backend's destructor joins its own threads.
+        """
+        old = self.process_group.backend
+        self.process_group.swap(self._solo_backend())
+        for obj in self._registered.values():
+            if isinstance(obj, DistributedDataParallel):
+                _renew_reducer(obj)  # the old reducer holds the failed step's work
+        threading.Thread(target=_release, args=([old],), name="ftrun-retire", daemon=True).start()
+        del old
 
     def _await_generation(self, after: int) -> P.MemberGeneration:
         while True:

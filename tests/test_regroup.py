@@ -1,0 +1,237 @@
+"""In-process regroup, end to end: 4 real gloo workers running scripts/train_elastic.py.
+
+Each test injects one kind of fault and then checks the invariants of a recovery:
+* the survivors kept running (same pids before and after the fault: no restart);
+* after every regroup all members report the same parameter checksum;
+* no survivor committed a step twice or skipped one (its step lines go up by one);
+* the job finishes, with identical final parameters on every rank, and the loss fell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO, Launch
+
+ELASTIC = REPO / "scripts" / "train_elastic.py"
+STEP = re.compile(r"step=(\d+) loss=([\d.]+) rank=(\d+) pid=(\d+) t=([\d.]+) gen=(\d+) world=(\d+)")
+REGROUP = re.compile(r"regroup gen=(\d+) rank=(\d+) world=(\d+) step=(\d+) checksum=(\S+)")
+DONE = re.compile(r"done rank=(\d+) steps=(\d+) param_sum=(\S+)")
+TOLERANCE = 1e-5  # relative: the reduction order changes with the world size
+
+
+def _script(job_dir: Path) -> Path:
+    target = job_dir / "train_elastic.py"
+    shutil.copy(ELASTIC, target)
+    return target
+
+
+def _launch(job_dir: Path, *flags: str, steps: int = 120, extra: tuple[str, ...] = (),
+            nproc: int = 4) -> Launch:
+    events = job_dir / "events.jsonl"
+    return Launch(
+        ["--nproc-per-node", str(nproc), "--recovery", "regroup", "--events-file", str(events),
+         *flags, str(_script(job_dir)), "--steps", str(steps), "--hidden", "128", *extra],
+        cwd=job_dir,
+    )
+
+
+def _steps(run: Launch) -> list[tuple[int, float, int, int, float, int, int]]:
+    found = []
+    for line in run.lines:
+        match = STEP.search(line)
+        if match:
+            step, loss, rank, pid, t, gen, world = match.groups()
+            found.append((int(step), float(loss), int(rank), int(pid), float(t), int(gen),
+                          int(world)))
+    return found
+
+
+def _pid_at_step(run: Launch, step: int, rank: int, timeout: float = 120) -> int:
+    def seen(lines: list[str]) -> int | None:
+        for line in lines:
+            match = STEP.search(line)
+            if match and int(match[1]) >= step and int(match[3]) == rank:
+                return int(match[4])
+        return None
+
+    return run.wait_for(seen, timeout, f"rank {rank} at step {step}")
+
+
+def _check_invariants(run: Launch, steps: int, *, survivors: set[int], world: int = 4) -> None:
+    output = run.output
+    # Every regroup: all members of a generation report the same checksum.
+    by_generation: dict[int, set[str]] = defaultdict(set)
+    members: dict[int, int] = defaultdict(int)
+    for match in REGROUP.finditer(output):
+        by_generation[int(match[1])].add(match[5])
+        members[int(match[1])] += 1
+    for generation, sums in by_generation.items():
+        assert len(sums) == 1, (generation, sums)
+    # No survivor applied a step twice or skipped one: its committed steps go up by one.
+    per_pid: dict[int, list[int]] = defaultdict(list)
+    for step, *_rest in _steps(run):
+        per_pid[_rest[2]].append(step)
+    for pid in survivors:
+        sequence = per_pid[pid]
+        assert sequence == list(range(sequence[0], sequence[0] + len(sequence))), (pid, sequence)
+    # The regroup's step is the last committed one: the next step line continues from it.
+    done = [DONE.search(line) for line in run.lines]
+    finals = {m[3] for m in done if m}
+    assert len([m for m in done if m]) == world, output[-3000:]
+    assert len(finals) == 1, finals
+    assert all(int(m[2]) == steps for m in done if m)
+    losses = [loss for _s, loss, *_ in _steps(run)]
+    assert sum(losses[-8:]) / 8 < sum(losses[:8]) / 8  # the loss keeps falling
+
+
+def _events(job_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _fault_free_checksum(tmp_path_factory: pytest.TempPathFactory, steps: int) -> str:
+    directory = tmp_path_factory.mktemp("faultfree")
+    run = _launch(directory, steps=steps)
+    assert run.wait(240) == 0, run.output
+    return next(m[3] for m in map(DONE.search, run.lines) if m)
+
+
+def test_kill_inside_allreduce_survivors_continue_and_match_fault_free(
+    job_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    steps = 60
+    # Rank 1 sleeps before each backward: the other ranks are waiting inside the gradient
+    # allreduce when it is killed.
+    run = _launch(job_dir, steps=steps, extra=("--slow-rank", "1", "--slow-sleep", "0.05"))
+    victim = _pid_at_step(run, 15, rank=1)
+    survivors = {_pid_at_step(run, 15, rank=r) for r in (0, 2, 3)}
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    assert run.wait(240) == 0, run.output
+    _check_invariants(run, steps, survivors=survivors)
+    after = [s for s in _steps(run) if s[4] > killed]
+    assert {s[3] for s in after} >= survivors  # the same processes carried on: no restart
+    print(f"kill to next committed step: {min(s[4] for s in after) - killed:.3f}s")
+    events = _events(job_dir)
+    failure = next(e for e in events if e["event"] == "failure")
+    assert failure["pid"] == victim and failure["rank"] == 1
+    assert any(e["event"] == "generation" and e["joiners"] for e in events)  # replaced
+    final = next(m[3] for m in map(DONE.search, run.lines) if m)
+    reference = _fault_free_checksum(tmp_path_factory, steps)
+    assert abs(float(final) - float(reference)) <= TOLERANCE * abs(float(reference))
+
+
+def test_frozen_worker_is_detected_killed_and_replaced(job_dir: Path) -> None:
+    run = _launch(job_dir, steps=100000, extra=("--step-sleep", "0.01"))
+    frozen = _pid_at_step(run, 10, rank=2)
+    stopped = time.time()
+    os.kill(frozen, signal.SIGSTOP)
+    run.wait_for(lambda lines: "frozen" in "\n".join(lines), 60, "the frozen verdict")
+    progress = run.wait_for(
+        lambda lines: next((s for s in map(STEP.search, lines) if s and float(s[5]) > stopped
+                            and int(s[4]) != frozen), None), 60, "progress after the freeze")
+    print(f"SIGSTOP to progress: {float(progress[5]) - stopped:.3f}s")
+    assert float(progress[5]) - stopped < 15
+    run.wait_for(lambda lines: any(m and int(m[3]) == 4 for m in map(REGROUP.search, lines)
+                                   if m and int(m[1]) >= 2), 120, "the replacement joining")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM
+
+
+def test_stalled_rank_is_detected_from_step_progress(job_dir: Path) -> None:
+    steps = 80
+    run = _launch(job_dir, "--stall-floor", "2", steps=steps,
+                  extra=("--sleep-at-step", "30", "--fault-rank", "3"))
+    run.wait_for(lambda lines: "stalled" in "\n".join(lines), 120, "the stall verdict")
+    assert run.wait(240) == 0, run.output
+    _check_invariants(run, steps, survivors=set())
+    failure = next(e for e in _events(job_dir) if e["event"] == "failure")
+    assert failure["rank"] == 3 and "stalled" in failure["cause"]
+
+
+def test_exception_in_one_worker_regroups_the_rest(job_dir: Path) -> None:
+    steps = 60
+    run = _launch(job_dir, steps=steps, extra=("--raise-at-step", "20", "--fault-rank", "2"))
+    assert run.wait(240) == 0, run.output
+    _check_invariants(run, steps, survivors=set())
+    failure = next(e for e in _events(job_dir) if e["event"] == "failure")
+    assert failure["rank"] == 2 and failure["cause"] == "exit code 1"
+    assert "injected error at step 20 on rank 2" in run.output
+
+
+def test_rank_zero_failing_and_two_faults_in_a_row(job_dir: Path) -> None:
+    steps = 90
+    run = _launch(job_dir, steps=steps, extra=("--step-sleep", "0.01"))
+    first = _pid_at_step(run, 15, rank=0)
+    os.kill(first, signal.SIGKILL)
+    # The second fault hits while the job has only just regrouped.
+    second = run.wait_for(
+        lambda lines: next((int(m[4]) for m in map(STEP.search, lines)
+                            if m and int(m[6]) == 1 and int(m[3]) == 0), None),
+        120, "rank 0 of the first new generation")
+    os.kill(second, signal.SIGKILL)
+    assert run.wait(300) == 0, run.output
+    _check_invariants(run, steps, survivors=set())
+    failures = [e for e in _events(job_dir) if e["event"] == "failure"]
+    assert [f["pid"] for f in failures[:2]] == [first, second]
+
+
+def test_fault_during_recovery(job_dir: Path) -> None:
+    steps = 80
+    run = _launch(job_dir, steps=steps, extra=("--step-sleep", "0.01"))
+    a, b = _pid_at_step(run, 15, rank=1), _pid_at_step(run, 15, rank=2)
+    os.kill(a, signal.SIGKILL)
+    run.wait_for(lambda lines: f"(pid {a}) failed" in "\n".join(lines), 60, "the first verdict")
+    os.kill(b, signal.SIGKILL)  # while the survivors are regrouping
+    assert run.wait(300) == 0, run.output
+    _check_invariants(run, steps, survivors=set())
+
+
+def test_replacement_dying_while_joining(job_dir: Path) -> None:
+    steps = 100
+    run = _launch(job_dir, steps=steps, extra=("--step-sleep", "0.02"))
+    os.kill(_pid_at_step(run, 10, rank=3), signal.SIGKILL)
+    joiner = run.wait_for(
+        lambda lines: next((int(e["pid"]) for e in _events(job_dir)
+                            if e["event"] == "spawn" and e.get("member") == "4"), None)
+        if (job_dir / "events.jsonl").exists() else None, 60, "the replacement's spawn")
+    run.wait_for(lambda lines: "a new member is ready" in "\n".join(lines), 120, "joiner ready")
+    os.kill(joiner, signal.SIGKILL)
+    assert run.wait(300) == 0, run.output
+    _check_invariants(run, steps, survivors=set())
+
+
+def test_warm_spare_restores_the_world_size_at_once(job_dir: Path) -> None:
+    steps = 80
+    run = _launch(job_dir, "--spares", "1", steps=steps, extra=("--step-sleep", "0.01"))
+    run.wait_for(lambda lines: sum("step=" in x for x in lines) > 0, 120, "training")
+    time.sleep(0)  # the spare announces itself when its imports are done
+    run.wait_for(lambda lines: (job_dir / "events.jsonl").exists(), 10, "events")
+    victim = _pid_at_step(run, 20, rank=1)
+    os.kill(victim, signal.SIGKILL)
+    generation = run.wait_for(
+        lambda lines: next((m for m in map(REGROUP.search, lines) if m and int(m[1]) == 1),
+                           None), 120, "generation 1")
+    assert int(generation[3]) == 4  # the spare took the place at once: no shrink
+    assert run.wait(240) == 0, run.output
+    _check_invariants(run, steps, survivors=set())
+
+
+def test_shrink_continues_with_fewer_then_stops_below_minimum(job_dir: Path) -> None:
+    run = _launch(job_dir, "--on-failure", "shrink", "--min-workers", "3", steps=100000,
+                  extra=("--step-sleep", "0.01"))
+    os.kill(_pid_at_step(run, 10, rank=3), signal.SIGKILL)
+    run.wait_for(lambda lines: any(m and int(m[7]) == 3 for m in map(STEP.search, lines)),
+                 120, "steps with 3 workers")
+    os.kill(_pid_at_step(run, 1, rank=0), signal.SIGKILL)
+    assert run.wait(120) == 1
+    assert "fewer than --min-workers 3" in run.output
