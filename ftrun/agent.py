@@ -23,8 +23,9 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,21 @@ from rich.console import Console
 from rich.markup import escape
 
 from ftrun import workers as local
-from ftrun.config import LaunchConfig, Recovery, Std
+from ftrun.auth import Signer, load_secret
+from ftrun.config import LaunchConfig, Recovery, Std, parse_seconds
 from ftrun.events import EventLog, WorkerExit, read_error_file
 from ftrun.exitcodes import ExitCode, for_signal
+from ftrun.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.regroup import RegroupSupervisor
-from ftrun.rendezvous import Generation, NodeSlot, RendezvousError, StaticRendezvous
+from ftrun.rendezvous import (
+    DynamicRendezvous,
+    Generation,
+    NodeSlot,
+    Rendezvous,
+    RendezvousError,
+    StaticRendezvous,
+    StoreLostError,
+)
 from ftrun.report import print_failure_summary
 from ftrun.shim import SURVIVOR_TORCH_ENV, ShimControl, ShimError
 from ftrun.store import JsonStore, StoreError, connect_store, serve_store
@@ -107,11 +118,22 @@ class Agent:
         self.worker_stores: list[Any] = []
         self.history: list[WorkerExit] = []
         self._shim_unavailable = False
+        # Multi-node: this agent's identity in the store, its node rank in the current
+        # generation (c10d: given by the leader), heartbeats sent or (leader) watched.
+        self.node_id = f"{self.hostname}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.node_rank = config.node_rank if config.rdzv_backend == "static" or \
+            config.is_single_node else -1
+        self.heartbeat: HeartbeatSender | None = None
+        self.monitor: HeartbeatMonitor | None = None
+        self._finished_nodes: set[str] = set()
+        self._next_scan = 0.0
+        self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
 
     # --- messages ------------------------------------------------------------------------
 
     def say(self, message: str, style: str = "") -> None:
-        prefix = escape(f"[ftrun {self.hostname}:{self.config.node_rank}]")
+        rank = self.node_rank if self.node_rank >= 0 else "?"
+        prefix = escape(f"[ftrun {self.hostname}:{rank}]")
         self.console.print(f"[bold]{prefix}[/bold] {escape(message)}", style=style)
 
     # --- the state machine ---------------------------------------------------------------
@@ -120,10 +142,18 @@ class Agent:
         try:
             return self._run()
         except (RendezvousError, StoreError) as error:
+            lost = self._lost_reason()
+            if lost is not None or isinstance(error, StoreLostError):
+                self.say(f"lost the rendezvous store: {lost or error}; stopped this node's "
+                         f"workers, exiting {int(ExitCode.RENDEZVOUS_FAILED)}", style="red")
+                self.events.emit("stop", reason="store lost", detail=str(lost or error))
+                return ExitCode.RENDEZVOUS_FAILED
             self.say(f"rendezvous failed: {error}", style="red")
             self.events.emit("stop", reason="rendezvous", detail=str(error))
             return ExitCode.RENDEZVOUS_FAILED
         finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             self.inbox.close()
             self.events.close()
 
@@ -131,23 +161,36 @@ class Agent:
         rdzv = self._connect()
         if rdzv is None:
             return for_signal(self._signal())
+        dynamic = isinstance(rdzv, DynamicRendezvous)
+        number = 0 if self.config.is_single_node else rdzv.first_number()
         restart_count = 0
+        expected: tuple[str, ...] = ()
         while True:
             slot = NodeSlot(
-                node_rank=self.config.node_rank,
+                node_rank=-1 if dynamic else self.config.node_rank,
                 local_world_size=self.config.nproc_per_node,
                 addr=self.config.local_addr or self.hostname,
                 hostname=self.hostname,
                 pid=os.getpid(),
+                node_id=self.node_id,
             )
             generation = rdzv.join(
-                restart_count, slot, self.config.join_timeout_s, self._open_worker_store
+                number, slot, self.config.join_timeout_s, self._open_worker_store,
+                restart_count=restart_count, expected=expected,
             )
+            member = generation.node(self.node_id)
+            assert member is not None
+            self.node_rank = member.node_rank
+            restart_count = generation.restart_count
+            if number != generation.number or (dynamic and generation.number == 0):
+                self.say(f"joined generation {generation.number} as node {self.node_rank} of "
+                         f"{generation.nnodes} ({generation.world_size} workers)")
             self.events.emit(
                 "generation",
                 generation=generation.number,
                 world_size=generation.world_size,
                 nnodes=generation.nnodes,
+                node_rank=self.node_rank,
                 restart_count=restart_count,
             )
             result = self._run_generation(rdzv, generation)
@@ -156,9 +199,21 @@ class Agent:
                 return self._finish(rdzv, generation)
             if result.outcome is Outcome.SIGNALED:
                 sig = self._signal()
-                rdzv.shut_down({"reason": f"signal {sig.name}", "node_rank": self.config.node_rank})
+                with contextlib.suppress(StoreError):
+                    rdzv.shut_down({"reason": f"signal {sig.name}", "node_rank": self.node_rank})
                 self.events.emit("stop", reason="signal", signal=sig.name)
                 return for_signal(sig)
+            why = result.cause or {}
+            joining = (result.outcome is Outcome.REMOTE_FAILED and why.get("kind") == "join")
+            lost = why.get("node_id") if why.get("kind") == "node lost" else None
+            expected = tuple(n.node_id for n in generation.nodes if n.node_id != lost)
+            number = generation.number + 1
+            self._drop_old_worker_stores()
+            if joining:
+                self.say(f"generation {generation.number} ended: {_describe_cause(why)}; "
+                         "re-forming (not counted as a restart)", style="yellow")
+                self.events.emit("regenerate", generation=generation.number, cause="join")
+                continue
             if restart_count >= self.config.max_restarts:
                 return self._give_up(rdzv, result)
             restart_count += 1
@@ -174,31 +229,85 @@ class Agent:
                 style="yellow",
             )
             self.events.emit("restart", generation=generation.number, restart_count=restart_count)
-            self._drop_old_worker_stores()
 
-    def _connect(self) -> StaticRendezvous | None:
+    def _connect(self) -> Rendezvous | None:
         config = self.config
         interrupted = lambda: self.inbox.received is not None  # noqa: E731
-        if config.hosts_store:
-            self.control_server = serve_store(config.rdzv_port, config.join_timeout_s)
-            port = self.control_server.port
+        multi = not config.is_single_node
+        dynamic = multi and config.rdzv_backend == "c10d"
+        explicit_host = "is_host" in config.rdzv_conf
+        hosting = config.hosts_store if (explicit_host or not dynamic) else _is_local_address(
+            config.rdzv_host)
+        op_timeout = max(1.0, config.heartbeat_timeout_s / 3)
+        store: Any = None
+        if hosting:
+            try:
+                self.control_server = serve_store(config.rdzv_port, config.join_timeout_s)
+            except StoreError:
+                if not dynamic or explicit_host:
+                    raise
+                hosting = False  # another agent on this host serves it (torchrun's rule)
+        if hosting:
             store = self.control_server
-            self.control_endpoint = (config.rdzv_host, port)
+            self.control_endpoint = (config.rdzv_host, int(self.control_server.port))
         else:
             store = connect_store(
                 config.rdzv_host, config.rdzv_port, config.join_timeout_s, interrupted=interrupted
             )
+            store.set_timeout(timedelta(seconds=op_timeout))
             self.control_endpoint = (config.rdzv_host, config.rdzv_port)
         if interrupted():
             return None
-        return StaticRendezvous(
-            JsonStore(store, f"ftrun/{self.run_id}"),
-            node_rank=config.node_rank,
-            nnodes=config.nnodes,
-            is_leader=config.hosts_store,
+        host, port = self.control_endpoint
+        signer = Signer(load_secret())
+        reconnect = lambda: connect_store(host, port, op_timeout)  # noqa: E731
+        jstore = JsonStore(
+            store, f"ftrun/{self.run_id}", signer=signer,
+            reconnect=None if hosting else reconnect,
+            retry_s=config.heartbeat_timeout_s * 3,
+            lost=lambda: self._lost_reason() is not None,
+            on_reject=self._rejected_record,
+        )
+        if multi and not signer.enabled and hosting:
+            self.say("control records are unauthenticated: anyone who reaches "
+                     f"{host}:{port} can steer this job (set FTRUN_JOB_TOKEN on every node)",
+                     style="yellow")
+        if multi and not hosting:
+            self.heartbeat = HeartbeatSender(
+                reconnect, jstore, self.node_id,
+                config.heartbeat_interval_s, config.heartbeat_timeout_s,
+            )
+            self.heartbeat.start()
+        monitor = HeartbeatMonitor(jstore, config.heartbeat_timeout_s) if multi and hosting \
+            else None
+        self.monitor = monitor
+        common: dict[str, Any] = dict(
+            is_leader=hosting,
             poll_s=min(config.monitor_interval_s, 0.05),
             interrupted=interrupted,
+            lost=self._lost_reason,
+            monitor=monitor,
         )
+        if dynamic:
+            last_call = parse_seconds(config.rdzv_conf.get("last_call_timeout", "30"),
+                                      "last_call_timeout", allow_zero=True)
+            return DynamicRendezvous(jstore, min_nodes=config.nnodes_min,
+                                     max_nodes=config.nnodes_max, last_call_s=last_call, **common)
+        return StaticRendezvous(jstore, node_rank=config.node_rank, nnodes=config.nnodes,
+                                **common)
+
+    def _lost_reason(self) -> str | None:
+        """Why the store host counts as lost (this agent's heartbeats fail), or None."""
+        beat = self.heartbeat
+        if beat is None or not beat.lost():
+            return None
+        host, port = self.control_endpoint
+        detail = f" ({beat.last_error})" if beat.last_error else ""
+        return f"no answer from the store at {host}:{port} for {beat.silent_s():.1f} s{detail}"
+
+    def _rejected_record(self, message: str) -> None:
+        self.say(message, style="yellow")
+        self.events.emit("rejected", detail=message)
 
     def _open_worker_store(self) -> tuple[str, int]:
         server = serve_store(0, self.config.join_timeout_s)
@@ -215,7 +324,7 @@ class Agent:
 
     # --- one generation ------------------------------------------------------------------
 
-    def _run_generation(self, rdzv: StaticRendezvous, generation: Generation) -> GenerationResult:
+    def _run_generation(self, rdzv: Rendezvous, generation: Generation) -> GenerationResult:
         if self._survivors_continue:
             supervisor = RegroupSupervisor(self, generation, rdzv.store, generation.restart_count)
             return supervisor.run()
@@ -240,7 +349,7 @@ class Agent:
         """Start one local worker of ``generation`` (must run on the main thread)."""
         config = self.config
         attempt_dir = self.run_log_dir / f"attempt_{generation.restart_count}"
-        rank = generation.rank_offset(config.node_rank) + local_rank
+        rank = generation.rank_offset(self.node_rank) + local_rank
         rank_dir = attempt_dir / (log_name or str(local_rank))
         rank_dir.mkdir(parents=True, exist_ok=True)
         env = self._worker_env(generation, local_rank, rank, rank_dir / "error.json")
@@ -308,7 +417,7 @@ class Agent:
             {
                 "RANK": str(rank),
                 "LOCAL_RANK": str(local_rank),
-                "GROUP_RANK": str(config.node_rank),
+                "GROUP_RANK": str(self.node_rank),
                 "ROLE_RANK": str(rank),
                 "ROLE_NAME": config.role,
                 "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
@@ -328,7 +437,7 @@ class Agent:
                 ),
                 "FTRUN_GENERATION": str(generation.number),
                 "FTRUN_AGENT_PID": str(os.getpid()),
-                "FTRUN_NODE_RANK": str(config.node_rank),
+                "FTRUN_NODE_RANK": str(self.node_rank),
                 "FTRUN_CONTROL_ADDR": f"{self.control_endpoint[0]}:{self.control_endpoint[1]}",
                 "FTRUN_RUN_ID": self.run_id,
             }
@@ -343,7 +452,7 @@ class Agent:
         return env
 
     def _watch(
-        self, rdzv: StaticRendezvous, generation: Generation, group: list[local.WorkerProcess]
+        self, rdzv: Rendezvous, generation: Generation, group: list[local.WorkerProcess]
     ) -> GenerationResult:
         config = self.config
         reported: set[int] = set()
@@ -371,10 +480,15 @@ class Agent:
                 return GenerationResult(Outcome.SUCCEEDED, self._exits(generation, group, None))
             if remote and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + config.monitor_interval_s
-                cause = rdzv.ended(generation.number)
+                try:
+                    cause = self._remote_cause(rdzv, generation)
+                except StoreError as error:
+                    self._stop(group, signal.SIGTERM, "store lost")
+                    raise StoreLostError(self._lost_reason() or str(error)) from None
                 if cause is not None:
                     self.say(f"generation {generation.number} ended by node "
-                             f"{cause.get('node_rank')}: {_describe_cause(cause)}")
+                             f"{cause.get('by', cause.get('node_rank'))}: "
+                             f"{_describe_cause(cause)}")
                     self._stop(group, signal.SIGTERM, "remote failure")
                     exits = self._exits(generation, group, None)
                     return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
@@ -382,16 +496,60 @@ class Agent:
             if self.inbox.fd in local.wait_any(group, timeout, [self.inbox.fd]):
                 self.inbox.drain()
 
+    def _remote_cause(self, rdzv: Rendezvous, generation: Generation) -> dict[str, Any] | None:
+        """Why another node (or, on the leader, a heartbeat or a newcomer) ended this
+        generation; None while it runs. Raises StoreError/StoreLostError when this agent
+        has lost the store."""
+        lost = self._lost_reason()
+        if lost is not None:
+            raise StoreLostError(lost)
+        cause = rdzv.ended(generation.number)
+        if cause is not None or self.monitor is None:
+            return cause
+        now = time.monotonic()
+        if now < self._next_scan:
+            return None
+        self._next_scan = now + self.config.heartbeat_interval_s / 2
+        members = {n.node_id for n in generation.nodes} - {self.node_id}
+        self.monitor.watch(members - self._finished_nodes)
+        for node_id in self.monitor.scan():
+            if rdzv.store.get_record(f"gen/{generation.number}/done/{node_id}") is not None:
+                self._finished_nodes.add(node_id)  # done and gone: not lost
+                continue
+            node = generation.node(node_id)
+            assert node is not None
+            silent = self.monitor.silent_s(node_id)
+            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: no heartbeat "
+                     f"for {silent:.1f} s", style="yellow")
+            self.events.emit("node_lost", generation=generation.number, node=node.hostname,
+                             node_rank=node.node_rank, node_id=node_id, silent_s=silent)
+            return rdzv.end(generation.number, {
+                "kind": "node lost", "node_id": node_id, "node_rank": node.node_rank,
+                "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
+                "by": self.node_rank, "time": time.time(),
+            })
+        newcomer = rdzv.pending_join(generation)
+        if newcomer is not None:
+            self.say(f"node {newcomer.hostname} ({newcomer.addr}) asks to join: re-forming "
+                     "the job with it")
+            return rdzv.end(generation.number, {
+                "kind": "join", "node_id": newcomer.node_id, "node": newcomer.hostname,
+                "addr": newcomer.addr, "by": self.node_rank, "time": time.time(),
+            })
+        return None
+
     def _local_failure(
         self,
-        rdzv: StaticRendezvous,
+        rdzv: Rendezvous,
         generation: Generation,
         group: list[local.WorkerProcess],
         failed: local.WorkerProcess,
     ) -> GenerationResult:
         detected = time.time()
         cause = {
-            "node_rank": self.config.node_rank,
+            "kind": "worker",
+            "node_rank": self.node_rank,
+            "node_id": self.node_id,
             "node": self.hostname,
             "rank": failed.rank,
             "pid": failed.pid,
@@ -399,7 +557,11 @@ class Agent:
             "time": failed.ended,
         }
         if not self.config.is_single_node:
-            cause = rdzv.end(generation.number, cause)
+            try:
+                cause = rdzv.end(generation.number, cause)
+            except StoreError as error:
+                self._stop(group, signal.SIGTERM, "store lost")
+                raise StoreLostError(self._lost_reason() or str(error)) from None
         self.events.emit(
             "failure",
             generation=generation.number,
@@ -451,27 +613,39 @@ class Agent:
 
     # --- endings -------------------------------------------------------------------------
 
-    def _finish(self, rdzv: StaticRendezvous, generation: Generation) -> int:
+    def _finish(self, rdzv: Rendezvous, generation: Generation) -> int:
         self.events.emit("done", generation=generation.number)
         if self.config.is_single_node:
             return ExitCode.SUCCESS
-        rdzv.mark_done(generation.number)
-        if self.config.hosts_store:
-            # Keep serving the store until every node is done, or the job ends otherwise.
+        with contextlib.suppress(StoreError):  # our workers are done: nothing left to stop
+            rdzv.store.set_record(f"gen/{generation.number}/done/{self.node_id}", {})
+            rdzv.mark_done(generation.number)
+        if rdzv.is_leader:
+            # Keep serving the store until every node is done, or the job ends otherwise
+            # (a node that stops beating without being done ends the wait too).
             deadline = time.monotonic() + self.config.join_timeout_s
+            others = {n.node_id for n in generation.nodes} - {self.node_id}
             while time.monotonic() < deadline and self.inbox.received is None:
                 if rdzv.done_count(generation.number) >= generation.nnodes:
                     break
                 if rdzv.shutdown_reason() is not None or rdzv.ended(generation.number):
                     break
-                time.sleep(self.config.monitor_interval_s)
+                if self.monitor is not None:
+                    done = {n for n in others if rdzv.store.get_record(
+                        f"gen/{generation.number}/done/{n}") is not None}
+                    self.monitor.watch(others - done)
+                    if others - done and set(self.monitor.scan()) >= others - done:
+                        self.say("every node that is not done has stopped beating; exiting",
+                                 style="yellow")
+                        break
+                time.sleep(max(self.config.monitor_interval_s, 0.2))
         return ExitCode.SUCCESS
 
-    def _give_up(self, rdzv: StaticRendezvous, result: GenerationResult) -> int:
+    def _give_up(self, rdzv: Rendezvous, result: GenerationResult) -> int:
         failures = [e for e in result.exits if not e.ok]
         restarts = self.config.max_restarts
         with contextlib.suppress(StoreError):
-            rdzv.shut_down({"reason": "max restarts exhausted", "node_rank": self.config.node_rank})
+            rdzv.shut_down({"reason": "max restarts exhausted", "node_rank": self.node_rank})
         self.events.emit("stop", reason="failed", restarts=restarts)
         print_failure_summary(
             self.console,
@@ -489,6 +663,11 @@ def _first_failure(exits: list[WorkerExit]) -> WorkerExit | None:
 def _describe_cause(cause: dict[str, Any] | None) -> str:
     if not cause:
         return "unknown cause"
+    if cause.get("kind") == "node lost":
+        return (f"node {cause.get('node_rank')} ({cause.get('node')}) lost: no heartbeat for "
+                f"{cause.get('silent_s')} s")
+    if cause.get("kind") == "join":
+        return f"node {cause.get('node')} ({cause.get('addr')}) joins"
     code = cause.get("returncode")
     what = (
         f"killed by {signal.Signals(-code).name}"
@@ -496,6 +675,23 @@ def _describe_cause(cause: dict[str, Any] | None) -> str:
         else f"exit code {code}"
     )
     return f"rank {cause.get('rank')} on {cause.get('node')} ({what})"
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (c10d: then this agent hosts the
+    store, unless another agent here already does)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def format_time(ts: float) -> str:

@@ -9,15 +9,36 @@ a compare-and-set on ``gen/<N>/end`` and every agent reacts to that one cause.
 Keys under ``ftrun/<run id>/``:
 
 =====================  ==============================================================
-``gen/N/join/R``       node R's slot for generation N (written by node R)
+``gen/N/join/R``       static: node R's slot for generation N (written by node R)
+``gen/N/count``        c10d: join counter; an agent's ``add`` returns its slot number K
+``gen/N/slot/K``       c10d: the slot of the agent that drew K
 ``gen/N``              the generation record (written by the leader)
-``gen/N/end``          the first cause that ended generation N (first writer wins)
+``gen/N/end``          the first valid cause that ended generation N
 ``gen/N/done``         counter: nodes whose workers all finished successfully
-``shutdown``           the job is over; the reason and exit code every agent uses
+``latest``             the number of the newest generation record (for newcomers)
+``hb/<node id>``       an agent's heartbeat (:mod:`ftrun.heartbeat`)
+``shutdown``           the job is over; the first valid reason wins
 =====================  ==============================================================
 
-This module implements the static rendezvous (every node known up front by its node rank).
-Waiting is done in short slices so a signal to the agent is never stuck behind the store.
+Records that steer the job (slots, generation records, ends, shutdown, heartbeats) are
+signed with the job's secret when there is one (:mod:`ftrun.auth`); the write-once ones
+are *appended* and the first valid record wins, so a writer without the secret can neither
+forge nor pre-empt them. Counters are plain: their worst abuse is a denial of service.
+
+Two ways to form a generation:
+
+* **static** (``--rdzv-backend static``, and Slurm): every node knows its rank; the leader
+  waits for all ``nnodes`` slots.
+* **c10d** (dynamic, ``--nnodes MIN:MAX``): each agent draws a slot with one ``add``; the
+  leader waits for MIN valid slots, then ``last_call_timeout`` for more (up to MAX), or, when
+  re-forming after a fault, for every surviving member that still beats its heartbeat.
+  It gives node ranks (itself 0, then the previous members in their order, then newcomers
+  in arrival order) and writes the record. An agent that arrives while a generation runs
+  draws a slot in the next one; the leader sees it and ends the running generation with
+  the cause ``join`` (when the job has room), and everyone re-forms with the newcomer.
+
+Waiting is done in short slices so a signal to the agent is never stuck behind the store,
+and every wait also gives up when the agent's heartbeat thread reports the store lost.
 """
 
 from __future__ import annotations
@@ -27,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ftrun.heartbeat import HeartbeatMonitor
 from ftrun.store import JsonStore, StoreValueError, require
 
 
@@ -36,26 +58,33 @@ class RendezvousError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeSlot:
-    """One agent's offer to take part in a generation."""
+    """One agent's offer to take part in a generation (c10d: ``node_rank`` is given by the
+    leader in the record; the agent offers -1)."""
 
     node_rank: int
     local_world_size: int
     addr: str
     hostname: str
     pid: int
+    node_id: str = ""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeSlot:
         slot = cls(
+            node_id=require(data, "node_id", str),
             node_rank=require(data, "node_rank", int),
             local_world_size=require(data, "local_world_size", int),
             addr=require(data, "addr", str),
             hostname=require(data, "hostname", str),
             pid=require(data, "pid", int),
         )
-        if slot.node_rank < 0 or slot.local_world_size < 1:
-            raise StoreValueError("node slot with a negative rank or no workers")
+        if slot.node_rank < -1 or slot.local_world_size < 1 or not slot.node_id:
+            raise StoreValueError("node slot with a bad rank, no workers or no id")
         return slot
+
+    def with_rank(self, node_rank: int) -> NodeSlot:
+        return NodeSlot(node_rank, self.local_world_size, self.addr, self.hostname, self.pid,
+                        self.node_id)
 
 
 @dataclass(frozen=True)
@@ -84,6 +113,13 @@ class Generation:
             offset += node.local_world_size
         raise RendezvousError(f"node rank {node_rank} is not in generation {self.number}")
 
+    def node(self, node_id: str) -> NodeSlot | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    @property
+    def node_ids(self) -> frozenset[str]:
+        return frozenset(n.node_id for n in self.nodes)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "number": self.number,
@@ -106,30 +142,42 @@ class Generation:
         ranks = [n.node_rank for n in generation.nodes]
         if len(generation.nodes) != len(nodes) or ranks != sorted(set(ranks)):
             raise StoreValueError("generation record with malformed or duplicate nodes")
+        if not nodes or ranks[0] < 0 or len(generation.node_ids) != len(nodes):
+            raise StoreValueError("generation record with no nodes, a negative rank or a "
+                                  "duplicate node id")
         if not 0 < generation.worker_store_port < 65536:
             raise StoreValueError("generation record with an invalid worker store port")
         return generation
 
 
-class StaticRendezvous:
-    """Forms generations of a fixed set of ``nnodes`` agents identified by node rank."""
+class Rendezvous:
+    """What static and c10d rendezvous share: ends, shutdown, done counts, waiting."""
 
     def __init__(
         self,
         store: JsonStore,
         *,
-        node_rank: int,
-        nnodes: int,
         is_leader: bool,
         poll_s: float,
         interrupted: Callable[[], bool],
+        lost: Callable[[], str | None] = lambda: None,
+        monitor: HeartbeatMonitor | None = None,
     ) -> None:
         self.store = store
-        self.node_rank = node_rank
-        self.nnodes = nnodes
         self.is_leader = is_leader
         self.poll_s = poll_s
         self.interrupted = interrupted
+        self.lost = lost
+        self.monitor = monitor
+
+    # --- forming a generation -----------------------------------------------------------
+
+    def first_number(self) -> int:
+        """The generation a newly started agent asks to join: the one after the newest
+        record, or 0 in a new job."""
+        latest = self.store.get_record("latest")
+        number = latest.get("number") if latest else None
+        return number + 1 if isinstance(number, int) and number >= 0 else 0
 
     def join(
         self,
@@ -137,65 +185,81 @@ class StaticRendezvous:
         slot: NodeSlot,
         timeout_s: float,
         open_worker_store: Callable[[], tuple[str, int]],
+        *,
+        restart_count: int = 0,
+        expected: tuple[str, ...] = (),
     ) -> Generation:
-        """Offer this node for generation ``number`` and wait for the record.
+        """Offer this node for generation ``number`` (or a later one) and return the first
+        generation whose record includes it.
 
-        The leader waits for every node's slot, opens the generation's worker store with
-        ``open_worker_store`` and writes the record; the others wait for it.
+        The leader collects slots (waiting for the ``expected`` members of the previous
+        generation while they beat), opens the generation's worker store and writes the
+        record with ``restart_count``; the others wait for it.
         """
-        self.store.set(f"gen/{number}/join/{slot.node_rank}", asdict(slot))
         deadline = time.monotonic() + timeout_s
-        if self.is_leader:
-            slots = self._wait_for_slots(number, deadline)
-            host, port = open_worker_store()
-            generation = Generation(number, number, tuple(slots), host, port)
-            self.store.set(f"gen/{number}", generation.to_json())
-            return generation
-        record = self._wait(lambda: self.store.get(f"gen/{number}"), deadline,
-                            f"the leader's record of generation {number}")
-        generation = Generation.from_json(record)
-        if generation.number != number:
-            raise RendezvousError(f"record gen/{number} claims generation {generation.number}")
-        return generation
+        while True:
+            self._offer(number, slot)
+            if self.is_leader:
+                slots = self._collect(number, slot, deadline, expected)
+                host, port = open_worker_store()
+                generation = Generation(number, restart_count, tuple(slots), host, port)
+                self.store.put_record(f"gen/{number}", generation.to_json())
+                self.store.set_record("latest", {"number": number})
+                return generation
+            record = self._wait(lambda n=number: self.store.first_record(f"gen/{n}"), deadline,
+                                f"the leader's record of generation {number}")
+            generation = Generation.from_json(record)
+            if generation.number != number:
+                raise RendezvousError(f"record gen/{number} claims generation "
+                                      f"{generation.number}")
+            if generation.node(slot.node_id) is not None:
+                return generation
+            number += 1  # it formed without us (full, or we came too late): the next one
 
-    def _wait_for_slots(self, number: int, deadline: float) -> list[NodeSlot]:
-        slots: dict[int, NodeSlot] = {}
+    def _offer(self, number: int, slot: NodeSlot) -> None:
+        raise NotImplementedError
 
-        def collect() -> list[NodeSlot] | None:
-            for rank in range(self.nnodes):
-                if rank not in slots:
-                    data = self.store.get(f"gen/{number}/join/{rank}")
-                    if data is not None:
-                        slots[rank] = NodeSlot.from_json(data)
-            return [slots[r] for r in sorted(slots)] if len(slots) == self.nnodes else None
+    def _collect(self, number: int, own: NodeSlot, deadline: float,
+                 expected: tuple[str, ...]) -> list[NodeSlot]:
+        raise NotImplementedError
 
-        missing = lambda: sorted(set(range(self.nnodes)) - set(slots))  # noqa: E731
-        return self._wait(collect, deadline, "nodes", describe_missing=missing)
+    def pending_join(self, generation: Generation) -> NodeSlot | None:
+        """Leader: a valid newcomer waiting for the next generation, if the job has room."""
+        return None
 
-    def _wait(
-        self,
-        probe: Callable[[], Any],
-        deadline: float,
-        what: str,
-        describe_missing: Callable[[], list[int]] | None = None,
-    ) -> Any:
+    def _wait(self, probe: Callable[[], Any], deadline: float, what: str,
+              describe_missing: Callable[[], str] | None = None) -> Any:
         while True:
             value = probe()
             if value is not None:
                 return value
-            if self.interrupted():
-                raise RendezvousError(f"interrupted while waiting for {what}")
-            if time.monotonic() >= deadline:
-                detail = f" (missing node ranks {describe_missing()})" if describe_missing else ""
-                raise RendezvousError(f"timed out waiting for {what}{detail}")
+            self._check_waiting(deadline, what, describe_missing)
             time.sleep(self.poll_s)
+
+    def _check_waiting(self, deadline: float, what: str,
+                       describe_missing: Callable[[], str] | None = None) -> None:
+        if self.interrupted():
+            raise RendezvousError(f"interrupted while waiting for {what}")
+        lost = self.lost()
+        if lost:
+            raise StoreLostError(lost)
+        if self.shutdown_reason() is not None:
+            reason = self.shutdown_reason() or {}
+            raise RendezvousError(f"the job was shut down while waiting for {what}: "
+                                  f"{reason.get('reason', 'no reason given')}")
+        if time.monotonic() >= deadline:
+            detail = f" ({describe_missing()})" if describe_missing else ""
+            raise RendezvousError(f"timed out waiting for {what}{detail}")
+
+    # --- the life of a generation -------------------------------------------------------
 
     def end(self, number: int, cause: dict[str, Any]) -> dict[str, Any]:
         """Declare generation ``number`` over; returns the cause that won (maybe another's)."""
-        return self.store.set_first(f"gen/{number}/end", cause)
+        self.store.put_record(f"gen/{number}/end", cause)
+        return self.store.first_record(f"gen/{number}/end") or cause
 
     def ended(self, number: int) -> dict[str, Any] | None:
-        return self.store.get(f"gen/{number}/end")
+        return self.store.first_record(f"gen/{number}/end")
 
     def mark_done(self, number: int) -> int:
         return self.store.add(f"gen/{number}/done", 1)
@@ -204,7 +268,157 @@ class StaticRendezvous:
         return self.store.add(f"gen/{number}/done", 0)
 
     def shut_down(self, reason: dict[str, Any]) -> dict[str, Any]:
-        return self.store.set_first("shutdown", reason)
+        self.store.put_record("shutdown", reason)
+        return self.store.first_record("shutdown") or reason
 
     def shutdown_reason(self) -> dict[str, Any] | None:
-        return self.store.get("shutdown")
+        return self.store.first_record("shutdown")
+
+
+class StoreLostError(RendezvousError):
+    """This agent cannot reach the store host any more (its heartbeats fail)."""
+
+
+class StaticRendezvous(Rendezvous):
+    """Forms generations of a fixed set of ``nnodes`` agents identified by node rank."""
+
+    def __init__(self, store: JsonStore, *, node_rank: int, nnodes: int, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
+        self.node_rank = node_rank
+        self.nnodes = nnodes
+
+    def _offer(self, number: int, slot: NodeSlot) -> None:
+        self.store.set_record(f"gen/{number}/join/{slot.node_rank}", asdict(slot))
+
+    def _collect(self, number: int, own: NodeSlot, deadline: float,
+                 expected: tuple[str, ...]) -> list[NodeSlot]:
+        slots: dict[int, NodeSlot] = {}
+        while True:
+            for rank in range(self.nnodes):
+                if rank in slots:
+                    continue
+                data = self.store.get_record(f"gen/{number}/join/{rank}")
+                if data is None:
+                    continue
+                try:
+                    found = NodeSlot.from_json(data)
+                except StoreValueError:
+                    continue
+                if found.node_rank == rank:
+                    slots[rank] = found
+            if len(slots) == self.nnodes:
+                return [slots[r] for r in sorted(slots)]
+            missing = sorted(set(range(self.nnodes)) - set(slots))
+            self._check_waiting(deadline, "nodes", lambda m=missing: f"missing node ranks {m}")
+            time.sleep(self.poll_s)
+
+
+class DynamicRendezvous(Rendezvous):
+    """c10d-style rendezvous of MIN to MAX agents; see the module docstring."""
+
+    #: A slot number drawn without a record after this long is given up (a dead joiner,
+    #: or a counter bumped by someone without the secret).
+    STALE_SLOT_S = 10.0
+
+    def __init__(self, store: JsonStore, *, min_nodes: int, max_nodes: int,
+                 last_call_s: float, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.last_call_s = last_call_s
+        self._scanned: dict[int, int] = {}  # generation -> slots read for pending joins
+        self._missing_since: dict[tuple[int, int], float] = {}
+
+    def _offer(self, number: int, slot: NodeSlot) -> None:
+        index = self.store.add(f"gen/{number}/count", 1)
+        self.store.set_record(f"gen/{number}/slot/{index}", asdict(slot))
+
+    def _read_slots(self, number: int, indices: list[int]) -> dict[int, NodeSlot | None]:
+        """Slot number -> its NodeSlot; None when it holds nothing valid; absent when its
+        record is not written yet."""
+        found: dict[int, NodeSlot | None] = {}
+        for index in indices:
+            name = f"gen/{number}/slot/{index}"
+            if not self.store.exists(name):
+                continue
+            data = self.store.get_record(name)
+            try:
+                found[index] = NodeSlot.from_json(data) if data is not None else None
+            except StoreValueError:
+                found[index] = None
+        return found
+
+    def _collect(self, number: int, own: NodeSlot, deadline: float,
+                 expected: tuple[str, ...]) -> list[NodeSlot]:
+        slots: dict[str, tuple[int, NodeSlot]] = {own.node_id: (0, own)}
+        pending: dict[int, float] = {}
+        seen = 0
+        min_reached: float | None = None
+        waiting = set(expected) - {own.node_id}
+        if self.monitor is not None:
+            self.monitor.watch(waiting)
+        while True:
+            now = time.monotonic()
+            count = self.store.add(f"gen/{number}/count", 0)
+            for index in range(seen + 1, count + 1):
+                pending[index] = now
+            seen = max(seen, count)
+            for index, slot in self._read_slots(number, sorted(pending)).items():
+                del pending[index]
+                if slot is not None and slot.node_id not in slots:
+                    slots[slot.node_id] = (index, slot)
+            for index in [i for i, t in pending.items() if now - t > self.STALE_SLOT_S]:
+                del pending[index]
+            waiting -= slots.keys()
+            if self.monitor is not None and waiting:
+                self.monitor.watch(waiting)
+                waiting -= set(self.monitor.scan())
+            if len(slots) >= self.max_nodes:
+                break
+            if len(slots) >= self.min_nodes:
+                min_reached = min_reached if min_reached is not None else now
+                if expected and not waiting:
+                    break  # re-forming: every member still alive is back
+                if not expected and now - min_reached >= self.last_call_s:
+                    break
+            status = f"{len(slots)} joined, waiting for {sorted(waiting) or 'more'}"
+            self._check_waiting(deadline, f"at least {self.min_nodes} nodes",
+                                lambda s=status: s)
+            time.sleep(self.poll_s)
+        if self.monitor is not None:
+            self.monitor.watch(())
+        previous = {node_id: i for i, node_id in enumerate(expected)}
+
+        def order(item: tuple[str, tuple[int, NodeSlot]]) -> tuple[int, int, int]:
+            node_id, (index, _) = item
+            if node_id == own.node_id:
+                return (0, 0, 0)
+            if node_id in previous:
+                return (1, previous[node_id], 0)
+            return (2, 0, index)
+
+        chosen = sorted(slots.items(), key=order)[: self.max_nodes]
+        return [slot.with_rank(rank) for rank, (_, (_, slot)) in enumerate(chosen)]
+
+    def pending_join(self, generation: Generation) -> NodeSlot | None:
+        if generation.nnodes >= self.max_nodes:
+            return None
+        number = generation.number + 1
+        count = self.store.add(f"gen/{number}/count", 0)
+        start = self._scanned.get(number, 0)
+        if count <= start:
+            return None
+        found = self._read_slots(number, list(range(start + 1, count + 1)))
+        now = time.monotonic()
+        for index in range(start + 1, count + 1):
+            if index not in found:
+                since = self._missing_since.setdefault((number, index), now)
+                if now - since <= self.STALE_SLOT_S:
+                    break  # not written yet: look again next time
+                self._scanned[number] = index
+                continue
+            self._scanned[number] = index
+            slot = found[index]
+            if slot is not None and generation.node(slot.node_id) is None:
+                return slot
+        return None

@@ -20,12 +20,26 @@ pickled. Every call has an explicit timeout. Errors: connection problems raise
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import TCPStore
+from ftrun.auth import AuthError, Signer
+
+# torch's C++ store client logs every failed connect attempt and every timed-out request
+# (tens of lines while a store host is down). The agent turns those failures into one line
+# of its own, so it imports torch with its C++ log at FATAL unless the user chose a level;
+# the variable is restored at once, so workers keep torch's default.
+_QUIET = "TORCH_CPP_LOG_LEVEL" not in os.environ
+if _QUIET:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+try:
+    from torch.distributed import TCPStore
+finally:
+    if _QUIET:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 # Bounds each blocking connect so that a signal to the agent is acted on promptly.
 _CONNECT_SLICE_S = 2.0
@@ -76,22 +90,46 @@ def connect_store(
 
 
 class JsonStore:
-    """Namespaced JSON records on a TCPStore, for the control plane."""
+    """Namespaced JSON records on a TCPStore, for the control plane.
 
-    def __init__(self, store: TCPStore, prefix: str) -> None:
+    ``signer`` (see :mod:`ftrun.auth`) authenticates the control records written with
+    :meth:`put_record`/:meth:`set_record` and read with :meth:`first_record`/
+    :meth:`get_record`. ``reconnect``, given to clients of a remote store, replaces the
+    connection after a failed request and retries it until ``retry_s`` has passed or
+    ``lost()`` says the store host is gone (a TCPStore client whose request timed out may
+    read the late answer as the answer to its next request, so it is never reused).
+    """
+
+    def __init__(
+        self,
+        store: TCPStore,
+        prefix: str,
+        *,
+        signer: Signer | None = None,
+        reconnect: Callable[[], TCPStore] | None = None,
+        retry_s: float = 0.0,
+        lost: Callable[[], bool] = lambda: False,
+        on_reject: Callable[[str], None] | None = None,
+    ) -> None:
         self.raw = store
         self.prefix = prefix.rstrip("/") + "/"
+        self.signer = signer or Signer(None)
+        self.reconnect = reconnect
+        self.retry_s = retry_s
+        self.lost = lost
+        self.on_reject = on_reject
+        self._rejected: set[str] = set()
 
     def key(self, name: str) -> str:
         return self.prefix + name
 
     def set(self, name: str, value: dict[str, Any]) -> None:
-        self._call(self.raw.set, self.key(name), json.dumps(value, separators=(",", ":")))
+        self._call("set", self.key(name), json.dumps(value, separators=(",", ":")))
 
     def set_first(self, name: str, value: dict[str, Any]) -> dict[str, Any]:
         """Write ``value`` unless the key exists; return whichever value won."""
         won = self._call(
-            self.raw.compare_set, self.key(name), "", json.dumps(value, separators=(",", ":"))
+            "compare_set", self.key(name), "", json.dumps(value, separators=(",", ":"))
         )
         return self._decode(name, won)
 
@@ -99,13 +137,74 @@ class JsonStore:
         """The record, or None when the key does not exist (never blocks)."""
         if not self.exists(name):
             return None
-        return self._decode(name, self._call(self.raw.get, self.key(name)))
+        return self._decode(name, self._call("get", self.key(name)))
 
     def exists(self, name: str) -> bool:
-        return bool(self._call(self.raw.check, [self.key(name)]))
+        return bool(self._call("check", [self.key(name)]))
 
     def add(self, name: str, amount: int) -> int:
-        return int(self._call(self.raw.add, self.key(name), amount))
+        return int(self._call("add", self.key(name), amount))
+
+    # --- authenticated control records ----------------------------------------------------
+
+    def put_record(self, name: str, body: dict[str, Any]) -> None:
+        """Append a signed record to ``name``: the first valid record of a key wins.
+
+        Appending (never overwriting) means a writer without the job's secret cannot
+        replace or pre-empt a valid record: what it appends is skipped by every reader.
+        """
+        line = json.dumps(self.signer.wrap(self.key(name), body), separators=(",", ":"))
+        self._call("append", self.key(name), "\n" + line)
+
+    def first_record(self, name: str) -> dict[str, Any] | None:
+        """The body of the first valid record appended to ``name``, or None."""
+        if not self.exists(name):
+            return None
+        return self._first_valid(name, self._call("get", self.key(name)))
+
+    def set_record(self, name: str, body: dict[str, Any]) -> None:
+        """Overwrite ``name`` with a signed record (heartbeats, slots, the latest pointer)."""
+        line = json.dumps(self.signer.wrap(self.key(name), body), separators=(",", ":"))
+        self._call("set", self.key(name), line)
+
+    def get_record(self, name: str) -> dict[str, Any] | None:
+        """The body of a record written with :meth:`set_record`; None if absent or invalid."""
+        if not self.exists(name):
+            return None
+        return self.check_record(name, self._call("get", self.key(name)))
+
+    def get_records(self, names: list[str]) -> list[dict[str, Any] | None]:
+        """Several :meth:`set_record` records in one round trip when all exist."""
+        if not names:
+            return []
+        keys = [self.key(n) for n in names]
+        if self._call("check", keys):
+            values = self._call("multi_get", keys)
+            return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
+        return [self.get_record(n) for n in names]
+
+    def check_record(self, name: str, raw: bytes) -> dict[str, Any] | None:
+        try:
+            return self.signer.unwrap(self.key(name), json.loads(raw))
+        except (AuthError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            self._reject(name, str(error))
+            return None
+
+    def _first_valid(self, name: str, raw: bytes) -> dict[str, Any] | None:
+        for line in raw.split(b"\n"):
+            if not line.strip():
+                continue
+            body = self.check_record(name, line)
+            if body is not None:
+                return body
+        return None
+
+    def _reject(self, name: str, why: str) -> None:
+        if self.on_reject is not None and name not in self._rejected:
+            self._rejected.add(name)
+            self.on_reject(f"ignored a control record: {why}")
+
+    # --- plumbing -------------------------------------------------------------------------
 
     def _decode(self, name: str, raw: bytes) -> dict[str, Any]:
         try:
@@ -116,12 +215,23 @@ class JsonStore:
             raise StoreValueError(f"store key {self.key(name)!r} is not a JSON object")
         return value
 
-    @staticmethod
-    def _call(method: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return method(*args)
-        except (RuntimeError, ValueError) as error:  # torch's DistStoreError is a RuntimeError
-            raise StoreError(f"store request failed: {str(error).splitlines()[0]}") from None
+    def _call(self, method: str, *args: Any) -> Any:
+        first_failure: float | None = None
+        while True:
+            try:
+                return getattr(self.raw, method)(*args)
+            except (RuntimeError, ValueError) as error:  # torch's DistStoreError too
+                detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+                now = time.monotonic()
+                first_failure = first_failure if first_failure is not None else now
+                if self.reconnect is None or self.lost() or now - first_failure >= self.retry_s:
+                    raise StoreError(f"store request failed: {detail}") from None
+            if self.lost():
+                raise StoreError("store request failed: the store host is lost")
+            try:
+                self.raw = self.reconnect()
+            except StoreError:
+                time.sleep(0.05)
 
 
 def require(record: dict[str, Any], field: str, kind: type | tuple[type, ...]) -> Any:

@@ -1,0 +1,124 @@
+"""Agent heartbeats: every agent proves it is alive; the leader notices one that is not.
+
+* :class:`HeartbeatSender` is a thread in every agent that does not host the store. It has
+  its own TCPStore connection (a client is not thread safe) and overwrites ``hb/<node id>``
+  with a signed ``{"seq": n}`` every ``interval``. When its requests have failed for
+  ``timeout`` it reports the store host as lost (:meth:`HeartbeatSender.lost`): the agent
+  then stops its workers and exits 3.
+* :class:`HeartbeatMonitor` runs in the leader (the store host). It reads the heartbeat
+  keys of the agents it waits for in one ``multi_get`` and declares an agent lost when its
+  sequence number has not grown for ``timeout`` by the *leader's* clock: no clock on
+  another host is trusted, and a replayed older value does not count as a beat.
+
+Cost at N agents: N ``set`` per interval on the store plus one N-key ``multi_get`` per
+leader scan; ``scripts/bench_multinode.py --store-load`` measures it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from ftrun.store import JsonStore, StoreError
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+
+def heartbeat_key(node_id: str) -> str:
+    return f"hb/{node_id}"
+
+
+class HeartbeatSender:
+    """Beats ``hb/<node_id>`` from a thread of its own; see the module docstring."""
+
+    def __init__(
+        self,
+        connect: Callable[[], TCPStore],
+        template: JsonStore,
+        node_id: str,
+        interval_s: float,
+        timeout_s: float,
+    ) -> None:
+        self._connect = connect
+        self._template = template
+        self.node_id = node_id
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.last_ok = time.monotonic()
+        self.last_error = ""
+        self.seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftrun-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()  # a daemon thread: never wait long for one stuck in a connect
+        self._thread.join(timeout=0.5)
+
+    def silent_s(self) -> float:
+        """Seconds since the last heartbeat the store accepted."""
+        return time.monotonic() - self.last_ok
+
+    def lost(self) -> bool:
+        return self.silent_s() > self.timeout_s
+
+    def _run(self) -> None:
+        store: JsonStore | None = None
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                if store is None:
+                    store = JsonStore(self._connect(), self._template.prefix.rstrip("/"),
+                                      signer=self._template.signer)
+                self.seq += 1
+                store.set_record(heartbeat_key(self.node_id), {"seq": self.seq})
+                self.last_ok = time.monotonic()
+            except StoreError as error:
+                self.last_error = str(error)
+                store = None  # a timed-out client may be out of step: reconnect
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+
+class HeartbeatMonitor:
+    """The leader's view of the other agents' heartbeats."""
+
+    def __init__(self, store: JsonStore, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._seq: dict[str, int] = {}
+        self._changed: dict[str, float] = {}
+
+    def watch(self, node_ids: Iterable[str]) -> None:
+        """Track these agents (a newly watched one gets a full timeout from now)."""
+        now = self.clock()
+        wanted = set(node_ids)
+        for node_id in wanted - self._changed.keys():
+            self._seq[node_id] = -1
+            self._changed[node_id] = now
+        for node_id in set(self._changed) - wanted:
+            del self._changed[node_id]
+            self._seq.pop(node_id, None)
+
+    def silent_s(self, node_id: str) -> float:
+        return self.clock() - self._changed.get(node_id, self.clock())
+
+    def scan(self) -> list[str]:
+        """Read every watched heartbeat; return the agents silent for longer than the
+        timeout (they stay watched until :meth:`watch` drops them)."""
+        ids = sorted(self._changed)
+        records = self.store.get_records([heartbeat_key(i) for i in ids])
+        now = self.clock()
+        for node_id, body in zip(ids, records, strict=True):
+            seq = body.get("seq") if body else None
+            if isinstance(seq, int) and not isinstance(seq, bool) and seq > self._seq[node_id]:
+                self._seq[node_id] = seq
+                self._changed[node_id] = now
+        return [i for i in ids if now - self._changed[i] > self.timeout_s]
+

@@ -1,0 +1,347 @@
+"""Multi-node: rendezvous, heartbeats, node loss, store host loss, authenticated records.
+
+Unit tests of the store records run anywhere. The end-to-end tests run one real ftrun agent
+(and its gloo workers) per host: on localhost, and on three network-namespace hosts joined
+by a bridge (tests/infra/netns.py: root and iproute2 needed, else skipped with the reason),
+where a host can lose its link or packets. Every wait is on a condition with a generous
+deadline; the machine these run on has two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftrun.auth import Signer
+from ftrun.cli import config_from_args
+from ftrun.config import ConfigError
+from ftrun.heartbeat import HeartbeatMonitor
+from ftrun.store import JsonStore, serve_store
+from tests.launch import Launch, copy_train_script, launcher
+
+HB = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"]
+TOKEN = "s3cret-token-for-tests"
+
+
+# --- records and heartbeats (no processes) ------------------------------------------------
+
+
+@pytest.fixture
+def store():  # type: ignore[no-untyped-def]
+    server = serve_store(0, 10)
+    yield server
+    del server
+
+
+def test_signed_records_first_valid_wins_and_bind_their_key(store) -> None:  # type: ignore[no-untyped-def]
+    good = JsonStore(store, "ftrun/job", signer=Signer(TOKEN.encode()))
+    rejected: list[str] = []
+    reader = JsonStore(store, "ftrun/job", signer=Signer(TOKEN.encode()),
+                       on_reject=rejected.append)
+    rogue = JsonStore(store, "ftrun/job")  # no secret
+    wrong = JsonStore(store, "ftrun/job", signer=Signer(b"guess"))
+    rogue.put_record("gen/0/end", {"kind": "worker", "rank": 0})  # forged first
+    wrong.put_record("gen/0/end", {"kind": "worker", "rank": 1})
+    store.append("ftrun/job/gen/0/end", "{not json")  # garbage with no newline
+    assert reader.first_record("gen/0/end") is None
+    good.put_record("gen/0/end", {"kind": "worker", "rank": 2})
+    assert reader.first_record("gen/0/end") == {"kind": "worker", "rank": 2}
+    rogue.put_record("gen/0/end", {"kind": "worker", "rank": 3})  # too late anyway
+    assert reader.first_record("gen/0/end") == {"kind": "worker", "rank": 2}
+    # A valid record copied to another key (a replay) does not verify there.
+    good.put_record("gen/1", {"number": 1})
+    store.append("ftrun/job/gen/1/end", store.get("ftrun/job/gen/1"))
+    assert reader.first_record("gen/1/end") is None
+    assert len(rejected) == 2 and all("ignored a control record" in r for r in rejected)
+    # Unauthenticated mode reads what unauthenticated writers wrote.
+    plain = JsonStore(store, "ftrun/other")
+    plain.set_record("latest", {"number": 4})
+    assert plain.get_record("latest") == {"number": 4}
+    assert JsonStore(store, "ftrun/other", signer=Signer(b"x")).get_record("latest") is None
+
+
+def test_heartbeat_monitor_uses_its_own_clock_and_ignores_replays(store) -> None:  # type: ignore[no-untyped-def]
+    now = [100.0]
+    signer = Signer(TOKEN.encode())
+    jstore = JsonStore(store, "ftrun/hb", signer=signer)
+    monitor = HeartbeatMonitor(jstore, timeout_s=3.0, clock=lambda: now[0])
+    monitor.watch(["a", "b"])
+    jstore.set_record("hb/a", {"seq": 1})
+    old = store.get("ftrun/hb/hb/a")
+    assert monitor.scan() == []
+    now[0] += 2.0
+    jstore.set_record("hb/a", {"seq": 2})
+    assert monitor.scan() == []
+    now[0] += 2.0  # b never beat: 4 s > 3 s
+    assert monitor.scan() == ["b"]
+    store.set("ftrun/hb/hb/a", old)  # a replayed older beat is not a beat
+    now[0] += 2.5
+    assert monitor.scan() == ["a", "b"]
+    monitor.watch(["a"])
+    assert monitor.scan() == ["a"]
+
+
+def test_cli_accepts_c10d_and_elastic_and_checks_them(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("")
+    config = config_from_args(
+        ["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost",
+         "--rdzv-conf", "last_call_timeout=2,join_timeout=30,read_timeout=60",
+         str(script)], {})
+    assert (config.nnodes_min, config.nnodes_max, config.rdzv_port) == (2, 4, 29400)
+    assert config.join_timeout_s == 30
+    bad = [
+        (["--nnodes", "2:3", str(script)], "needs --rdzv-backend c10d"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d", str(script)], "needs --rdzv-endpoint"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:1",
+          "--rdzv-conf", "colour=blue", str(script)], "unknown key 'colour'"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            config_from_args(args, {})
+    with pytest.raises(ConfigError, match="empty"):
+        empty = tmp_path / "token"
+        empty.write_text("\n")
+        config_from_args([str(script)], {"FTRUN_JOB_TOKEN_FILE": str(empty)})
+
+
+# --- localhost: agents as processes ------------------------------------------------------
+
+
+def _c10d(port: int, nnodes: str, *extra: str) -> list[str]:
+    return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t{port}",
+            "--rdzv-conf", "last_call_timeout=10", *HB, *extra]
+
+
+def test_store_host_killed_every_agent_exits_3_in_seconds(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    args = [*_c10d(29721, "2"), str(script), "--steps", "100000", "--step-sleep", "0.05"]
+    env = {"FTRUN_JOB_TOKEN": TOKEN}
+    nodes = [Launch(args, cwd=job_dir, env=env) for _ in range(2)]
+    for node in nodes:
+        node.wait_for(lambda lines: any("joined generation 0" in x for x in lines), 120,
+                      "the rendezvous")
+    leader = next(n for n in nodes if any("as node 0" in x for x in n.lines))
+    other = next(n for n in nodes if n is not leader)
+    other.wait_step(3, 120)
+    leader.kill()
+    killed = time.monotonic()
+    assert other.wait(30) == 3, other.output
+    assert time.monotonic() - killed < 3 + 5  # timeout + an op timeout + stop, loaded box
+    assert "lost the rendezvous store" in other.output or "rendezvous failed" in other.output
+    assert "Traceback" not in "\n".join(x for x in other.lines if not x.startswith("[rank"))
+
+
+# --- network-namespace hosts --------------------------------------------------------------
+
+
+class HostLaunch(Launch):
+    """A Launch whose launcher runs inside a namespace host."""
+
+    def __init__(self, host, args: list[str], *, env: dict[str, str], cwd: Path) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        full_env = dict(os.environ)
+        full_env.update(env)
+        self.lines = []
+        self._cond = threading.Condition()
+        self.started = time.time()
+        self.host = host
+        self.proc = host.popen(
+            [launcher(), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, text=True, errors="replace",
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _job(net, job_dir: Path, nnodes: str, steps: int, *extra: str, token: str | None = TOKEN,
+         hosts=None, step_sleep: float = 0.05):  # type: ignore[no-untyped-def]
+    script = job_dir / "train_ddp.py"
+    if not script.exists():
+        copy_train_script(job_dir)
+    leader = net["h1"]
+    args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsjob",
+            "--rdzv-conf", "last_call_timeout=15", *HB, "--max-restarts", "3", *extra,
+            str(script), "--steps", str(steps), "--step-sleep", str(step_sleep),
+            "--checkpoint-dir", str(job_dir), "--checkpoint-every", "10"]
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": token or ""}
+    return [HostLaunch(host, [*args, "--local-addr", host.addr], env=env, cwd=job_dir)
+            for host in (hosts or list(net))]
+
+
+def _node_step(node: Launch, after: int, timeout: float, what: str) -> None:
+    node.wait_for(lambda lines: any("step=" in x for x in lines[after:]), timeout, what)
+
+
+def _stop_all(nodes: list[Launch]) -> None:
+    for node in nodes:
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)
+    for node in nodes:
+        node.wait(60)
+
+
+@pytest.fixture
+def net(infra_leak_check, netns_network):  # type: ignore[no-untyped-def]
+    if subprocess.run(["sh", "-c", "command -v iptables || test -x /usr/sbin/iptables"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("iptables not installed: run scripts/install_test_services.sh")
+    return netns_network
+
+
+def test_netns_node_cut_off_is_declared_lost_then_rejoins(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """h3's link goes down: the leader sees its heartbeat stop, the survivors go on with two
+    nodes, h3's agent exits 3; the link comes back and a new agent on h3 joins the job."""
+    nodes = _job(net, job_dir, "2:3", 100000)
+    for node in nodes:
+        node.wait_step(3, 150)
+    leader, _, cut = nodes
+    net.cut_link(net["h3"])
+    t_cut = time.monotonic()
+    leader.wait_for(lambda lines: any("lost: no heartbeat" in x for x in lines), 30,
+                    "the leader declaring h3 lost")
+    detected = time.monotonic() - t_cut
+    assert cut.wait(40) == 3, cut.output
+    assert "lost the rendezvous store" in cut.output
+    mark = [len(n.lines) for n in nodes]
+    for node, start in zip(nodes[:2], mark, strict=False):
+        node.wait_for(lambda lines, s=start: any("world=2" in x for x in lines[s:]), 90,
+                      "the survivors re-formed with two nodes")
+        _node_step(node, len(node.lines), 90, "a step without h3")
+    assert detected < 3 + 4, detected
+    net.restore_link(net["h3"])
+    (newcomer,) = _job(net, job_dir, "2:3", 100000, hosts=[net["h3"]])
+    nodes.append(newcomer)
+    newcomer.wait_for(lambda lines: any("world=3" in x for x in lines), 120, "h3 rejoined")
+    _node_step(newcomer, 0, 90, "a step on the rejoined h3")
+    assert any("asks to join" in x for x in leader.lines), leader.output
+    assert any("not counted as a restart" in x for x in leader.lines)
+    _stop_all(nodes)
+
+
+def test_netns_agent_sigkilled_survivors_regroup(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    nodes = _job(net, job_dir, "2:3", 100000)
+    for node in nodes:
+        node.wait_step(3, 150)
+    victim = nodes[2]
+    victim.kill()  # the agent and (by its death signal) its workers
+    for node in nodes[:2]:
+        start = len(node.lines)
+        node.wait_for(lambda lines, s=start: any("world=2" in x for x in lines[s:]), 90,
+                      "the survivors re-formed with two nodes")
+        _node_step(node, len(node.lines), 90, "a step after the loss")
+    _stop_all(nodes[:2])
+
+
+def test_netns_packet_loss_on_one_link_job_completes(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    nodes = _job(net, job_dir, "3", 60, step_sleep=0.02)
+    for node in nodes:
+        node.wait_step(2, 150)
+    net.add_loss(net["h2"], 0.1)
+    for node in nodes:
+        assert node.wait(240) == 0, node.output
+    out = "\n".join(n.output for n in nodes)
+    assert "lost: no heartbeat" not in out and "lost the rendezvous store" not in out
+    sums = {x.split("param_sum=")[1] for n in nodes for x in n.lines if "param_sum=" in x}
+    assert len(sums) == 1, out
+
+
+def test_netns_store_host_cut_off_every_agent_exits_3(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    nodes = _job(net, job_dir, "3", 100000)
+    for node in nodes:
+        node.wait_step(3, 150)
+    net.cut_link(net["h1"])
+    cut = time.monotonic()
+    for node in nodes[1:]:
+        assert node.wait(30) == 3, node.output
+        assert "lost the rendezvous store" in node.output
+    assert time.monotonic() - cut < 3 + 6  # heartbeat timeout + op timeout + stop
+
+
+ROGUE = r"""
+import json, sys
+from torch.distributed import TCPStore
+host, port, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+p = f"ftrun/{run}/"
+def rec(body, mac="00" * 32):
+    return "\n" + json.dumps({"body": body, "mac": mac})
+s.append(p + "gen/0/end", rec({"kind": "worker", "node": "rogue", "rank": 0, "returncode": 1}))
+s.append(p + "shutdown", rec({"reason": "forged shutdown"}))
+s.append(p + "gen/0/end", s.get(p + "gen/0").decode())   # replay the real record elsewhere
+n = s.add(p + "gen/1/count", 1)                            # a forged join
+s.set(p + f"gen/1/slot/{n}", json.dumps({"body": {"node_id": "rogue", "node_rank": -1,
+      "local_world_size": 1, "addr": "x", "hostname": "rogue", "pid": 1}, "mac": None}))
+print("forged", flush=True)
+"""
+
+
+def test_netns_forged_records_are_ignored_and_no_token_cannot_join(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    nodes = _job(net, job_dir, "2:3", 40, hosts=[net["h1"], net["h2"]], step_sleep=0.1)
+    for node in nodes:
+        node.wait_step(3, 150)
+    rogue = net["h3"].run([sys.executable, "-c", ROGUE, net["h1"].addr, "29400", "nsjob"],
+                          timeout=60)
+    assert "forged" in rogue.stdout, rogue.stderr
+    (intruder,) = _job(net, job_dir, "2:3", 40, "--rdzv-conf", "join_timeout=12",
+                       hosts=[net["h3"]], token=None)
+    assert intruder.wait(90) == 3, intruder.output
+    for node in nodes:
+        assert node.wait(180) == 0, node.output
+    leader_out = nodes[0].output
+    assert "ignored a control record" in leader_out
+    assert not any("restart=1" in x for n in nodes for x in n.lines)
+    assert "asks to join" not in leader_out
+
+
+# --- Slurm: the warning signal reaches the workers, and the exit code says which ---------
+
+USR1_WORKER = """
+import os, signal, sys, time
+def bye(signum, frame):
+    print(f"got {signal.Signals(signum).name} rank={os.environ['RANK']}", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, bye)
+print(f"ready rank={os.environ['RANK']}", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_slurm_scancel_usr1_reaches_workers_and_exit_is_138(slurm_cluster, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    worker = job_dir / "usr1.py"
+    worker.write_text(USR1_WORKER)
+    log = job_dir / "job.log"
+    batch = job_dir / "job.sh"
+    batch.write_text(
+        "#!/bin/bash\n"
+        f"srun -n2 --export=ALL,FTRUN_RDZV_PORT=29731 {launcher()} --nproc-per-node 1 "
+        f"{worker}\n"
+        'echo "srun exit=$?"\n'
+    )
+    job = slurm_cluster.sbatch([f"--output={log}", "-n2", str(batch)])
+    deadline = time.monotonic() + 180
+    while log.read_text().count("ready rank=") < 2 if log.exists() else True:
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    sent = slurm_cluster.run(["scancel", "--signal=USR1", job])
+    assert sent.returncode == 0, sent.stderr
+    assert slurm_cluster.wait_job(job, 120) in ("COMPLETED", "FAILED"), log.read_text()
+    text = log.read_text()
+    assert sorted(x.split("got SIGUSR1 ")[1] for x in text.splitlines() if "got SIGUSR1" in x) \
+        == ["rank=0", "rank=1"], text
+    assert "srun exit=138" in text, text  # 128 + SIGUSR1: the batch script can requeue
