@@ -94,7 +94,9 @@ def main() -> None:
     ft.on_regroup(lambda rank, world: print(
         f"regroup gen={ft.generation} rank={rank} world={world} step={ft.step} "
         f"checksum={checksum(model)}", flush=True))
-    once = os.environ.get("FTRUN_INITIAL") == "1" or os.environ.get("FTRUN_MEMBER_ID") is None
+    # Faults are injected into the process that started as --fault-rank, once: after a
+    # regroup another process may hold that rank and must not fail again.
+    faulty = os.environ.get("FTRUN_INITIAL", "1") == "1" and ft.rank == args.fault_rank
     checkpoint = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
     if checkpoint is not None:
         args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -105,9 +107,9 @@ def main() -> None:
 
     def compute() -> float:
         step, rank, world = ft.step, ft.rank, ft.world_size
-        if once and rank == args.fault_rank and step == args.raise_at_step:
+        if faulty and ft.generation <= 0 and step == args.raise_at_step:
             raise ValueError(f"injected error at step {step} on rank {rank}")
-        if once and rank == args.fault_rank and step == args.sleep_at_step:
+        if faulty and ft.generation <= 0 and step == args.sleep_at_step:
             while True:  # alive, beating, but no progress: a stalled main thread
                 time.sleep(1)
         inputs, target = global_batch(step)

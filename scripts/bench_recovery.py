@@ -1,0 +1,629 @@
+"""Recovery from a killed worker: torchrun restart, ftrun restart, ftrun regroup, alternated.
+
+The same job (``scripts/train_elastic.py``, an MLP with DDP over gloo on N workers) and the
+same fault (SIGKILL of one worker, ``--victim-rank``, as soon as it reports step
+``--kill-at-step``) under three recoveries:
+
+* ``torchrun``: ``torchrun --max-restarts 3``, the job resumes from a disk checkpoint
+  written every ``--checkpoint-every`` steps. It runs with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it torchrun 2.13's restarted workers
+  read the dead generation's addresses from the shared store and do not recover on this
+  machine (pytorch/pytorch#135712);
+* ``ftrun_restart``: ``ftrun --recovery restart --max-restarts 3``, the same checkpoints;
+* ``ftrun_regroup``: ``ftrun --recovery regroup`` (``--on-failure replace``): the survivors
+  continue in-process, no disk checkpoint.
+
+Figures of one faulty run (times from ``time.time()``; step times are the ``t=`` stamps the
+workers print, so pipe delays do not count):
+
+* ``detection_s``: from the kill to the agent noticing it, the ``detected`` time of the
+  first ``failure`` event in ftrun's ``--events-file``. torchrun does not publish when it
+  notices a failure: null;
+* ``recovery_s``: from the kill to the first step committed by the recovered job: for a
+  restart, the first step line printed by a process that had printed no step line before
+  the kill (a new worker); for regroup, the first step line of a generation newer than the
+  one the victim was in (the survivors' first step after the regroup);
+* ``steps_lost``: the highest step any worker of the faulty generation reported, minus the
+  step the recovered job resumed from (restart: its ``resumed step=S`` line, 0 without one;
+  regroup: the ``step=S`` of the survivors' ``regroup`` line). 0 means no committed step
+  was recomputed;
+* ``wall_vs_faultfree``: the faulty run's wall time (launcher start to exit) divided by the
+  median wall time of the fault-free runs of the same launcher, which every repeat also
+  measures (``wall_extra_s``: the difference in seconds).
+
+Also measured: ``steps_per_s``, the steady-state throughput of the fault-free runs (rank 0's
+steps after the first ``--warmup-steps``, from the workers' own time stamps), with
+ftrun regroup's median over plain torchrun's median as ``regroup_vs_torchrun`` (goal: at
+least 0.98); and ``frozen_recovery_s``, a frozen worker under ftrun regroup with default
+detection settings: SIGSTOP instead of SIGKILL, time from the SIGSTOP to the first step of
+the next generation (goal: under 3 s; torchrun has no such detection and would wait for the
+collective timeout).
+
+Each repeat runs every launcher's fault-free and faulty run and the frozen run, in an order
+rotated between repeats. A run that does not finish within ``--timeout`` or exits non-zero
+counts in ``failed_to_recover`` and gives no figures. No process is left behind: the
+launcher is stopped (SIGTERM, SIGKILL after a grace) and every process that carries the
+run's marker variable is killed by pid and counted in ``leftover_processes`` (a non-zero
+count is a launcher bug).
+
+    python scripts/bench_recovery.py                # 3 repeats (about 5 minutes here), table
+    python scripts/bench_recovery.py --quick        # 1 repeat smoke run (under 2 minutes)
+    python scripts/bench_recovery.py --json         # one JSON object on stdout
+
+JSON: {"torchrun": {"recovery_s": [...], "steps_lost": [...], "detection_s": [...],
+"wall_s": [...], "wall_vs_faultfree": [...], "wall_extra_s": [...], "faultfree_wall_s":
+[...], "steps_per_s": [...], "failed_to_recover": n}, "ftrun_restart": {...},
+"ftrun_regroup": {...}, "frozen": {"frozen_recovery_s": [...], "detection_s": [...],
+"steps_lost": [...], "failed_to_recover": n}, "steps_per_s": {...}, "regroup_vs_torchrun":
+r, "leftover_processes": n, "failures": [...], "notes": [...], "config": {...}}.
+On this sandbox about 3-8% of TCPStore connects stall exactly 5 s in a reverse-DNS lookup
+inside torch (see TEST-INFRA.md): an outlier of about 5 s is that quirk, not the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "scripts" / "train_elastic.py"
+# Lines of different torchrun workers can run together on one line: search, do not match.
+STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=([\d.]+) gen=(-?\d+) world=(\d+)")
+REGROUP = re.compile(r"regroup gen=(\d+) rank=(\d+) world=(\d+) step=(\d+)")
+RESUMED = re.compile(r"resumed step=(\d+) rank=(\d+)")
+LAUNCHERS = ("torchrun", "ftrun_restart", "ftrun_regroup")
+MARKER = "BENCH_RECOVERY_RUN"
+NOTES = [
+    "torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it its restarted "
+    "workers read the dead generation's store addresses and do not recover on this machine "
+    "(pytorch/pytorch#135712).",
+    "torchrun's detection latency is not observable from outside (it publishes no failure "
+    "time): reported as null.",
+    "An outlier of about 5 s can be this sandbox's TCPStore reverse-DNS quirk (about 3-8% "
+    "of store connects stall exactly 5 s, see /work/shared/TEST-INFRA.md), not the launcher.",
+]
+
+
+def launcher_path(name: str) -> str:
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class StepLine:
+    step: int
+    rank: int
+    pid: int
+    t: float
+    gen: int
+
+
+@dataclass
+class Run:
+    """One launcher process whose output lines are kept, stamped as they arrive."""
+
+    argv: list[str]
+    env: dict[str, str]
+    rundir: Path = Path(".")
+    store_host: StoreHost | None = None
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        self.tag = self.env[MARKER]
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=self.env, errors="replace", start_new_session=True,
+        )
+        self.ended: float | None = None
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append((time.time(), line))
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def steps(self) -> list[StepLine]:
+        with self.cond:
+            text = [line for _, line in self.lines]
+        return [StepLine(int(m[1]), int(m[2]), int(m[3]), float(m[4]), int(m[5]))
+                for line in text for m in STEP.finditer(line)]
+
+    def text(self) -> str:
+        with self.cond:
+            return "".join(line for _, line in self.lines)
+
+    def wait_step(self, rank: int, min_step: int, timeout: float) -> StepLine | None:
+        """The first step line of ``rank`` with a step of at least ``min_step``."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self.cond:
+            while True:
+                for _, line in self.lines[seen:]:
+                    for m in STEP.finditer(line):
+                        if int(m[2]) == rank and int(m[1]) >= min_step:
+                            return StepLine(int(m[1]), int(m[2]), int(m[3]), float(m[4]),
+                                            int(m[5]))
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    return None
+                self.cond.wait(min(left, 0.2))
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.ended = time.time()
+        self.reader.join(10)
+        return code
+
+    def stop(self, grace: float = 30.0) -> int:
+        """Stop the launcher if it still runs, then kill whatever carries this run's marker.
+        Returns how many such processes were still alive after the launcher had ended."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.ended is None:
+            self.ended = time.time()
+        self.reader.join(10)
+        if self.store_host is not None:
+            self.store_host.close()
+        deadline = time.monotonic() + 5.0  # workers may take a moment to die after the agent
+        left = tagged_processes(self.tag)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = tagged_processes(self.tag)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        return len(left)
+
+
+class StoreHost:
+    """Hosts the worker store that rank 0 of a torchrun round is expected to host.
+
+    With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` torchrun gives its workers
+    ``TORCHELASTIC_USE_AGENT_STORE=False`` and a fresh ``MASTER_PORT`` per round, on which
+    rank 0 must start the TCPStore server (``torch.distributed.init_process_group`` does).
+    ftrun's worker API, outside ftrun, only ever connects as a client, so without this the
+    job waits for a store nobody serves. The bench serves it instead, for each new round's
+    port, and polls for workers only while a round without a store exists (after the start
+    and after the fault), so it costs nothing in the steady state.
+    """
+
+    def __init__(self, run: Run) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self._dist, self._timeout = dist, timedelta(seconds=60)
+        self.run = run
+        self.stores: list[Any] = []
+        self.ports: set[int] = set()
+        self.wanted = threading.Event()
+        self.wanted.set()
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def rearm(self) -> None:
+        """A new round is coming (after a fault): look for its port."""
+        self.wanted.set()
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self.closed.is_set():
+            if not self.wanted.wait(0.2):
+                continue
+            try:
+                children = psutil.Process(self.run.proc.pid).children()
+            except psutil.Error:
+                return
+            for child in children:
+                port = worker_store_port(child.pid)
+                if port is not None and port not in self.ports:
+                    self.ports.add(port)
+                    self.stores.append(self._dist.TCPStore(
+                        "0.0.0.0", port, is_master=True, wait_for_workers=False,
+                        timeout=self._timeout))
+                    self.wanted.clear()
+            self.closed.wait(0.05)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.wanted.set()
+        self.thread.join(5)
+        self.stores.clear()
+
+
+def worker_store_port(pid: int) -> int | None:
+    """MASTER_PORT of a torchrun worker that must host its store itself, else None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    if env.get(b"TORCHELASTIC_USE_AGENT_STORE") != b"False" or b"MASTER_PORT" not in env:
+        return None
+    return int(env[b"MASTER_PORT"])
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries ``MARKER=tag``."""
+    needle = f"{MARKER}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle not in handle.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                state = handle.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in (b"Z", b"X"):
+            found.append(int(entry))
+    return found
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    events = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                events.append(json.loads(line))
+    return events
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.counter = 0
+        self.leftovers = 0
+        self.failures: list[dict[str, Any]] = []
+
+    def save(self, run: Run, extra: str = "") -> None:
+        """Keep the run's output next to its events (read by people after a failure)."""
+        with contextlib.suppress(OSError):
+            (run.rundir / "output.txt").write_text(
+                f"$ {' '.join(run.argv)}\n{extra}" + "".join(
+                    f"{stamp:.6f} {line}" for stamp, line in list(run.lines)))
+
+    def start(self, launcher: str, *, checkpoints: bool) -> tuple[Run, Path]:
+        args = self.args
+        self.counter += 1
+        rundir = self.workdir / f"run{self.counter}_{launcher}"
+        rundir.mkdir()
+        events = rundir / "events.jsonl"
+        env = dict(os.environ)
+        env[MARKER] = uuid.uuid4().hex
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        job = [str(TRAIN), "--steps", str(args.steps), "--step-sleep", str(args.step_sleep)]
+        if checkpoints:
+            job += ["--checkpoint-dir", str(rundir / "ckpt"),
+                    "--checkpoint-every", str(args.checkpoint_every)]
+        if launcher == "torchrun":
+            # torchrun's own single-node default (a c10d rendezvous on a free port): with an
+            # explicit --master-port it uses the static rendezvous, whose restarts do not
+            # recover here either (its store and keys outlive the failed workers).
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            argv = [launcher_path("torchrun"), "--nproc-per-node", str(args.nproc_per_node),
+                    "--max-restarts", "3", *job]
+        else:
+            common = ["--nproc-per-node", str(args.nproc_per_node),
+                      "--master-port", str(free_port()), "--events-file", str(events)]
+            if launcher == "ftrun_restart":
+                argv = [launcher_path("ftrun"), *common, "--recovery", "restart",
+                        "--max-restarts", "3", *job]
+            else:
+                argv = [launcher_path("ftrun"), *common, "--recovery", "regroup", *job]
+        run = Run(argv, env)
+        run.rundir = rundir
+        if launcher == "torchrun" and args.torchrun_host_store:
+            run.store_host = StoreHost(run)
+        return run, events
+
+    def finish(self, run: Run) -> int | None:
+        """Wait for the launcher to exit (the job to end) within the run's timeout."""
+        return run.wait_exit(max(0.0, self.args.timeout - (time.time() - run.started)))
+
+    def fail(self, what: str, repeat: int, reason: str, run: Run) -> None:
+        tail = run.text().splitlines()[-15:]
+        self.failures.append({"run": what, "repeat": repeat, "reason": reason,
+                              "logs": str(run.rundir) if self.args.keep_logs else None})
+        print(f"# FAILED {what} (repeat {repeat}): {reason}; last lines:", file=sys.stderr)
+        for line in tail:
+            print(f"#   {line}", file=sys.stderr)
+
+    # --- the three kinds of run ----------------------------------------------------------
+
+    def fault_free(self, launcher: str, repeat: int) -> dict[str, Any] | None:
+        run, _ = self.start(launcher, checkpoints=launcher != "ftrun_regroup")
+        try:
+            code = self.finish(run)
+        finally:
+            self.leftovers += run.stop()
+            self.save(run)
+        if code != 0:
+            self.fail(f"{launcher} fault-free", repeat, f"exit code {code}", run)
+            return None
+        rank0 = sorted((s for s in run.steps() if s.rank == 0), key=lambda s: s.step)
+        warm = [s for s in rank0 if s.step >= self.args.warmup_steps]
+        rate = None
+        if len(warm) >= 2 and warm[-1].t > warm[0].t:
+            rate = (warm[-1].step - warm[0].step) / (warm[-1].t - warm[0].t)
+        assert run.ended is not None
+        return {"wall_s": run.ended - run.started, "steps_per_s": rate}
+
+    def faulty(self, launcher: str, repeat: int, sig: int = signal.SIGKILL) -> dict[str, Any] | None:
+        args = self.args
+        what = launcher if sig == signal.SIGKILL else f"{launcher} frozen"
+        run, events_path = self.start(launcher, checkpoints=launcher != "ftrun_regroup")
+        victim, fault_at = None, 0.0
+        try:
+            victim = run.wait_step(args.victim_rank, args.kill_at_step, args.timeout)
+            if victim is None:
+                self.fail(what, repeat, f"rank {args.victim_rank} never reached step "
+                          f"{args.kill_at_step}", run)
+                return None
+            if run.store_host is not None:
+                run.store_host.rearm()
+            fault_at = time.time()
+            os.kill(victim.pid, sig)
+            code = self.finish(run)
+        finally:
+            self.leftovers += run.stop()
+            self.save(run, "" if victim is None else
+                      f"# fault {signal.Signals(sig).name} to pid {victim.pid} at "
+                      f"{fault_at:.6f}\n")
+        if code != 0:
+            self.fail(what, repeat, "timed out" if code is None else f"exit code {code}", run)
+            return None
+        steps = run.steps()
+        text = run.text()
+        if launcher == "ftrun_regroup":
+            old = [s for s in steps if s.gen <= victim.gen]
+            new = [s for s in steps if s.gen > victim.gen]
+            regroups = [(int(m[1]), int(m[4])) for m in REGROUP.finditer(text)
+                        if int(m[1]) > victim.gen]
+            resumed = min(regroups)[1] if regroups else None
+        else:
+            before = {s.pid for s in steps if s.t < fault_at}
+            old = [s for s in steps if s.pid in before]
+            new = [s for s in steps if s.pid not in before]
+            resumes = [int(m[1]) for m in RESUMED.finditer(text)]
+            resumed = min(resumes) if resumes else 0  # no checkpoint: from the start
+        if not new:
+            self.fail(what, repeat, "no step after the fault", run)
+            return None
+        first = min(new, key=lambda s: s.t)
+        if resumed is None:
+            resumed = first.step - 1
+        detection = None
+        failure = next((e for e in read_events(events_path) if e.get("event") == "failure"),
+                       None)
+        if failure is not None and isinstance(failure.get("detected"), (int, float)):
+            detection = failure["detected"] - fault_at
+        assert run.ended is not None
+        return {
+            "victim_step": victim.step,
+            "detection_s": detection,
+            "recovery_s": first.t - fault_at,
+            "steps_lost": max(s.step for s in old) - resumed,
+            "wall_s": run.ended - run.started,
+            "failure_cause": None if failure is None else failure.get("cause"),
+        }
+
+
+def rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def summarize(values: list[Any], digits: int = 2) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return (f"{statistics.median(values):.{digits}f} "
+            f"({min(values):.{digits}f}-{max(values):.{digits}f})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one repeat: a smoke run")
+    parser.add_argument("--nproc-per-node", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300, help="steps of the job")
+    parser.add_argument("--kill-at-step", type=int, default=50,
+                        help="the fault hits the victim when it reports this step")
+    parser.add_argument("--victim-rank", type=int, default=1)
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--warmup-steps", type=int, default=20,
+                        help="steps left out of the throughput figure")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-torchrun-host-store", dest="torchrun_host_store",
+                        action="store_false",
+                        help="do not serve the store torchrun's rank 0 should host (shows the "
+                        "worker API's hang under torchrun)")
+    parser.add_argument("--keep-logs", type=Path, default=None,
+                        help="keep every run's output, events and checkpoints in this folder")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats = 1
+    if not 0 <= args.victim_rank < args.nproc_per_node or args.kill_at_step >= args.steps:
+        parser.error("the victim rank must exist and the kill step must be before the end")
+
+    results: dict[str, Any] = {
+        name: {"recovery_s": [], "steps_lost": [], "detection_s": [], "wall_s": [],
+               "wall_vs_faultfree": [], "wall_extra_s": [], "faultfree_wall_s": [],
+               "steps_per_s": [], "failed_to_recover": 0}
+        for name in LAUNCHERS
+    }
+    frozen: dict[str, Any] = {"frozen_recovery_s": [], "detection_s": [], "steps_lost": [],
+                              "causes": [], "failed_to_recover": 0}
+    faulty_walls: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:
+        workdir = Path(tmp)
+        if args.keep_logs is not None:
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            workdir = Path(tempfile.mkdtemp(prefix="bench_recovery_", dir=args.keep_logs))
+            print(f"# logs in {workdir}", file=sys.stderr)
+        bench = Bench(args, workdir)
+        kinds = [(name, "fault-free") for name in LAUNCHERS] + \
+                [(name, "fault") for name in LAUNCHERS] + [("ftrun_regroup", "frozen")]
+        for repeat in range(args.repeats):
+            shift = repeat % len(LAUNCHERS)
+            order = LAUNCHERS[shift:] + LAUNCHERS[:shift]
+            if repeat % 2:
+                order = tuple(reversed(order))
+            plan = [(n, "fault-free") for n in order] + [(n, "fault") for n in order]
+            plan.insert(repeat % (len(plan) + 1), ("ftrun_regroup", "frozen"))
+            assert sorted(plan) == sorted(kinds)
+            for name, kind in plan:
+                if kind == "fault-free":
+                    figures = bench.fault_free(name, repeat + 1)
+                    entry = results[name]
+                    if figures is not None:
+                        entry["faultfree_wall_s"].append(rounded(figures["wall_s"]))
+                        entry["steps_per_s"].append(rounded(figures["steps_per_s"], 2))
+                elif kind == "fault":
+                    figures = bench.faulty(name, repeat + 1)
+                    entry = results[name]
+                    if figures is None:
+                        entry["failed_to_recover"] += 1
+                    else:
+                        entry["recovery_s"].append(rounded(figures["recovery_s"]))
+                        entry["steps_lost"].append(figures["steps_lost"])
+                        entry["detection_s"].append(rounded(figures["detection_s"]))
+                        entry["wall_s"].append(rounded(figures["wall_s"]))
+                        faulty_walls[name].append(figures["wall_s"])
+                else:
+                    figures = bench.faulty(name, repeat + 1, signal.SIGSTOP)
+                    if figures is None:
+                        frozen["failed_to_recover"] += 1
+                    else:
+                        frozen["frozen_recovery_s"].append(rounded(figures["recovery_s"]))
+                        frozen["detection_s"].append(rounded(figures["detection_s"]))
+                        frozen["steps_lost"].append(figures["steps_lost"])
+                        frozen["causes"].append(figures["failure_cause"])
+                shown = {k: (round(v, 3) if isinstance(v, float) else v)
+                         for k, v in (figures or {}).items()}
+                print(f"# {time.strftime('%H:%M:%S')} repeat {repeat + 1}/{args.repeats} "
+                      f"{name} {kind}: {shown or 'FAILED'}", file=sys.stderr, flush=True)
+        leftovers, failures = bench.leftovers, bench.failures
+
+    for name in LAUNCHERS:
+        entry = results[name]
+        clean = [w for w in entry["faultfree_wall_s"] if w is not None]
+        if clean:
+            base = statistics.median(clean)
+            entry["wall_vs_faultfree"] = [round(w / base, 3) for w in faulty_walls[name]]
+            entry["wall_extra_s"] = [round(w - base, 3) for w in faulty_walls[name]]
+    rates = {name: [r for r in results[name]["steps_per_s"] if r is not None]
+             for name in LAUNCHERS}
+    ratio = None
+    if rates["ftrun_regroup"] and rates["torchrun"]:
+        ratio = round(statistics.median(rates["ftrun_regroup"])
+                      / statistics.median(rates["torchrun"]), 4)
+    results["frozen"] = frozen
+    results["frozen_recovery_s"] = frozen["frozen_recovery_s"]
+    results["steps_per_s"] = {name: results[name]["steps_per_s"] for name in LAUNCHERS}
+    results["regroup_vs_torchrun"] = ratio
+    results["leftover_processes"] = leftovers
+    results["failures"] = failures
+    results["notes"] = NOTES
+    results["config"] = {
+        "nproc_per_node": args.nproc_per_node, "repeats": args.repeats, "steps": args.steps,
+        "kill_at_step": args.kill_at_step, "victim_rank": args.victim_rank,
+        "checkpoint_every": args.checkpoint_every, "step_sleep": args.step_sleep,
+        "warmup_steps": args.warmup_steps, "timeout_s": args.timeout,
+        "torchrun_max_restarts": 3, "ftrun_restart_max_restarts": 3,
+        "ftrun_regroup_on_failure": "replace", "torch_disable_share_rdzv_tcp_store": True,
+        "cpus": os.cpu_count(), "elapsed_s": round(time.time() - started, 1),
+    }
+    if args.json:
+        print(json.dumps(results))
+        return 0 if not failures else 1
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(150, Console().width))
+    table = Table(title=f"recovery from SIGKILL of rank {args.victim_rank} at step "
+                  f"{args.kill_at_step}, {args.nproc_per_node} gloo workers, {args.repeats} "
+                  "repeats: median (min-max)")
+    for column in ("launcher", "detection s", "recovery s", "steps lost",
+                   "wall vs fault-free", "extra wall s", "fault-free steps/s",
+                   "failed to recover"):
+        table.add_column(column)
+    for name in LAUNCHERS:
+        entry = results[name]
+        table.add_row(
+            name,
+            "n/a (not observable)" if name == "torchrun" else summarize(entry["detection_s"]),
+            summarize(entry["recovery_s"]), summarize(entry["steps_lost"], 0),
+            summarize(entry["wall_vs_faultfree"]), summarize(entry["wall_extra_s"]),
+            summarize(entry["steps_per_s"], 1),
+            f"{entry['failed_to_recover']}/{args.repeats}",
+        )
+    console.print(table)
+    verdict = "n/a" if ratio is None else ("meets" if ratio >= 0.98 else "misses")
+    console.print(f"steady state: ftrun regroup / torchrun throughput = {ratio} "
+                  f"({verdict} the 2% goal)")
+    fr = frozen["frozen_recovery_s"]
+    fverdict = "n/a" if not fr else ("meets" if max(fr) < 3 else "misses")
+    console.print(f"frozen worker (SIGSTOP) under ftrun regroup: SIGSTOP to progress "
+                  f"{summarize(fr)} s, detection {summarize(frozen['detection_s'])} s, "
+                  f"failed {frozen['failed_to_recover']}/{args.repeats} ({fverdict} the 3 s "
+                  "goal); torchrun would wait for the collective timeout")
+    console.print(f"leftover processes killed after the runs: {leftovers}")
+    for note in NOTES:
+        console.print(f"note: {note}")
+    print(json.dumps(results))
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
