@@ -46,7 +46,8 @@ launcher is stopped (SIGTERM, SIGKILL after a grace) and every process that carr
 run's marker variable is killed by pid and counted in ``leftover_processes`` (a non-zero
 count is a launcher bug).
 
-    python scripts/bench_recovery.py                # 3 repeats (about 5 minutes here), table
+    python scripts/bench_recovery.py                # 3 repeats, table (about 5.5 minutes on
+                                                    # an idle 2-core machine, 9 with other jobs)
     python scripts/bench_recovery.py --quick        # 1 repeat smoke run (under 2 minutes)
     python scripts/bench_recovery.py --json         # one JSON object on stdout
 
