@@ -25,7 +25,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -127,6 +127,7 @@ class Agent:
         self.monitor: HeartbeatMonitor | None = None
         self._finished_nodes: set[str] = set()
         self._next_scan = 0.0
+        self.store_lost = False
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
 
     # --- messages ------------------------------------------------------------------------
@@ -147,6 +148,7 @@ class Agent:
                 self.say(f"lost the rendezvous store: {lost or error}; stopped this node's "
                          f"workers, exiting {int(ExitCode.RENDEZVOUS_FAILED)}", style="red")
                 self.events.emit("stop", reason="store lost", detail=str(lost or error))
+                self.store_lost = True
                 return ExitCode.RENDEZVOUS_FAILED
             self.say(f"rendezvous failed: {error}", style="red")
             self.events.emit("stop", reason="rendezvous", detail=str(error))
@@ -252,15 +254,15 @@ class Agent:
             self.control_endpoint = (config.rdzv_host, int(self.control_server.port))
         else:
             store = connect_store(
-                config.rdzv_host, config.rdzv_port, config.join_timeout_s, interrupted=interrupted
+                config.rdzv_host, config.rdzv_port, config.join_timeout_s, interrupted=interrupted,
+                op_timeout_s=op_timeout,
             )
-            store.set_timeout(timedelta(seconds=op_timeout))
             self.control_endpoint = (config.rdzv_host, config.rdzv_port)
         if interrupted():
             return None
         host, port = self.control_endpoint
         signer = Signer(load_secret())
-        reconnect = lambda: connect_store(host, port, op_timeout)  # noqa: E731
+        reconnect = lambda: connect_store(host, port, op_timeout, op_timeout_s=op_timeout)  # noqa: E731
         jstore = JsonStore(
             store, f"ftrun/{self.run_id}", signer=signer,
             reconnect=None if hosting else reconnect,
@@ -700,4 +702,13 @@ def format_time(ts: float) -> str:
 
 def run_agent(config: LaunchConfig) -> int:
     """Run one node's share of the job; returns the process exit code."""
-    return Agent(config).run()
+    agent = Agent(config)
+    code = agent.run()
+    if agent.store_lost:
+        # A store client may still be blocked inside torch on a dead connection; running
+        # its destructors at interpreter exit can abort the process. Everything is said
+        # and every worker is stopped: leave now, with the documented code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -19,8 +19,12 @@ pickled. Every call has an explicit timeout. Errors: connection problems raise
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import struct
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -73,20 +77,65 @@ def connect_store(
     timeout_s: float,
     *,
     interrupted: Callable[[], bool] = lambda: False,
+    op_timeout_s: float | None = None,
 ) -> TCPStore:
-    """Connect to a store that may not be up yet, retrying until ``timeout_s``."""
+    """Connect to a store that may not be up yet, retrying until ``timeout_s``.
+
+    With ``op_timeout_s``, every later request of this client fails after that long
+    without an answer. torch's client has no such bound: on a cut link its ``recv``
+    waits for TCP to give up (many minutes), so an agent would hang instead of noticing
+    that its store host is gone. The bound is put on the client's socket (receive and send
+    timeouts, ``TCP_USER_TIMEOUT``); ``timeout_s`` still bounds server-side waits.
+    """
     deadline = time.monotonic() + timeout_s
     last_error = "no attempt"
     while True:
         slice_s = min(_CONNECT_SLICE_S, max(deadline - time.monotonic(), 0.1))
         try:
-            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=slice_s))
-            store.set_timeout(timedelta(seconds=timeout_s))
+            with _CONNECT_LOCK:
+                before = _socket_fds()
+                store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=slice_s))
+                if op_timeout_s is not None:
+                    _bound_requests(_socket_fds() - before, op_timeout_s)
+            store.set_timeout(timedelta(seconds=op_timeout_s or timeout_s))
             return store
         except (RuntimeError, ValueError) as error:
             last_error = str(error).splitlines()[0] if str(error) else type(error).__name__
         if interrupted() or time.monotonic() >= deadline:
             raise StoreError(f"cannot reach the store at {host}:{port}: {last_error}")
+
+
+_CONNECT_LOCK = threading.Lock()
+
+
+def _socket_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue
+    return fds
+
+
+def _bound_requests(fds: set[int], timeout_s: float) -> None:
+    """Receive/send timeouts and TCP_USER_TIMEOUT on the sockets a client just opened."""
+    seconds = int(timeout_s)
+    timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM:
+                continue
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                int(timeout_s * 1000))
 
 
 class JsonStore:

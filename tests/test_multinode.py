@@ -175,12 +175,22 @@ def _job(net, job_dir: Path, nnodes: str, steps: int, *extra: str, token: str | 
     leader = net["h1"]
     args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsjob",
-            "--rdzv-conf", "last_call_timeout=15", *HB, "--max-restarts", "3", *extra,
-            str(script), "--steps", str(steps), "--step-sleep", str(step_sleep),
+            "--rdzv-conf", "last_call_timeout=15", *HB, "--max-restarts", "3", *extra]
+    train = [str(script), "--steps", str(steps), "--step-sleep", str(step_sleep),
             "--checkpoint-dir", str(job_dir), "--checkpoint-every", "10"]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": token or ""}
-    return [HostLaunch(host, [*args, "--local-addr", host.addr], env=env, cwd=job_dir)
+    return [HostLaunch(host, [*args, "--local-addr", host.addr, *train], env=env, cwd=job_dir)
             for host in (hosts or list(net))]
+
+
+def _wait_line(node: Launch, text: str, after: int, timeout: float, what: str) -> None:
+    """Wait for a line containing ``text`` after line ``after``; on a timeout, show the
+    agent's own lines (step lines would hide them)."""
+    try:
+        node.wait_for(lambda lines: any(text in x for x in lines[after:]), timeout, what)
+    except AssertionError:
+        own = [x for x in node.lines if "step=" not in x and "[W" not in x][-40:]
+        raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(own)) from None
 
 
 def _node_step(node: Launch, after: int, timeout: float, what: str) -> None:
@@ -203,7 +213,7 @@ def net(infra_leak_check, netns_network):  # type: ignore[no-untyped-def]
     return netns_network
 
 
-def test_netns_node_cut_off_is_declared_lost_then_rejoins(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_netns_node_cut_off_is_declared_lost_then_rejoins(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     """h3's link goes down: the leader sees its heartbeat stop, the survivors go on with two
     nodes, h3's agent exits 3; the link comes back and a new agent on h3 joins the job."""
     nodes = _job(net, job_dir, "2:3", 100000)
@@ -219,8 +229,7 @@ def test_netns_node_cut_off_is_declared_lost_then_rejoins(net, job_dir: Path) ->
     assert "lost the rendezvous store" in cut.output
     mark = [len(n.lines) for n in nodes]
     for node, start in zip(nodes[:2], mark, strict=False):
-        node.wait_for(lambda lines, s=start: any("world=2" in x for x in lines[s:]), 90,
-                      "the survivors re-formed with two nodes")
+        _wait_line(node, "world=2", start, 90, "the survivors re-formed with two nodes")
         _node_step(node, len(node.lines), 90, "a step without h3")
     assert detected < 3 + 4, detected
     net.restore_link(net["h3"])
@@ -233,21 +242,20 @@ def test_netns_node_cut_off_is_declared_lost_then_rejoins(net, job_dir: Path) ->
     _stop_all(nodes)
 
 
-def test_netns_agent_sigkilled_survivors_regroup(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_netns_agent_sigkilled_survivors_regroup(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     nodes = _job(net, job_dir, "2:3", 100000)
     for node in nodes:
         node.wait_step(3, 150)
     victim = nodes[2]
     victim.kill()  # the agent and (by its death signal) its workers
-    for node in nodes[:2]:
-        start = len(node.lines)
-        node.wait_for(lambda lines, s=start: any("world=2" in x for x in lines[s:]), 90,
-                      "the survivors re-formed with two nodes")
+    marks = [len(node.lines) for node in nodes]
+    for node, mark in zip(nodes[:2], marks, strict=False):
+        _wait_line(node, "world=2", mark, 120, "the survivors re-formed with two nodes")
         _node_step(node, len(node.lines), 90, "a step after the loss")
     _stop_all(nodes[:2])
 
 
-def test_netns_packet_loss_on_one_link_job_completes(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_netns_packet_loss_on_one_link_job_completes(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     nodes = _job(net, job_dir, "3", 60, step_sleep=0.02)
     for node in nodes:
         node.wait_step(2, 150)
@@ -260,7 +268,7 @@ def test_netns_packet_loss_on_one_link_job_completes(net, job_dir: Path) -> None
     assert len(sums) == 1, out
 
 
-def test_netns_store_host_cut_off_every_agent_exits_3(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_netns_store_host_cut_off_every_agent_exits_3(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     nodes = _job(net, job_dir, "3", 100000)
     for node in nodes:
         node.wait_step(3, 150)
@@ -274,6 +282,7 @@ def test_netns_store_host_cut_off_every_agent_exits_3(net, job_dir: Path) -> Non
 
 ROGUE = r"""
 import json, sys
+from datetime import timedelta
 from torch.distributed import TCPStore
 host, port, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 s = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
@@ -290,7 +299,7 @@ print("forged", flush=True)
 """
 
 
-def test_netns_forged_records_are_ignored_and_no_token_cannot_join(net, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_netns_forged_records_are_ignored_and_no_token_cannot_join(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     nodes = _job(net, job_dir, "2:3", 40, hosts=[net["h1"], net["h2"]], step_sleep=0.1)
     for node in nodes:
         node.wait_step(3, 150)
