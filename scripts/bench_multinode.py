@@ -243,7 +243,7 @@ def _load_proc(port: int, agents: list[int], interval: float, poll: float, secon
                       signer=Signer(b"bench-token"))
     # Each agent: one heartbeat per interval, one end check per poll. Spread evenly.
     period = 1.0 / (len(agents) / interval + len(agents) / poll)
-    beats_every = int(round(interval / poll)) + 1  # of every k requests, one is a beat
+    beats_every = round(interval / poll) + 1  # of every k requests, one is a beat
     latencies: list[float] = []
     start = time.monotonic()
     k = 0
@@ -340,9 +340,9 @@ def main() -> None:
                 took = node_loss_once(program, args.cap)
                 if took is None:
                     took = args.cap
-                    result["censored"]["torchrun" if program == "torchrun" else "ftrun"] = (  # type: ignore[index]
-                        result["censored"].get(program, []) + [len(recovery[program])]  # type: ignore[union-attr]
-                    )
+                    censored = result["censored"]
+                    assert isinstance(censored, dict)
+                    censored.setdefault(program, []).append(len(recovery[program]))
                 recovery[program].append(round(took, 2))
     if args.only in (None, "rendezvous"):
         rdzv = result["rendezvous_s"]
