@@ -11,12 +11,14 @@ key                        written by              meaning
 =========================  ======================  ==========================================
 ``member/<id>``            worker, once            ready to join: past its imports, API in use
 ``member/<id>/synced``     worker                  holds the job's state (joined and loaded)
+``member/<id>/finished``   worker (``close``)      left its training loop: admit no joiners
 ``hb/<id>``                worker thread           liveness counter, bumped every beat
-``progress/<id>``          worker                  the step it is about to compute
+``progress/<id>``          worker thread           "<steps> <collectives in this step>"
 ``rgen/latest``            agent                   number of the newest generation
 ``rgen/<g>``               agent, once             :class:`MemberGeneration` record
 ``rgen/<g>/end``           agent, first wins       why generation g ended (failure or join)
 ``rgen/<g>/arrived``       workers (counter)       members that reached generation g
+``rgen/<g>/formed``        worker, first wins      ``formed`` (all arrived) or ``abandoned``
 ``rgen/<g>/vote/<s>``      workers (counter)       members whose step s gradients are good
 ``rgen/<g>/decision/<s>``  worker, first wins      ``commit``, ``commit-regroup`` or ``abort``
 ``rgen/<g>/join``          agent                   a joiner waits: regroup at the next commit
@@ -77,6 +79,14 @@ def decision_key(number: int, step: int) -> str:
     return f"rgen/{number}/decision/{step}"
 
 
+def formed_key(number: int) -> str:
+    return f"rgen/{number}/formed"
+
+
+FORMED = "formed"
+ABANDONED = "abandoned"
+
+
 def join_key(number: int) -> str:
     return f"rgen/{number}/join"
 
@@ -89,6 +99,10 @@ def pg_prefix(prefix: str, number: int) -> str:
 
 def synced_key(member: str) -> str:
     return f"member/{member}/synced"
+
+
+def finished_key(member: str) -> str:
+    return f"member/{member}/finished"
 
 
 @dataclass(frozen=True)

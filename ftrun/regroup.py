@@ -17,11 +17,13 @@ generations in the control store (:mod:`ftrun.protocol`):
   supervisor then stops every worker and the agent restarts them (torchrun's behaviour).
 
 Detection bounds (defaults): exit at once; SIGSTOP within one monitor interval (0.1 s);
-a stopped heartbeat after ``--liveness-timeout`` (5 s; counted from the worker's
-``ftrun.init()``: an import can starve a process for over a second on a busy node); a stalled rank after
-max(``--stall-floor`` 5 s, 20 x the median step time). A member is attributed a stall only
-when the others have reported a later step than it has; a hang that every rank shares
-(inside one collective) is left to the collective timeout on gloo and to the shim on NCCL.
+a stopped heartbeat after ``--liveness-timeout`` (5 s, counted from the worker's
+``ftrun.init()``: an import can starve a process for over a second on a busy node); a
+stalled rank after max(``--stall-floor`` 5 s, 20 x the median step time). Progress is
+(committed steps, collectives issued), reported by the worker's heartbeat thread: a member
+is attributed a stall only when the others have reported more than it has; a hang
+that every rank shares (inside one collective) is left to the collective timeout on gloo
+and to the shim on NCCL.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class Slot:
     heartbeat: int = 0
     native_liveness: int = -1
     heartbeat_at: float = field(default_factory=time.monotonic)
-    progress: int = -1
+    progress: tuple[int, int] = (-1, -1)  # (committed steps, collectives issued)
     progress_at: float = field(default_factory=time.monotonic)
+    step_at: float = field(default_factory=time.monotonic)
     ready: bool = False
     synced: bool = False
     finished: bool = False
@@ -81,6 +84,7 @@ class RegroupSupervisor:
         self.first_failure: local.WorkerProcess | None = None
         self.target = self.config.nproc_per_node
         self.replacement_failures = 0
+        self.finishing = False
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -116,13 +120,15 @@ class RegroupSupervisor:
                 continue
             if code == 0 and self._is_active(slot):
                 slot.finished = True
+                self.finishing = True  # the job is done: no more joiners
                 self.agent.events.emit("exit", member=slot.member, pid=slot.process.pid,
                                        returncode=0)
                 continue
             cause = f"exit code {code}" if code > 0 else f"killed by {_signame(-code)}"
             if self._fail(slot, cause) is Outcome.FAILED:
                 return Outcome.FAILED
-        active = [s for s in self.slots.values() if self._is_active(s)]
+        # Joiners still waiting for their first generation are not part of the finish.
+        active = [s for s in self.slots.values() if self._is_active(s) and not self._waiting(s)]
         if active and all(s.finished for s in active):
             self._stop_all(signal.SIGTERM, "job finished", only_idle=True)
             return Outcome.SUCCEEDED
@@ -157,6 +163,12 @@ class RegroupSupervisor:
         self.slots[member] = slot
         return slot
 
+    def _waiting(self, slot: Slot) -> bool:
+        """A joiner that has not received the job's state yet."""
+        assert self.latest is not None
+        member = next(m for m in self.latest.members if m.id == slot.member)
+        return member.joiner and not slot.synced
+
     def _is_active(self, slot: Slot) -> bool:
         return (self.latest is not None and slot.removed is None
                 and self.latest.rank_of(slot.member) is not None)
@@ -167,6 +179,9 @@ class RegroupSupervisor:
         self.store.set(P.generation_key(number), generation.to_json())
         self.store.set(P.LATEST, {"number": number})
         self.latest = generation
+        now = time.monotonic()
+        for slot in self.slots.values():  # a regroup is not a stall: count from here
+            slot.progress_at = now
         self.agent.events.emit(
             "generation", generation=number, world_size=generation.world_size,
             members=[m.id for m in members], joiners=[m.id for m in members if m.joiner],
@@ -200,6 +215,8 @@ class RegroupSupervisor:
         label = (f"rank {self.latest.rank_of(slot.member)}" if in_generation
                  else f"member {slot.member}")
         self.agent.say(f"{label} (pid {slot.process.pid}) failed: {cause}", style="yellow")
+        if not slot.ready:  # the cached flag may be a tick old: ask the store
+            slot.ready = self.store.exists(P.member_key(slot.member))
         if not slot.ready and slot.initial and in_generation:
             self.agent.say("the failed worker never called ftrun.init(): restarting all")
             self._stop_all(signal.SIGTERM, "restart fallback")
@@ -270,7 +287,7 @@ class RegroupSupervisor:
     def _admit_ready_joiners(self) -> None:
         """A replacement that became ready joins at the survivors' next step boundary."""
         assert self.latest is not None
-        if self.latest.world_size >= self.target:
+        if self.latest.world_size >= self.target or self.finishing:
             return
         before = self.latest.world_size
         members = self._top_up(list(self.latest.members))
@@ -295,14 +312,22 @@ class RegroupSupervisor:
         now = time.monotonic()
         for index, slot in enumerate(live):
             beat, progress, member = present[3 * index: 3 * index + 3]
-            if member is not None:
+            if member is not None and not slot.ready:
                 slot.ready = True
+                self.agent.events.emit("ready", member=slot.member, pid=slot.process.pid)
             if beat is not None and int(beat) != slot.heartbeat and slot.process.shim is None:
                 slot.heartbeat, slot.heartbeat_at = int(beat), now
-            if progress is not None and int(progress) != slot.progress:
-                if slot.progress >= 0:
-                    self.step_intervals.append(now - slot.progress_at)
-                slot.progress, slot.progress_at = int(progress), now
+            if progress is not None:
+                reported = _progress(progress)
+                if reported != slot.progress:
+                    if slot.progress[0] >= 0 and reported[0] != slot.progress[0]:
+                        self.step_intervals.append(now - slot.step_at)
+                        slot.step_at = now
+                    slot.progress, slot.progress_at = reported, now
+        if not self.finishing and any(
+            self.store.exists(P.finished_key(s.member)) for s in live if self._is_active(s)
+        ):
+            self.finishing = True  # a member left its loop: the job is ending, admit no one
         if any(s.ready and not s.synced for s in live):
             for slot in live:
                 if slot.ready and not slot.synced and self.store.exists(P.synced_key(slot.member)):
@@ -327,8 +352,8 @@ class RegroupSupervisor:
 
     def _watch_progress(self, now: float) -> Any:
         active = [s for s in self.slots.values() if self._is_active(s) and not s.finished
-                  and s.progress >= 0]
-        if len(active) < 2 or not self.step_intervals:
+                  and not self._waiting(s) and s.progress[0] >= 0]
+        if len(active) < 2 or not self.step_intervals or self.finishing:
             return None
         limit = max(self.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
         if now - max(s.progress_at for s in active) < limit:
@@ -338,8 +363,8 @@ class RegroupSupervisor:
             return None  # everyone waits at the same step: not attributable to one rank
         for slot in [s for s in active if s.progress == lowest]:
             verdict = self._fail(
-                slot, f"stalled: no step for {now - slot.progress_at:.1f}s "
-                f"(limit {limit:.1f}s) while the others moved on", kill=True)
+                slot, f"stalled: no progress for {now - slot.progress_at:.1f}s "
+                f"(limit {limit:.1f}s) while the others issued more collectives", kill=True)
             if verdict is not None:
                 return verdict
         return None
@@ -378,6 +403,15 @@ class RegroupSupervisor:
                 message=slot.removed,
             ))
         return exits
+
+
+def _progress(raw: bytes) -> tuple[int, int]:
+    """``b"<steps> <collectives>"`` as the worker writes it; garbage reads as no progress."""
+    try:
+        steps, collectives = raw.decode().split()
+        return int(steps), int(collectives)
+    except (UnicodeDecodeError, ValueError):
+        return (-1, -1)
 
 
 def _signame(number: int) -> str:

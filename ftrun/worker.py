@@ -86,6 +86,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def __init__(self, backend: dist.ProcessGroup) -> None:
         super().__init__(backend.rank(), backend.size())
         self._backend = backend
+        self.issued = 0  # collectives started in this step: tells a stalled rank apart
 
     @property
     def backend(self) -> dist.ProcessGroup:
@@ -104,24 +105,31 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return "ftrun"
 
     def allreduce(self, tensors: Any, opts: Any) -> dist.Work:
+        self.issued += 1
         return self._backend.allreduce(tensors, opts)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any) -> dist.Work:
+        self.issued += 1
         return self._backend.allreduce_coalesced(tensors, opts)
 
     def broadcast(self, tensors: Any, opts: Any) -> dist.Work:
+        self.issued += 1
         return self._backend.broadcast(tensors, opts)
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
+        self.issued += 1
         return self._backend.allgather(outputs, inputs, opts)
 
     def _allgather_base(self, output: Any, inp: Any, opts: Any) -> dist.Work:
+        self.issued += 1
         return self._backend._allgather_base(output, inp, opts)
 
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
+        self.issued += 1
         return self._backend.reduce_scatter(outputs, inputs, opts)
 
     def barrier(self, opts: Any) -> dist.Work:
+        self.issued += 1
         return self._backend.barrier(opts)
 
 
@@ -235,7 +243,7 @@ class FaultTolerance:
             self._regroup(after=-1)
             return None
         generation, step = self._generation, self._step
-        self._store.raw.set(self._store.key(P.progress_key(self.member_id)), str(step))
+        self.process_group.issued = 0  # progress within this step (see _beat)
         voted = True
         result: T | None = None
         try:
@@ -255,18 +263,24 @@ class FaultTolerance:
         return result
 
     def close(self) -> None:
+        """Say this member finished its training loop (no one joins a finished job)."""
+        if self.managed and not self._stop.is_set():
+            with contextlib.suppress(StoreError):
+                self._store.set(P.finished_key(self.member_id), {"step": self._step})
         self._stop.set()
 
     # --- set-up ---------------------------------------------------------------------------
 
     def _static_group(self) -> None:
-        """Outside ftrun's regroup mode: an ordinary group from torchrun's variables."""
-        store = dist.TCPStore(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
-            is_master=False, timeout=self._timeout,
-        )
-        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        backend = _make_backend(dist.PrefixStore("ftrun/static/", store), rank, size,
+        """Outside ftrun's regroup mode: an ordinary group from torchrun's variables.
+
+        torch's own env:// rendezvous decides who serves the store (the launcher's, or rank
+        0's); the key prefix carries the restart count, so a restarted worker never reads
+        an address that a worker of the previous attempt left in a store that outlived it.
+        """
+        store, rank, size = next(dist.rendezvous("env://", timeout=self._timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        backend = _make_backend(dist.PrefixStore(f"ftrun/static/{attempt}/", store), rank, size,
                                 self._timeout)
         self.process_group = ResilientProcessGroup(backend)
         self._pending_join = False
@@ -303,12 +317,21 @@ class FaultTolerance:
         return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, self._timeout)
 
     def _beat(self) -> None:
-        key = P.heartbeat_key(self.member_id)
+        """Liveness and progress, off the main thread: a main thread that stops issuing
+        collectives shows as progress that stands still while the heartbeat goes on."""
+        beat, progress = P.heartbeat_key(self.member_id), P.progress_key(self.member_id)
+        reported = ""
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self._beat_store.add(key, 1)
+                self._beat_store.add(beat, 1)
+                current = f"{self._step} {self.process_group.issued}"
+                if current != reported:
+                    self._beat_store.raw.set(self._beat_store.key(progress), current)
+                    reported = current
             except StoreError:
                 return  # the agent is gone; PDEATHSIG ends this process
+            except RuntimeError:
+                return  # the store connection broke: the same
 
     # --- the vote -------------------------------------------------------------------------
 
@@ -357,7 +380,8 @@ class FaultTolerance:
             if self._enter(generation):
                 self._pending_join = False
                 return
-            failures += 1
+            if self._store.exists(P.end_key(generation.number)):
+                failures += 1  # a fault, not just a newer generation (that is progress)
             if failures >= self._max_regroups:
                 raise RegroupError(
                     f"member {self.member_id}: {failures} generations in a row failed to form"
@@ -400,11 +424,8 @@ class FaultTolerance:
         number, size = generation.number, generation.world_size
         rank = generation.rank_of(self.member_id)
         assert rank is not None
-        self._store.add(P.arrived_key(number), 1)
-        while self._store.add(P.arrived_key(number), 0) < size:
-            if self._store.exists(P.end_key(number)):
-                return False
-            time.sleep(POLL_S)
+        if not self._formed(number, size):
+            return False
         try:
             store = dist.PrefixStore(P.pg_prefix(self._prefix, number), self._store.raw)
             backend = _make_backend(store, rank, size, self._timeout)
@@ -424,6 +445,26 @@ class FaultTolerance:
         for callback in self._callbacks:
             callback(rank, size)
         return True
+
+    def _formed(self, number: int, size: int) -> bool:
+        """Whether generation ``number`` forms: one decision for all its members.
+
+        The member whose arrival completes the count writes ``formed``; a member that sees
+        the generation ended, or a newer one published (the agent admitted another joiner
+        meanwhile), writes ``abandoned``. Both are a compare-and-set on one key, so no member
+        builds a group that another has left.
+        """
+        raw, key = self._store.raw, self._store.key(P.formed_key(number))
+        if self._store.add(P.arrived_key(number), 1) >= size:
+            return raw.compare_set(key, "", P.FORMED) == P.FORMED.encode()
+        while True:
+            if raw.check([key]):
+                return raw.get(key) == P.FORMED.encode()
+            latest = self._store.get(P.LATEST) or {}
+            newer = isinstance(latest.get("number"), int) and latest["number"] > number
+            if newer or self._store.exists(P.end_key(number)):
+                return raw.compare_set(key, "", P.ABANDONED) == P.FORMED.encode()
+            time.sleep(POLL_S)
 
     def _share_state(self, generation: P.MemberGeneration, rank: int) -> None:
         source = generation.source_rank
@@ -455,7 +496,7 @@ class FaultTolerance:
 
 def init(
     *,
-    collective_timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
     fault_grace_s: float = 10.0,
     max_regroups: int = 5,
 ) -> FaultTolerance:

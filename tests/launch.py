@@ -35,6 +35,8 @@ def launcher(name: str = "ftrun") -> str:
 class Launch:
     """One launcher process and its combined output."""
 
+    running: list[Launch] = []  # killed by the conftest fixture if a test leaves one
+
     def __init__(
         self,
         args: Sequence[str],
@@ -60,6 +62,7 @@ class Launch:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        Launch.running.append(self)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
