@@ -462,7 +462,7 @@ class Agent:
         next_poll = time.monotonic() + config.monitor_interval_s
         while True:
             if self.inbox.received is not None:
-                self._stop(group, self.inbox.received, "signal")
+                self.stop_workers(group, self.inbox.received, "signal")
                 return GenerationResult(Outcome.SIGNALED, self._exits(generation, group, None))
             finished = [w for w in group if w.poll() is not None and w.pid not in reported]
             for worker in sorted(finished, key=lambda w: w.ended or 0.0):
@@ -485,13 +485,13 @@ class Agent:
                 try:
                     cause = self._remote_cause(rdzv, generation)
                 except StoreError as error:
-                    self._stop(group, signal.SIGTERM, "store lost")
+                    self.stop_workers(group, signal.SIGTERM, "store lost")
                     raise StoreLostError(self._lost_reason() or str(error)) from None
                 if cause is not None:
                     self.say(f"generation {generation.number} ended by node "
                              f"{cause.get('by', cause.get('node_rank'))}: "
                              f"{_describe_cause(cause)}")
-                    self._stop(group, signal.SIGTERM, "remote failure")
+                    self.stop_workers(group, signal.SIGTERM, "remote failure")
                     exits = self._exits(generation, group, None)
                     return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
             timeout = max(0.0, next_poll - time.monotonic()) if remote else 3600.0
@@ -562,7 +562,7 @@ class Agent:
             try:
                 cause = rdzv.end(generation.number, cause)
             except StoreError as error:
-                self._stop(group, signal.SIGTERM, "store lost")
+                self.stop_workers(group, signal.SIGTERM, "store lost")
                 raise StoreLostError(self._lost_reason() or str(error)) from None
         self.events.emit(
             "failure",
@@ -573,10 +573,11 @@ class Agent:
             returncode=failed.returncode,
             detected=detected,
         )
-        self._stop(group, signal.SIGTERM, f"rank {failed.rank} failed")
+        self.stop_workers(group, signal.SIGTERM, f"rank {failed.rank} failed")
         return GenerationResult(Outcome.FAILED, self._exits(generation, group, failed), cause)
 
-    def _stop(self, group: list[local.WorkerProcess], sig: int, why: str) -> None:
+    def stop_workers(self, group: list[local.WorkerProcess], sig: int, why: str) -> None:
+        """Stop workers (see workers.stop) and say which frozen ones were killed at once."""
         live = [w for w in group if w.poll() is None]
         if live:
             name = signal.Signals(sig).name

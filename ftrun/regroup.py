@@ -34,6 +34,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol as P
@@ -130,7 +131,7 @@ class RegroupSupervisor:
         # Joiners still waiting for their first generation are not part of the finish.
         active = [s for s in self.slots.values() if self._is_active(s) and not self._waiting(s)]
         if active and all(s.finished for s in active):
-            self._stop_all(signal.SIGTERM, "job finished", only_idle=True)
+            self._stop_all(signal.SIGTERM, "job finished")
             return Outcome.SUCCEEDED
         try:
             verdict = self._watch_liveness()
@@ -157,7 +158,7 @@ class RegroupSupervisor:
         prefix = f"[rank{member}]:" if initial else f"[member{member}]:"
         process = self.agent.spawn_worker(
             self.generation, local_rank if initial else 0, extra_env=extra, prefix=prefix,
-            log_name=f"member_{member}",
+            log_name=str(local_rank) if initial else f"member_{member}",  # torchrun's layout
         )
         slot = Slot(member, process, initial)
         self.slots[member] = slot
@@ -210,11 +211,16 @@ class RegroupSupervisor:
         self.agent.events.emit(
             "failure", member=slot.member, pid=slot.process.pid, cause=cause,
             generation=self.latest.number, detected=detected,
-            rank=self.latest.rank_of(slot.member),
+            rank=self.latest.rank_of(slot.member), local_rank=slot.process.local_rank,
+            returncode=slot.process.returncode,
         )
         label = (f"rank {self.latest.rank_of(slot.member)}" if in_generation
                  else f"member {slot.member}")
-        self.agent.say(f"{label} (pid {slot.process.pid}) failed: {cause}", style="yellow")
+        if cause.startswith("frozen"):
+            self.agent.say(f"{label} (pid {slot.process.pid}) was frozen; killed it at once",
+                           style="yellow")
+        else:
+            self.agent.say(f"{label} (pid {slot.process.pid}) failed: {cause}", style="yellow")
         if not slot.ready:  # the cached flag may be a tick old: ask the store
             slot.ready = self.store.exists(P.member_key(slot.member))
         if not slot.ready and slot.initial and in_generation:
@@ -378,29 +384,30 @@ class RegroupSupervisor:
 
     # --- endings -------------------------------------------------------------------------
 
-    def _stop_all(self, sig: int, why: str, only_idle: bool = False) -> None:
+    def _stop_all(self, sig: int, why: str) -> None:
         procs = [s.process for s in self.slots.values() if s.process.poll() is None]
-        if procs:
-            self.agent.events.emit("stop", reason=why, signal=signal.Signals(sig).name,
-                                   pids=[p.pid for p in procs])
-        local.stop(procs, sig, self.config.shutdown_timeout_s)
+        self.agent.stop_workers(procs, sig, why)
         local.reap_leftovers([s.process for s in self.slots.values()])
 
     def _exits(self) -> list[Any]:
-        from ftrun.events import WorkerExit
+        """Cause records in the agent's vocabulary: the error file's message for a worker
+        that failed on its own, the supervisor's verdict for one it took out."""
+        from ftrun.events import WorkerExit, read_error_file
 
         exits = []
         for slot in self.slots.values():
             proc = slot.process
             if proc.returncode is None:
                 continue
-            rank = proc.rank
+            message, traceback = read_error_file(Path(proc.launch.env["TORCHELASTIC_ERROR_FILE"]))
+            verdict = slot.removed if slot.removed and not slot.removed.startswith(
+                ("exit code", "killed by")) else None
             exits.append(WorkerExit(
-                rank=rank, local_rank=proc.local_rank, node=self.agent.hostname, pid=proc.pid,
-                generation=self.latest.number if self.latest else 0,
+                rank=proc.rank, local_rank=proc.local_rank, node=self.agent.hostname,
+                pid=proc.pid, generation=self.latest.number if self.latest else 0,
                 returncode=proc.returncode, time=proc.ended or time.time(),
                 stopped_by_agent=proc.stopped_by_agent, first=proc is self.first_failure,
-                message=slot.removed,
+                message=verdict or message, traceback=traceback,
             ))
         return exits
 
