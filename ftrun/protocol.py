@@ -9,11 +9,8 @@ or plain integers (counters), never pickles, and every reader validates what it 
 =========================  ======================  ==========================================
 key                        written by              meaning
 =========================  ======================  ==========================================
-``member/<id>``            worker, once            ready to join: past its imports, API in use
-``member/<id>/synced``     worker                  holds the job's state (joined and loaded)
-``member/<id>/finished``   worker (``close``)      left its training loop: admit no joiners
-``hb/<id>``                worker thread           liveness counter, bumped every beat
-``progress/<id>``          worker thread           "<steps> <collectives in this step>"
+``status/<id>``            worker thread           :class:`Status`; its presence means the
+                                                   member is ready (past imports, API in use)
 ``rgen/latest``            agent                   number of the newest generation
 ``rgen/<g>``               agent, once             :class:`MemberGeneration` record
 ``rgen/<g>/end``           agent, first wins       why generation g ended (failure or join)
@@ -44,16 +41,33 @@ ABORT = "abort"
 DECISIONS = (COMMIT, COMMIT_REGROUP, ABORT)
 
 
-def member_key(member: str) -> str:
-    return f"member/{member}"
+def status_key(member: str) -> str:
+    return f"status/{member}"
 
 
-def heartbeat_key(member: str) -> str:
-    return f"hb/{member}"
+@dataclass(frozen=True)
+class Status:
+    """What a member's heartbeat thread reports: one record, so that the agent reads every
+    member's state with a single ``multi_get`` per tick."""
 
+    beats: int  # goes up while the process runs: liveness
+    steps: int  # committed steps
+    collectives: int  # collectives issued in the current step: tells a stalled rank apart
+    synced: bool  # holds the job's state (not a joiner waiting for it)
+    finished: bool  # left its training loop
 
-def progress_key(member: str) -> str:
-    return f"progress/{member}"
+    def encode(self) -> str:
+        flags = ("s" if self.synced else "") + ("f" if self.finished else "")
+        return f"{self.beats} {self.steps} {self.collectives} {flags or '-'}"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Status | None:
+        """None for anything but what a member writes (the store is not trusted)."""
+        try:
+            beats, steps, collectives, flags = raw.decode().split()
+            return cls(int(beats), int(steps), int(collectives), "s" in flags, "f" in flags)
+        except (UnicodeDecodeError, ValueError):
+            return None
 
 
 LATEST = "rgen/latest"
@@ -95,14 +109,6 @@ def pg_prefix(prefix: str, number: int) -> str:
     """The key space of generation ``number``'s process group: stale members of an older
     generation can never read or overwrite a newer one's addresses."""
     return f"{prefix}/rgen/{number}/pg/"
-
-
-def synced_key(member: str) -> str:
-    return f"member/{member}/synced"
-
-
-def finished_key(member: str) -> str:
-    return f"member/{member}/finished"
 
 
 @dataclass(frozen=True)

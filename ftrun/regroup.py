@@ -222,7 +222,7 @@ class RegroupSupervisor:
         else:
             self.agent.say(f"{label} (pid {slot.process.pid}) failed: {cause}", style="yellow")
         if not slot.ready:  # the cached flag may be a tick old: ask the store
-            slot.ready = self.store.exists(P.member_key(slot.member))
+            slot.ready = self.store.exists(P.status_key(slot.member))
         if not slot.ready and slot.initial and in_generation:
             self.agent.say("the failed worker never called ftrun.init(): restarting all")
             self._stop_all(signal.SIGTERM, "restart fallback")
@@ -309,35 +309,29 @@ class RegroupSupervisor:
         live = [s for s in self.slots.values() if s.removed is None and not s.finished]
         if not live:
             return None
-        keys = []
-        for slot in live:
-            keys += [self.store.key(P.heartbeat_key(slot.member)),
-                     self.store.key(P.progress_key(slot.member)),
-                     self.store.key(P.member_key(slot.member))]
-        present = self._multi_get_present(keys)
         now = time.monotonic()
-        for index, slot in enumerate(live):
-            beat, progress, member = present[3 * index: 3 * index + 3]
-            if member is not None and not slot.ready:
+        for slot in live:  # a member is ready once its status exists: one check each
+            if not slot.ready and self.store.exists(P.status_key(slot.member)):
                 slot.ready = True
                 self.agent.events.emit("ready", member=slot.member, pid=slot.process.pid)
-            if beat is not None and int(beat) != slot.heartbeat and slot.process.shim is None:
-                slot.heartbeat, slot.heartbeat_at = int(beat), now
-            if progress is not None:
-                reported = _progress(progress)
-                if reported != slot.progress:
-                    if slot.progress[0] >= 0 and reported[0] != slot.progress[0]:
-                        self.step_intervals.append(now - slot.step_at)
-                        slot.step_at = now
-                    slot.progress, slot.progress_at = reported, now
-        if not self.finishing and any(
-            self.store.exists(P.finished_key(s.member)) for s in live if self._is_active(s)
-        ):
-            self.finishing = True  # a member left its loop: the job is ending, admit no one
-        if any(s.ready and not s.synced for s in live):
-            for slot in live:
-                if slot.ready and not slot.synced and self.store.exists(P.synced_key(slot.member)):
-                    slot.synced = True
+        ready = [s for s in live if s.ready]
+        raw = self.store.raw.multi_get(
+            [self.store.key(P.status_key(s.member)) for s in ready]) if ready else []
+        for slot, value in zip(ready, raw, strict=True):
+            status = P.Status.decode(value)
+            if status is None:
+                continue
+            if status.beats != slot.heartbeat and slot.process.shim is None:
+                slot.heartbeat, slot.heartbeat_at = status.beats, now
+            reported = (status.steps, status.collectives)
+            if reported != slot.progress:
+                if slot.progress[0] >= 0 and reported[0] != slot.progress[0]:
+                    self.step_intervals.append(now - slot.step_at)
+                    slot.step_at = now
+                slot.progress, slot.progress_at = reported, now
+            slot.synced = slot.synced or status.synced
+            if status.finished and self._is_active(slot):
+                self.finishing = True  # a member left its loop: the job ends, admit no one
         for slot in live:
             shim = slot.process.shim
             if shim is not None:  # native: keeps counting while the GIL is held elsewhere
@@ -375,13 +369,6 @@ class RegroupSupervisor:
                 return verdict
         return None
 
-    def _multi_get_present(self, keys: list[str]) -> list[bytes | None]:
-        raw = self.store.raw
-        result: list[bytes | None] = []
-        for key in keys:  # check+get per key: TCPStore's multi_get fails on a missing key
-            result.append(raw.get(key) if raw.check([key]) else None)
-        return result
-
     # --- endings -------------------------------------------------------------------------
 
     def _stop_all(self, sig: int, why: str) -> None:
@@ -410,15 +397,6 @@ class RegroupSupervisor:
                 message=verdict or message, traceback=traceback,
             ))
         return exits
-
-
-def _progress(raw: bytes) -> tuple[int, int]:
-    """``b"<steps> <collectives>"`` as the worker writes it; garbage reads as no progress."""
-    try:
-        steps, collectives = raw.decode().split()
-        return int(steps), int(collectives)
-    except (UnicodeDecodeError, ValueError):
-        return (-1, -1)
 
 
 def _signame(number: int) -> str:

@@ -265,8 +265,10 @@ class FaultTolerance:
     def close(self) -> None:
         """Say this member finished its training loop (no one joins a finished job)."""
         if self.managed and not self._stop.is_set():
-            with contextlib.suppress(StoreError):
-                self._store.set(P.finished_key(self.member_id), {"step": self._step})
+            self._stop.set()
+            self._finished = True
+            with contextlib.suppress(StoreError, RuntimeError):
+                self._report()
         self._stop.set()
 
     # --- set-up ---------------------------------------------------------------------------
@@ -300,38 +302,35 @@ class FaultTolerance:
         self._beat_store = JsonStore(
             dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10)), prefix
         )
-        self._beat_store.add(P.heartbeat_key(self.member_id), 1)
+        initial = os.environ.get("FTRUN_INITIAL") == "1"
+        self._synced, self._finished, self._beats = initial, False, 0
+        # Every member starts alone; a joiner stays so until its first run_step, so that
+        # building DDP on it (whose constructor runs collectives) stays local.
+        self.process_group = ResilientProcessGroup(self._solo_backend())
+        self._pending_join = not initial
+        self._report()  # the member is ready: past its imports, using this API
         threading.Thread(target=self._beat, name="ftrun-heartbeat", daemon=True).start()
-        self._store.set(P.member_key(self.member_id), {"pid": os.getpid(), "api": 1})
-        if os.environ.get("FTRUN_INITIAL") == "1":
-            self.process_group = ResilientProcessGroup(self._solo_backend())
-            self._pending_join = False
+        if initial:
             self._regroup(after=-1)
-        else:
-            # A joiner starts alone, so that building DDP on it (whose constructor runs
-            # collectives) stays local; it joins the job at its first run_step.
-            self.process_group = ResilientProcessGroup(self._solo_backend())
-            self._pending_join = True
 
     def _solo_backend(self) -> Any:
         return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, self._timeout)
 
+    def _report(self, store: JsonStore | None = None) -> None:
+        self._beats += 1
+        status = P.Status(self._beats, self._step, self.process_group.issued,
+                          self._synced, self._finished)
+        target = store or self._store
+        target.raw.set(target.key(P.status_key(self.member_id)), status.encode())
+
     def _beat(self) -> None:
         """Liveness and progress, off the main thread: a main thread that stops issuing
-        collectives shows as progress that stands still while the heartbeat goes on."""
-        beat, progress = P.heartbeat_key(self.member_id), P.progress_key(self.member_id)
-        reported = ""
+        collectives shows as progress that stands still while the beats go on."""
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self._beat_store.add(beat, 1)
-                current = f"{self._step} {self.process_group.issued}"
-                if current != reported:
-                    self._beat_store.raw.set(self._beat_store.key(progress), current)
-                    reported = current
-            except StoreError:
+                self._report(self._beat_store)
+            except (StoreError, RuntimeError):
                 return  # the agent is gone; PDEATHSIG ends this process
-            except RuntimeError:
-                return  # the store connection broke: the same
 
     # --- the vote -------------------------------------------------------------------------
 
@@ -437,7 +436,8 @@ class FaultTolerance:
             if generation.has_joiners:
                 self._share_state(generation, rank)
             if generation.members[rank].joiner:
-                self._store.set(P.synced_key(self.member_id), {"generation": number})
+                self._synced = True
+                self._report()
         except RuntimeError:
             if self._store.exists(P.end_key(number)):
                 return False
