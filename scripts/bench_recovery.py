@@ -91,13 +91,6 @@ REGROUP = re.compile(r"regroup gen=(\d+) rank=(\d+) world=(\d+) step=(\d+)")
 RESUMED = re.compile(r"resumed step=(\d+) rank=(\d+)")
 LAUNCHERS = ("torchrun", "ftrun_restart", "ftrun_regroup")
 MARKER = "BENCH_RECOVERY_RUN"
-HOST_STORE_NOTE = (
-    "torchrun needs a workaround for this job: under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-    "torchrun tells each round's rank 0 to host the worker store (TORCHELASTIC_USE_AGENT_STORE="
-    "False, a fresh MASTER_PORT), but ftrun's worker API outside ftrun only connects as a "
-    "client, so the job waits for a store nobody serves (a bug in ftrun/worker.py). The bench "
-    "serves that store on each round's port instead (--no-torchrun-host-store shows the hang)."
-)
 NOTES = [
     "torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it its restarted "
     "workers read the dead generation's store addresses and do not recover on this machine "
@@ -139,7 +132,6 @@ class Run:
     argv: list[str]
     env: dict[str, str]
     rundir: Path = Path(".")
-    store_host: StoreHost | None = None
     lines: list[tuple[float, str]] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -214,8 +206,6 @@ class Run:
         if self.ended is None:
             self.ended = time.time()
         self.reader.join(10)
-        if self.store_host is not None:
-            self.store_host.close()
         deadline = time.monotonic() + 5.0  # workers may take a moment to die after the agent
         left = tagged_processes(self.tag)
         while left and time.monotonic() < deadline:
@@ -226,76 +216,6 @@ class Run:
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
         return len(left)
-
-
-class StoreHost:
-    """Hosts the worker store that rank 0 of a torchrun round is expected to host.
-
-    With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` torchrun gives its workers
-    ``TORCHELASTIC_USE_AGENT_STORE=False`` and a fresh ``MASTER_PORT`` per round, on which
-    rank 0 must start the TCPStore server (``torch.distributed.init_process_group`` does).
-    ftrun's worker API, outside ftrun, only ever connects as a client, so without this the
-    job waits for a store nobody serves. The bench serves it instead, for each new round's
-    port, and polls for workers only while a round without a store exists (after the start
-    and after the fault), so it costs nothing in the steady state.
-    """
-
-    def __init__(self, run: Run) -> None:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        self._dist, self._timeout = dist, timedelta(seconds=60)
-        self.run = run
-        self.stores: list[Any] = []
-        self.ports: set[int] = set()
-        self.wanted = threading.Event()
-        self.wanted.set()
-        self.closed = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def rearm(self) -> None:
-        """A new round is coming (after a fault): look for its port."""
-        self.wanted.set()
-
-    def _loop(self) -> None:
-        import psutil
-
-        while not self.closed.is_set():
-            if not self.wanted.wait(0.2):
-                continue
-            try:
-                children = psutil.Process(self.run.proc.pid).children()
-            except psutil.Error:
-                return
-            for child in children:
-                port = worker_store_port(child.pid)
-                if port is not None and port not in self.ports:
-                    self.ports.add(port)
-                    self.stores.append(self._dist.TCPStore(
-                        "0.0.0.0", port, is_master=True, wait_for_workers=False,
-                        timeout=self._timeout))
-                    self.wanted.clear()
-            self.closed.wait(0.05)
-
-    def close(self) -> None:
-        self.closed.set()
-        self.wanted.set()
-        self.thread.join(5)
-        self.stores.clear()
-
-
-def worker_store_port(pid: int) -> int | None:
-    """MASTER_PORT of a torchrun worker that must host its store itself, else None."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    if env.get(b"TORCHELASTIC_USE_AGENT_STORE") != b"False" or b"MASTER_PORT" not in env:
-        return None
-    return int(env[b"MASTER_PORT"])
 
 
 def tagged_processes(tag: str) -> list[int]:
@@ -372,12 +292,6 @@ class Bench:
                 argv = [launcher_path("ftrun"), *common, "--recovery", "regroup", *job]
         run = Run(argv, env)
         run.rundir = rundir
-        try:
-            if launcher == "torchrun" and args.torchrun_host_store:
-                run.store_host = StoreHost(run)
-        except BaseException:
-            self.leftovers += run.stop()
-            raise
         return run, events
 
     def finish(self, run: Run) -> int | None:
@@ -432,8 +346,6 @@ class Bench:
                 self.fail(what, repeat, f"rank {args.victim_rank} never reached step "
                           f"{args.kill_at_step}", run)
                 return None
-            if run.store_host is not None:
-                run.store_host.rearm()
             fault_at = time.time()
             os.kill(victim.pid, sig)
             if sig == signal.SIGSTOP:
@@ -519,10 +431,6 @@ def main() -> int:
                         help="steps left out of the throughput figure")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--no-torchrun-host-store", dest="torchrun_host_store",
-                        action="store_false",
-                        help="do not serve the store torchrun's rank 0 should host (shows the "
-                        "worker API's hang under torchrun)")
     parser.add_argument("--keep-logs", type=Path, default=None,
                         help="keep every run's output, events and checkpoints in this folder")
     args = parser.parse_args()
@@ -618,7 +526,7 @@ def main() -> int:
     results["regroup_vs_torchrun_median"] = ratio_median
     results["leftover_processes"] = leftovers
     results["failures"] = failures
-    notes = ([HOST_STORE_NOTE] if args.torchrun_host_store else []) + NOTES
+    notes = list(NOTES)
     results["notes"] = notes
     results["config"] = {
         "nproc_per_node": args.nproc_per_node, "repeats": args.repeats, "steps": args.steps,
@@ -627,7 +535,6 @@ def main() -> int:
         "warmup_steps": args.warmup_steps, "timeout_s": args.timeout,
         "torchrun_max_restarts": 3, "ftrun_restart_max_restarts": 3,
         "ftrun_regroup_on_failure": "replace", "torch_disable_share_rdzv_tcp_store": True,
-        "torchrun_store_hosted_by_bench": args.torchrun_host_store,
         "cpus": os.cpu_count(), "elapsed_s": round(time.time() - started, 1),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
