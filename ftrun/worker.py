@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import threading
 import time
@@ -507,8 +506,3 @@ def init(
         fault_grace_s=fault_grace_s,
         max_regroups=max_regroups,
     )
-
-
-def describe(ft: FaultTolerance) -> str:
-    return json.dumps({"member": ft.member_id, "rank": ft.rank, "world": ft.world_size,
-                       "generation": ft.generation, "step": ft.step})
