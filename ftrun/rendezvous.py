@@ -206,8 +206,8 @@ class Rendezvous:
                 self.store.put_record(f"gen/{number}", generation.to_json())
                 self.store.set_record("latest", {"number": number})
                 return generation
-            record = self._wait(lambda n=number: self.store.first_record(f"gen/{n}"), deadline,
-                                f"the leader's record of generation {number}")
+            record = self._wait_record(f"gen/{number}", deadline,
+                                       f"the leader's record of generation {number}")
             generation = Generation.from_json(record)
             if generation.number != number:
                 raise RendezvousError(f"record gen/{number} claims generation "
@@ -236,6 +236,23 @@ class Rendezvous:
             self._check_waiting(deadline, what, describe_missing)
             time.sleep(self.poll_s)
 
+    #: The longest a server-side wait blocks before the agent checks for signals, a lost
+    #: store host, shutdown and its deadline.
+    WAIT_SLICE_S = 0.5
+
+    def _wait_record(self, name: str, deadline: float, what: str) -> dict[str, Any]:
+        """The first valid record of ``name``: blocks in the store's own ``wait`` (one
+        request per slice instead of a poll every ``poll_s``), so hundreds of waiting
+        agents cost the store almost nothing."""
+        while True:
+            if self.store.wait_for(name, min(self.WAIT_SLICE_S,
+                                             max(deadline - time.monotonic(), 0.001))):
+                record = self.store.first_record(name)
+                if record is not None:
+                    return record
+                time.sleep(self.poll_s)  # only forged records so far: the key exists
+            self._check_waiting(deadline, what)
+
     def _check_waiting(self, deadline: float, what: str,
                        describe_missing: Callable[[], str] | None = None) -> None:
         if self.interrupted():
@@ -243,8 +260,8 @@ class Rendezvous:
         lost = self.lost()
         if lost:
             raise StoreLostError(lost)
-        if self.shutdown_reason() is not None:
-            reason = self.shutdown_reason() or {}
+        reason = self.shutdown_reason()
+        if reason is not None:
             raise RendezvousError(f"the job was shut down while waiting for {what}: "
                                   f"{reason.get('reason', 'no reason given')}")
         if time.monotonic() >= deadline:
@@ -294,10 +311,10 @@ class StaticRendezvous(Rendezvous):
                  expected: tuple[str, ...]) -> list[NodeSlot]:
         slots: dict[int, NodeSlot] = {}
         while True:
-            for rank in range(self.nnodes):
-                if rank in slots:
-                    continue
-                data = self.store.get_record(f"gen/{number}/join/{rank}")
+            wanted = [r for r in range(self.nnodes) if r not in slots]
+            present = self.store.present_records([f"gen/{number}/join/{r}" for r in wanted])
+            for rank in wanted:
+                data = present.get(f"gen/{number}/join/{rank}")
                 if data is None:
                     continue
                 try:
@@ -335,13 +352,14 @@ class DynamicRendezvous(Rendezvous):
 
     def _read_slots(self, number: int, indices: list[int]) -> dict[int, NodeSlot | None]:
         """Slot number -> its NodeSlot; None when it holds nothing valid; absent when its
-        record is not written yet."""
+        record is not written yet (see :meth:`JsonStore.present_records` for the cost)."""
+        names = [f"gen/{number}/slot/{index}" for index in indices]
+        present = self.store.present_records(names)
         found: dict[int, NodeSlot | None] = {}
-        for index in indices:
-            name = f"gen/{number}/slot/{index}"
-            if not self.store.exists(name):
+        for index, name in zip(indices, names, strict=True):
+            if name not in present:
                 continue
-            data = self.store.get_record(name)
+            data = present[name]
             try:
                 found[index] = NodeSlot.from_json(data) if data is not None else None
             except StoreValueError:

@@ -232,6 +232,58 @@ class JsonStore:
             return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
         return [self.get_record(n) for n in names]
 
+    def exist_all(self, names: list[str]) -> bool:
+        """Whether every one of these keys exists (one round trip)."""
+        return not names or bool(self._call("check", [self.key(n) for n in names]))
+
+    def read_records(self, names: list[str]) -> list[dict[str, Any] | None]:
+        """:meth:`set_record` records of keys known to exist, in one ``multi_get`` (torch's
+        ``multi_get`` waits for a missing key, so callers check first)."""
+        if not names:
+            return []
+        values = self._call("multi_get", [self.key(n) for n in names])
+        return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
+
+    def present_records(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
+        """Name -> record (None when invalid) for those of ``names`` that exist.
+
+        One ``check`` and one ``multi_get`` when all exist (the usual case); each missing
+        key costs a binary search (``check`` answers for a whole list) for the longest run
+        of existing keys before it."""
+        found: dict[str, dict[str, Any] | None] = {}
+        start = 0
+        while start < len(names):
+            end = len(names)
+            if not self.exist_all(names[start:end]):
+                good, bad = start, end  # names[start:good] all exist, [start:bad] do not
+                while bad - good > 1:
+                    mid = (good + bad) // 2
+                    if self.exist_all(names[start:mid]):
+                        good = mid
+                    else:
+                        bad = mid
+                end = good  # names[end] does not exist
+            chunk = names[start:end]
+            found.update(zip(chunk, self.read_records(chunk), strict=True))
+            start = end + 1
+        return found
+
+    def wait_for(self, name: str, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until ``name`` exists, in one server-side wait (no
+        polling); False on timeout. A timed-out wait is cancelled in-protocol by torch's
+        client, so the connection stays in step and is reused."""
+        try:
+            self.raw.wait([self.key(name)], timedelta(seconds=max(timeout_s, 0.001)))
+            return True
+        except (RuntimeError, ValueError) as error:
+            if "wait timeout after" in str(error):
+                return False
+            detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if self.reconnect is None or self.lost():
+                raise StoreError(f"store request failed: {detail}") from None
+            self.raw = self.reconnect()  # never reuse a client that may be out of step
+            return False
+
     def check_record(self, name: str, raw: bytes) -> dict[str, Any] | None:
         try:
             return self.signer.unwrap(self.key(name), json.loads(raw))

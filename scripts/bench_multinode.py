@@ -59,10 +59,12 @@ def _launcher_args(program: str, leader_addr: str, host_addr: str, script: Path,
     common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"{leader_addr}:29400", "--rdzv-id", "bench",
               "--max-restarts", "3", "--local-addr", host_addr]
-    if program == "ftrun":
-        common += ["--rdzv-conf", "last_call_timeout=15"]
-    else:
-        common += ["--rdzv-conf", "last_call_timeout=15", "--monitor-interval", "0.1"]
+    # is_host: torchrun recognises the store host by its hostname, which the namespaces
+    # share with the machine, so without it no agent hosts the store and all wait forever.
+    is_host = "1" if host_addr == leader_addr else "0"
+    common += ["--rdzv-conf", f"last_call_timeout=15,is_host={is_host}"]
+    if program == "torchrun":
+        common += ["--monitor-interval", "0.1"]
     return [str(BIN / program), *common, str(script), "--steps", "100000",
             "--step-sleep", "0.05", "--checkpoint-dir", str(workdir),
             "--checkpoint-every", "10"]
@@ -132,8 +134,19 @@ def _agents_proc(host: str, port: int, ids: list[int], ready: mp.Queue, go_at: o
     from ftrun.rendezvous import DynamicRendezvous, NodeSlot
     from ftrun.store import JsonStore
 
+    # Hundreds of agents share this process's GIL: with the default 5 ms switch interval a
+    # thread returning from a store request waits behind others parsing the record (a
+    # convoy that real agents, one per host, never see).
+    sys.setswitchinterval(0.0005)
     results: list[float] = []
     lock = threading.Lock()
+    start = threading.Event()  # one waiter per process, not hundreds of spinning threads
+
+    def starter() -> None:
+        while go_at.value == 0:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        time.sleep(max(0.0, go_at.value - time.time()))  # type: ignore[attr-defined]
+        start.set()
 
     def agent(i: int) -> None:
         while True:  # plain clients: connect_store serialises connects within a process
@@ -147,12 +160,12 @@ def _agents_proc(host: str, port: int, ids: list[int], ready: mp.Queue, go_at: o
                                  is_leader=False, poll_s=0.05, interrupted=lambda: False)
         slot = NodeSlot(-1, 1, f"10.0.{i // 250}.{i % 250}", f"sim{i}", os.getpid(), f"sim-{i}")
         ready.put(i)  # connected: connects are not part of the figure (see TEST-INFRA.md)
-        while go_at.value == 0 or time.time() < go_at.value:  # type: ignore[attr-defined]
-            time.sleep(0.001)
+        start.wait()
         rdzv.join(0, slot, 120, lambda: ("", 0))
         with lock:
             results.append(time.time())
 
+    threading.Thread(target=starter, daemon=True).start()
     threads = [threading.Thread(target=agent, args=(i,)) for i in ids]
     for t in threads:
         t.start()
@@ -170,7 +183,7 @@ def rendezvous_once(n: int, procs: int = 4) -> float:
     store = JsonStore(server, "ftrun/bench", signer=Signer(b"bench-token"))
     leader = DynamicRendezvous(store, min_nodes=n + 1, max_nodes=n + 1, last_call_s=0,
                                is_leader=True, poll_s=0.01, interrupted=lambda: False)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # forking a process that runs a store server can deadlock
     out: mp.Queue = ctx.Queue()
     ready: mp.Queue = ctx.Queue()
     go_at = ctx.Value("d", 0.0)
@@ -188,9 +201,15 @@ def rendezvous_once(n: int, procs: int = 4) -> float:
         time.sleep(0.001)
     own = NodeSlot(-1, 1, "127.0.0.1", "leader", os.getpid(), "leader")
     leader.join(0, own, 300, lambda: ("127.0.0.1", 1))
+    formed = time.time() - go
     done = [t for _ in workers for t in out.get(timeout=300)]
     for w in workers:
         w.join(30)
+    if os.environ.get("BENCH_VERBOSE"):
+        done.sort()
+        print(f"  n={n}: record written {formed:.3f} s, agents hold it: first "
+              f"{done[0] - go:.3f} median {done[len(done) // 2] - go:.3f} "
+              f"last {done[-1] - go:.3f}", file=sys.stderr)
     return max(done) - go
 
 
@@ -276,7 +295,7 @@ def store_load(n: int, interval: float, poll: float, seconds: float = 10.0,
     store = JsonStore(server, "ftrun/load", signer=Signer(b"bench-token"))
     for i in range(n):
         store.set_record(f"hb/sim-{i}", {"seq": 0})
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # forking a process that runs a store server can deadlock
     out: mp.Queue = ctx.Queue()
     workers = [ctx.Process(target=_load_proc,
                            args=(server.port, list(range(k, n, procs)), interval, poll,
@@ -322,6 +341,8 @@ def main() -> None:
     parser.add_argument("--agents", default="64,128,256,512")
     parser.add_argument("--torchrun-rendezvous", action="store_true",
                         help="re-measure torchrun's c10d rendezvous (slow at 256+)")
+    parser.add_argument("--torchrun-max-agents", type=int, default=256,
+                        help="above this, torchrun's figure is the anchor (512 never ends)")
     parser.add_argument("--store-load", type=int, default=1000)
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--poll", type=float, default=0.1)
@@ -338,6 +359,7 @@ def main() -> None:
         for _ in range(args.runs):
             for program in ("ftrun", "torchrun"):
                 took = node_loss_once(program, args.cap)
+                print(f"  node loss, {program}: {took}", file=sys.stderr, flush=True)
                 if took is None:
                     took = args.cap
                     censored = result["censored"]
@@ -347,15 +369,22 @@ def main() -> None:
     if args.only in (None, "rendezvous"):
         rdzv = result["rendezvous_s"]
         assert isinstance(rdzv, dict)
-        for n in (int(x) for x in args.agents.split(",")):
+        counts = [int(x) for x in args.agents.split(",")]
+        for n in counts:
             rdzv["ftrun"][n] = round(rendezvous_once(n), 3)
-            if args.torchrun_rendezvous:
+            print(f"  rendezvous, ftrun, {n} agents: {rdzv['ftrun'][n]}", file=sys.stderr,
+                  flush=True)
+        for n in counts:  # last: a torchrun run that does not finish leaves threads behind
+            if args.torchrun_rendezvous and n <= args.torchrun_max_agents:
                 took_t = torchrun_rendezvous_once(n)
                 rdzv["torchrun"][n] = None if took_t is None else round(took_t, 3)
+                print(f"  rendezvous, torchrun, {n} agents: {rdzv['torchrun'][n]}",
+                      file=sys.stderr, flush=True)
             else:
                 rdzv["torchrun"][n] = TORCHRUN_RDZV_ANCHORS.get(n)
         result["torchrun_rendezvous_source"] = (
-            "measured" if args.torchrun_rendezvous else "TEST-INFRA.md anchors")
+            f"measured up to {args.torchrun_max_agents} agents, TEST-INFRA.md anchors above"
+            if args.torchrun_rendezvous else "TEST-INFRA.md anchors")
     if args.only in (None, "store-load"):
         result["store_load"] = store_load(args.store_load, args.interval, args.poll)
     if args.json:

@@ -87,6 +87,45 @@ def test_heartbeat_monitor_uses_its_own_clock_and_ignores_replays(store) -> None
     assert monitor.scan() == ["a"]
 
 
+def test_leader_reads_slots_in_bulk_around_holes_and_agents_wait_in_the_store(store) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import asdict
+
+    from ftrun.rendezvous import DynamicRendezvous, NodeSlot
+
+    client = _client(store.port)
+    jstore = JsonStore(store, "ftrun/rd", signer=Signer(TOKEN.encode()))
+    rdzv = DynamicRendezvous(jstore, min_nodes=1, max_nodes=100, last_call_s=0,
+                             is_leader=True, poll_s=0.01, interrupted=lambda: False)
+
+    def slot(i: int) -> NodeSlot:
+        return NodeSlot(-1, 1, f"10.0.0.{i}", f"h{i}", 1, f"node-{i}")
+
+    for i in (1, 2, 4, 7, 8):  # 3, 5 and 6 drawn, not written yet
+        jstore.set_record(f"gen/0/slot/{i}", asdict(slot(i)))
+    store.set("ftrun/rd/gen/0/slot/5", "forged")
+    found = rdzv._read_slots(0, list(range(1, 9)))
+    assert sorted(found) == [1, 2, 4, 5, 7, 8]
+    assert found[5] is None and found[8] == slot(8)
+    # An agent's wait for the generation record is one server-side wait per slice; a
+    # timed-out wait leaves the connection in step for the next request.
+    agent = JsonStore(client, "ftrun/rd", signer=Signer(TOKEN.encode()))
+    started = time.monotonic()
+    assert agent.wait_for("gen/0", 0.2) is False
+    assert 0.15 < time.monotonic() - started < 2.0
+    jstore.put_record("gen/0", {"number": 0})
+    assert agent.wait_for("gen/0", 1.0) is True
+    assert agent.first_record("gen/0") == {"number": 0}
+    assert agent.add("gen/0/count", 0) == 0
+
+
+def _client(port: int):  # type: ignore[no-untyped-def]
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+
+
 def test_cli_accepts_c10d_and_elastic_and_checks_them(tmp_path: Path) -> None:
     script = tmp_path / "s.py"
     script.write_text("")
