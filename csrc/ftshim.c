@@ -113,6 +113,7 @@ static struct {
   int agent_fd;                  /* pidfd of the agent, -1 when unavailable */
   uint64_t last_request;         /* abort_request served last */
   int thread_started;            /* the control thread runs (or is starting) */
+  int exiting;                   /* exit() began: the control thread stops touching the loader */
 } g = {.mode = MODE_INERT,
        .inert_reason = "not initialised",
        .reg_lock = PTHREAD_MUTEX_INITIALIZER,
@@ -954,6 +955,17 @@ static void claim_from_call(void) {
 
 static int nccl_loaded(void) { return nccl_handle() != NULL; }
 
+/* The control thread asks the loader about libnccl at most every 100th tick: dlopen takes
+ * the loader's lock, which a process that is exiting (running library destructors) holds
+ * too, and a program that never loads NCCL (a CPU-only worker) would otherwise ask for ever,
+ * every tick. */
+static int nccl_loaded_throttled(void) {
+  static unsigned probes;
+  if (A_LOAD(&g.nccl, ACQUIRE)) return 1;
+  if (A_LOAD(&g.exiting, ACQUIRE)) return 0;
+  return (probes++ % 100u == 0u) && nccl_loaded();
+}
+
 static int agent_alive(pid_t agent) {
   if (agent <= 0) return 1;
   if (g.agent_fd >= 0) {
@@ -993,7 +1005,8 @@ static void* control_thread(void* arg) {
     int mode = A_LOAD(&g.mode, ACQUIRE);
     if (mode == MODE_CANDIDATE) {
       pthread_mutex_lock(&claim_lock);
-      int r = A_LOAD(&g.mode, ACQUIRE) == MODE_CANDIDATE ? try_claim(nccl_loaded()) : CLAIM_OK;
+      int r = A_LOAD(&g.mode, ACQUIRE) == MODE_CANDIDATE ? try_claim(nccl_loaded_throttled())
+                                                         : CLAIM_OK;
       if (r == CLAIM_NEVER) go_inert("another process owns the control page");
       pthread_mutex_unlock(&claim_lock);
       if (r == CLAIM_NEVER) return NULL;
@@ -1018,7 +1031,7 @@ static void* control_thread(void* arg) {
     }
     A_ADD(&p->liveness, 1u, RELAXED);
     /* Fill in version and capabilities once the program loads NCCL (python: import torch). */
-    if (!A_LOAD(&p->owner_has_nccl, ACQUIRE) && nccl_loaded()) probe_nccl(p);
+    if (!A_LOAD(&p->owner_has_nccl, ACQUIRE) && nccl_loaded_throttled()) probe_nccl(p);
     if (g.agent_fd == -2 || !agent_alive(agent)) agent_lost();
     if (A_LOAD(&p->agent_flags, ACQUIRE) & FTSHIM_AGENT_CLOSED) {
       /* The registry stays in use so stopped handles are still answered safely. */
@@ -1059,8 +1072,14 @@ static void atfork_child(void) {
   t_grp.n = 0;
 }
 
+/* Runs first in exit(), before library destructors: from here on the control thread must
+ * not take the loader's lock (a dlopen racing the destructors aborted CPU workers at exit
+ * about one run in three before this existed). */
+static void mark_exiting(void) { A_STORE(&g.exiting, 1, RELEASE); }
+
 __attribute__((constructor)) static void ftshim_init(void) {
   pthread_atfork(NULL, NULL, atfork_child);
+  atexit(mark_exiting);
   const char* dbg = getenv(FTSHIM_ENV_DEBUG);
   g.debug = dbg && *dbg && *dbg != '0';
   const char* path = getenv(FTSHIM_ENV_CONTROL);
