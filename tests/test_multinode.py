@@ -173,7 +173,9 @@ def test_store_host_killed_every_agent_exits_3_in_seconds(job_dir: Path) -> None
     leader.kill()
     killed = time.monotonic()
     assert other.wait(30) == 3, other.output
-    assert time.monotonic() - killed < 3 + 5  # timeout + an op timeout + stop, loaded box
+    took = time.monotonic() - killed
+    print(f"store host killed to every agent exited: {took:.2f}s")
+    assert took < 3 + 12  # heartbeat timeout + an op timeout + stop; margin for a loaded box
     assert "lost the rendezvous store" in other.output or "rendezvous failed" in other.output
     assert "Traceback" not in "\n".join(x for x in other.lines if not x.startswith("[rank"))
 
@@ -261,16 +263,17 @@ def test_netns_node_cut_off_is_declared_lost_then_rejoins(job_dir: Path, net) ->
     leader, _, cut = nodes
     net.cut_link(net["h3"])
     t_cut = time.monotonic()
+    mark = [len(n.lines) for n in nodes]  # the survivors may re-form before h3's agent exits
     leader.wait_for(lambda lines: any("lost: no heartbeat" in x for x in lines), 30,
                     "the leader declaring h3 lost")
     detected = time.monotonic() - t_cut
     assert cut.wait(40) == 3, cut.output
     assert "lost the rendezvous store" in cut.output
-    mark = [len(n.lines) for n in nodes]
     for node, start in zip(nodes[:2], mark, strict=False):
         _wait_line(node, "world=2", start, 90, "the survivors re-formed with two nodes")
         _node_step(node, len(node.lines), 90, "a step without h3")
-    assert detected < 3 + 4, detected
+    print(f"link cut to loss declared: {detected:.2f}s")
+    assert detected < 3 + 8, detected  # heartbeat timeout + scan; margin for a loaded 2-core box
     net.restore_link(net["h3"])
     (newcomer,) = _job(net, job_dir, "2:3", 100000, hosts=[net["h3"]])
     nodes.append(newcomer)
@@ -316,7 +319,9 @@ def test_netns_store_host_cut_off_every_agent_exits_3(job_dir: Path, net) -> Non
     for node in nodes[1:]:
         assert node.wait(30) == 3, node.output
         assert "lost the rendezvous store" in node.output
-    assert time.monotonic() - cut < 3 + 6  # heartbeat timeout + op timeout + stop
+    took = time.monotonic() - cut
+    print(f"store host cut off to every agent exited: {took:.2f}s")
+    assert took < 3 + 12  # heartbeat timeout + op timeout + stop; margin for a loaded box
 
 
 ROGUE = r"""
