@@ -40,8 +40,9 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from tests.infra.procs import kill_and_wait, pid_alive
 
 __all__ = [
     "NetnsError",
@@ -105,31 +106,9 @@ def _ip(*args: str, check: bool = True, timeout: float = 10.0) -> subprocess.Com
     return res
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def _netns_pids(netns: str) -> list[int]:
     res = _ip("netns", "pids", netns, check=False)
     return [int(p) for p in res.stdout.split() if p.isdigit() and int(p) != os.getpid()]
-
-
-def _kill_pids(pids: Sequence[int], timeout: float) -> list[int]:
-    """SIGTERM, then SIGKILL at half the deadline; returns what is still alive."""
-    deadline = time.monotonic() + timeout
-    for sig, until in ((signal.SIGTERM, deadline - timeout / 2), (signal.SIGKILL, deadline)):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        while time.monotonic() < until:
-            if not any(_pid_alive(p) for p in pids):
-                return []
-            time.sleep(0.02)
-    return [p for p in pids if _pid_alive(p)]
 
 
 def _list_netns() -> list[str]:
@@ -145,7 +124,7 @@ def ftrun_namespaces() -> set[str]:
 def _delete_netns(names: Sequence[str], timeout: float) -> list[str]:
     """Kill processes inside, then delete; returns names that could not be deleted."""
     pids = sorted({p for n in names for p in _netns_pids(n)})
-    _kill_pids(pids, timeout)
+    kill_and_wait(pids, timeout)
     failed = []
     for name in names:
         res = _ip("netns", "del", name, check=False)
@@ -163,7 +142,7 @@ def reap_stale_namespaces(timeout: float = 5.0) -> list[str]:
     stale = []
     for name in _list_netns():
         m = _NAME_RE.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             stale.append(name)
     if stale:
         _delete_netns(stale, timeout)

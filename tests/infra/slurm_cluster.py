@@ -27,7 +27,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.infra.procs import kill_and_wait, pid_alive
 
 __all__ = [
     "MARKER_VAR",
@@ -117,21 +118,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours still "exists"; count it as gone.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def marked_processes(root: Path | str | None = None) -> list[int]:
     """Pids of live processes whose environment carries the cluster marker.
 
@@ -149,29 +135,11 @@ def marked_processes(root: Path | str | None = None) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(e == want if want else e.startswith(prefix) for e in environ) and _pid_alive(
+        if any(e == want if want else e.startswith(prefix) for e in environ) and pid_alive(
             int(entry.name)
         ):
             pids.append(int(entry.name))
     return pids
-
-
-def _kill_and_wait(pids: Sequence[int], timeout: float, grace: float | None = None) -> list[int]:
-    """SIGTERM, SIGKILL after ``grace`` seconds (default half the deadline; 0 = SIGKILL at
-    once), wait until gone or the deadline; returns the survivors."""
-    deadline = time.monotonic() + timeout
-    grace = timeout / 2 if grace is None else min(grace, timeout)
-    for sig, until in ((signal.SIGTERM, time.monotonic() + grace), (signal.SIGKILL, deadline)):
-        if sig == signal.SIGTERM and grace <= 0:
-            continue
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        while time.monotonic() < until:
-            if not any(_pid_alive(p) for p in pids):
-                return []
-            time.sleep(0.02)
-    return [p for p in pids if _pid_alive(p)]
 
 
 def _ppid(pid: int) -> int | None:
@@ -206,7 +174,7 @@ def reap_stale_clusters(parent: Path = DEFAULT_PARENT, timeout: float = 10.0) ->
             pid = _read_pid(d / name)
             if pid is not None and pid not in pids and _is_our_daemon(pid, d):
                 pids.append(pid)
-        _kill_and_wait(pids, timeout, grace=0)  # a dead run's cluster needs no grace
+        kill_and_wait(pids, timeout, grace=0)  # a dead run's cluster needs no grace
         shutil.rmtree(d, ignore_errors=True)
         reaped.append(d)
     return reaped
@@ -230,7 +198,7 @@ def _owner_alive(owner_file: Path) -> bool:
         return False  # no owner recorded: a start that died half-way
     if pid == os.getpid():
         return True  # another cluster of this very process
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     return len(fields) < 2 or _start_time(pid) == fields[1]
 
@@ -362,13 +330,13 @@ class SlurmCluster:
             p for p in marked_processes(self.root)
             if p not in daemons.values() and (ctld is None or _ppid(p) != ctld)
         ]
-        _kill_and_wait(steps, min(3.0, left()), grace=0)
+        kill_and_wait(steps, min(3.0, left()), grace=0)
         slurm = [pid for name, pid in daemons.items() if name != "munge/munged"]
-        _kill_and_wait(slurm, min(4.0, left()), grace=1.0)
+        kill_and_wait(slurm, min(4.0, left()), grace=1.0)
         if "munge/munged" in daemons:
-            _kill_and_wait([daemons["munge/munged"]], min(2.0, left()), grace=0.5)
+            kill_and_wait([daemons["munge/munged"]], min(2.0, left()), grace=0.5)
         # Anything slurmd launched after the first sweep, or that ignored the daemons' exit.
-        survivors = _kill_and_wait(marked_processes(self.root), min(2.0, left()), grace=0)
+        survivors = kill_and_wait(marked_processes(self.root), min(2.0, left()), grace=0)
         # The parent dir stays: removing it races with a concurrent run's mkdtemp there.
         shutil.rmtree(self.root, ignore_errors=True)
         if survivors:
@@ -547,7 +515,7 @@ class SlurmCluster:
         pidfile = self.root / f"{name}.pid"
         while True:
             pid = _read_pid(pidfile)
-            if pid is not None and _pid_alive(pid):
+            if pid is not None and pid_alive(pid):
                 return
             if time.monotonic() > deadline:
                 raise self._fail(f"{name} wrote no live pid to {pidfile}")
@@ -561,7 +529,7 @@ class SlurmCluster:
                 return
             for name in ("slurmctld", "slurmd"):
                 pid = _read_pid(self.root / f"{name}.pid")
-                if pid is not None and not _pid_alive(pid):
+                if pid is not None and not pid_alive(pid):
                     raise self._fail(f"{name} died while waiting for {what}")
             if time.monotonic() > deadline:
                 raise self._fail(f"timed out waiting for {what}; last: {last!r}")
