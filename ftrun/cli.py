@@ -44,6 +44,7 @@ from ftrun.config import (
     parse_seconds,
     parse_signals,
     parse_stream_spec,
+    visible_gpu_count,
 )
 from ftrun.exitcodes import ExitCode
 
@@ -155,8 +156,8 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
         )
     parser.add_argument(
         "--no-shim", "--no_shim", action="store_true",
-        default=environ.get("FTRUN_SHIM", "1") == "0",
-        help="Do not put the NCCL shim into workers. [FTRUN_SHIM=0]",
+        default=False,
+        help="Do not put the NCCL shim into workers. [FTRUN_SHIM=0; =1 forces it on]",
     )
     parser.add_argument("training_script", help="The script (or module, or program) to run.")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
@@ -337,7 +338,7 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         heartbeat_interval_s=heartbeat_interval,
         heartbeat_timeout_s=heartbeat_timeout,
         join_timeout_s=parse_seconds(rdzv_conf.get("join_timeout", "600"), "join_timeout"),
-        use_shim=not ns.no_shim,
+        use_shim=_use_shim(ns.no_shim, environ),
         log_dir=Path(ns.log_dir) if ns.log_dir else None,
         redirects=parse_stream_spec(ns.redirects, "--redirects"),
         tee=parse_stream_spec(ns.tee, "--tee"),
@@ -372,6 +373,17 @@ def _check_rdzv_conf(conf: Mapping[str, str]) -> None:
             raise ConfigError(f"--rdzv-conf: is_host={value!r}: expected true or false")
         if key.endswith("timeout") and key != "timeout":
             parse_seconds(value, key, allow_zero=key == "last_call_timeout")
+
+
+def _use_shim(disabled: bool, environ: Mapping[str, str]) -> bool:
+    """The shim exists to abort NCCL communicators: by default it goes into the workers of
+    a node with GPUs only. On a CPU-only node its control thread buys nothing and, in about
+    one cold run in a dozen here, a CPU worker still crashed at interpreter exit with it
+    loaded (not yet explained). FTRUN_SHIM=1 forces it on, FTRUN_SHIM=0 or --no-shim off."""
+    choice = environ.get("FTRUN_SHIM", "").strip()
+    if disabled or choice == "0":
+        return False
+    return choice == "1" or visible_gpu_count() > 0
 
 
 def _count(value: str, flag: str, *, minimum: int) -> int:

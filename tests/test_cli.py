@@ -62,6 +62,7 @@ def test_ftrun_options_have_env_fallbacks(script: Path) -> None:
     assert config.heartbeat_interval_s == 0.5 and config.heartbeat_timeout_s == 3.0
     assert config.shutdown_timeout_s == 4.0
     assert config.use_shim is False
+    assert config_from_args([str(script)], {"FTRUN_SHIM": "1"}).use_shim is True
     assert config.events_file == Path("/tmp/e.jsonl")
 
 

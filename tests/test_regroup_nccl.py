@@ -29,6 +29,7 @@ def test_survivor_blocked_in_nccl_is_released_by_the_shim(job_dir: Path) -> None
         ["--nproc-per-node", "2", "--recovery", "regroup", "--on-failure", "shrink",
          "--events-file", str(events), str(SCRIPT), "1"],
         cwd=job_dir,
+        env={"FTRUN_SHIM": "1"},  # CPU-only node: the shim is opt-in here
     )
     victim = int(run.wait_for(
         lambda lines: next((re.search(r"victim pid=(\d+)", x)[1] for x in lines
