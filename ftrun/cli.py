@@ -377,9 +377,9 @@ def _check_rdzv_conf(conf: Mapping[str, str]) -> None:
 
 def _use_shim(disabled: bool, environ: Mapping[str, str]) -> bool:
     """The shim exists to abort NCCL communicators: by default it goes into the workers of
-    a node with GPUs only. On a CPU-only node its control thread buys nothing and, in about
-    one cold run in a dozen here, a CPU worker still crashed at interpreter exit with it
-    loaded (not yet explained). FTRUN_SHIM=1 forces it on, FTRUN_SHIM=0 or --no-shim off."""
+    a node with GPUs only: on a CPU-only node there is nothing for it to abort, and its
+    native thread is one more thing running at a worker's exit. FTRUN_SHIM=1 forces it on,
+    FTRUN_SHIM=0 or --no-shim off."""
     choice = environ.get("FTRUN_SHIM", "").strip()
     if disabled or choice == "0":
         return False
