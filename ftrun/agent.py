@@ -126,6 +126,7 @@ class Agent:
         self.heartbeat: HeartbeatSender | None = None
         self.monitor: HeartbeatMonitor | None = None
         self._finished_nodes: set[str] = set()
+        self.dropped_nodes: set[str] = set()  # lost, and left out by a regroup
         self._next_scan = 0.0
         self.store_lost = False
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
@@ -328,8 +329,7 @@ class Agent:
 
     def _run_generation(self, rdzv: Rendezvous, generation: Generation) -> GenerationResult:
         if self._survivors_continue:
-            supervisor = RegroupSupervisor(self, generation, rdzv.store, generation.restart_count)
-            return supervisor.run()
+            return RegroupSupervisor(self, generation, rdzv).run()
         group = [
             self.spawn_worker(generation, local_rank)
             for local_rank in range(self.config.nproc_per_node)
@@ -395,7 +395,7 @@ class Agent:
     @property
     def _survivors_continue(self) -> bool:
         """Whether a failure leaves the other workers running (in-process regroup)."""
-        return self.config.recovery is not Recovery.RESTART and self.config.is_single_node
+        return self.config.recovery is not Recovery.RESTART
 
     def _shim_control(self, label: str, generation: int) -> ShimControl | None:
         """The NCCL shim's control page for one worker, or None (disabled, or not built:
@@ -512,21 +512,9 @@ class Agent:
         if now < self._next_scan:
             return None
         self._next_scan = now + self.config.heartbeat_interval_s / 2
-        members = {n.node_id for n in generation.nodes} - {self.node_id}
-        self.monitor.watch(members - self._finished_nodes)
-        for node_id in self.monitor.scan():
-            if rdzv.store.get_record(f"gen/{generation.number}/done/{node_id}") is not None:
-                self._finished_nodes.add(node_id)  # done and gone: not lost
-                continue
-            node = generation.node(node_id)
-            assert node is not None
-            silent = self.monitor.silent_s(node_id)
-            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: no heartbeat "
-                     f"for {silent:.1f} s", style="yellow")
-            self.events.emit("node_lost", generation=generation.number, node=node.hostname,
-                             node_rank=node.node_rank, node_id=node_id, silent_s=silent)
+        for node, silent in self.scan_lost_nodes(rdzv, generation):
             return rdzv.end(generation.number, {
-                "kind": "node lost", "node_id": node_id, "node_rank": node.node_rank,
+                "kind": "node lost", "node_id": node.node_id, "node_rank": node.node_rank,
                 "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
                 "by": self.node_rank, "time": time.time(),
             })
@@ -539,6 +527,28 @@ class Agent:
                 "addr": newcomer.addr, "by": self.node_rank, "time": time.time(),
             })
         return None
+
+    def scan_lost_nodes(self, rdzv: Rendezvous,
+                        generation: Generation) -> list[tuple[NodeSlot, float]]:
+        """Leader: the other nodes of ``generation`` whose heartbeats stopped (and that are
+        not done), with how long each has been silent; each is said and logged once."""
+        assert self.monitor is not None
+        members = {n.node_id for n in generation.nodes} - {self.node_id}
+        self.monitor.watch(members - self._finished_nodes - self.dropped_nodes)
+        lost = []
+        for node_id in self.monitor.scan():
+            if rdzv.store.get_record(f"gen/{generation.number}/done/{node_id}") is not None:
+                self._finished_nodes.add(node_id)  # done and gone: not lost
+                continue
+            node = generation.node(node_id)
+            assert node is not None
+            silent = self.monitor.silent_s(node_id)
+            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: no heartbeat "
+                     f"for {silent:.1f} s", style="yellow")
+            self.events.emit("node_lost", generation=generation.number, node=node.hostname,
+                             node_rank=node.node_rank, node_id=node_id, silent_s=silent)
+            lost.append((node, silent))
+        return lost
 
     def _local_failure(
         self,
@@ -627,7 +637,7 @@ class Agent:
             # Keep serving the store until every node is done, or the job ends otherwise
             # (a node that stops beating without being done ends the wait too).
             deadline = time.monotonic() + self.config.join_timeout_s
-            others = {n.node_id for n in generation.nodes} - {self.node_id}
+            others = {n.node_id for n in generation.nodes} - {self.node_id} - self.dropped_nodes
             while time.monotonic() < deadline and self.inbox.received is None:
                 if rdzv.done_count(generation.number) >= generation.nnodes:
                     break
@@ -671,6 +681,8 @@ def _describe_cause(cause: dict[str, Any] | None) -> str:
                 f"{cause.get('silent_s')} s")
     if cause.get("kind") == "join":
         return f"node {cause.get('node')} ({cause.get('addr')}) joins"
+    if cause.get("kind") == "regroup":
+        return str(cause.get("reason", "the job could not regroup"))
     code = cause.get("returncode")
     what = (
         f"killed by {signal.Signals(-code).name}"

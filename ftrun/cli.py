@@ -282,8 +282,6 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         raise ConfigError(
             f"--recovery={ns.recovery!r}: expected auto, restart or regroup"
         ) from None
-    if recovery is Recovery.REGROUP and nnodes_max > 1:
-        raise ConfigError("--recovery=regroup runs on one node for now; multi-node uses restart")
     on_failure = ns.on_failure.strip().lower()
     if on_failure not in ("replace", "shrink"):
         raise ConfigError(f"--on-failure={ns.on_failure!r}: expected replace or shrink")
@@ -291,8 +289,9 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     if spares and recovery is not Recovery.REGROUP:
         raise ConfigError("--spares needs --recovery regroup (spares run the worker API)")
     min_workers = _count(ns.min_workers, "--min-workers", minimum=1)
-    if min_workers > nproc:
-        raise ConfigError(f"--min-workers={min_workers}: more than --nproc-per-node={nproc}")
+    if min_workers > nproc * nnodes_max:
+        raise ConfigError(f"--min-workers={min_workers}: more than the job's "
+                          f"{nproc * nnodes_max} workers (--nproc-per-node x nodes)")
     handler = ns.event_log_handler.strip().lower()
     if handler not in ("null", "console"):
         raise ConfigError(f"--event-log-handler={ns.event_log_handler!r}: expected null or console")

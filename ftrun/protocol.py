@@ -21,6 +21,24 @@ key                        written by              meaning
 ``rgen/<g>/join``          agent                   a joiner waits: regroup at the next commit
 =========================  ======================  ==========================================
 
+Between agents (multi-node; on one node the agent is both sides). Members are named
+``<node rank>.<n>``. The leader (the store host) alone publishes generations; every agent
+watches its own members and reports what it sees. These records are signed with the job's
+secret (:mod:`ftrun.auth`), so a process without it cannot remove or kill a member:
+
+==============================  ================  ========================================
+key                             written by        meaning
+==============================  ================  ========================================
+``changes``                     everyone          counter bumped after each write below:
+                                                  one read per tick says whether to look
+``pool/<node rank>``            that agent        :class:`Pool`: its live members
+``faults``                      agents (counter)  number of fault records
+``fault/<i>``                   agent or leader   :class:`Fault` (a member or a whole node)
+``rgen/<g>/released/<node>``    agent             its survivors' communicators of g are
+                                                  aborted: the leader may publish g + 1
+``done``                        leader            every member finished: the job is over
+==============================  ================  ========================================
+
 The commit rule. After its gradient collective a member adds one to ``vote/<s>``. The
 member that brings the count to the world size writes ``commit`` (or ``commit-regroup`` when
 a joiner waits); a member that finds the generation ended before the count was complete
@@ -164,3 +182,84 @@ class MemberGeneration:
         if len({m.id for m in members}) != len(members):
             raise StoreValueError("generation lists a member twice")
         return cls(require(data, "number", int), tuple(members))
+
+
+# --- between agents -------------------------------------------------------------------------
+
+CHANGES = "changes"
+FAULTS = "faults"
+DONE = "done"
+
+
+def member_id(node_rank: int, number: int) -> str:
+    return f"{node_rank}.{number}"
+
+
+def node_of(member: str) -> int:
+    """The node rank in a member id (ids are only ever made by :func:`member_id`)."""
+    return int(member.partition(".")[0])
+
+
+def pool_key(node_rank: int) -> str:
+    return f"pool/{node_rank}"
+
+
+def fault_key(index: int) -> str:
+    return f"fault/{index}"
+
+
+def released_key(number: int, node_rank: int) -> str:
+    return f"rgen/{number}/released/{node_rank}"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A member taken out (``member``), or every member of a lost node (``node``)."""
+
+    cause: str
+    member: str | None = None
+    node: int | None = None
+    kill: bool = False  # the member's agent must kill it (the leader's stall verdict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cause": self.cause, "member": self.member, "node": self.node,
+                "kill": self.kill}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Fault:
+        member, node = data.get("member"), data.get("node")
+        if (member is None) == (node is None):
+            raise StoreValueError("a fault names exactly one of member and node")
+        if member is not None and not (isinstance(member, str) and _valid_member(member)):
+            raise StoreValueError("fault member is not a member id")
+        if node is not None and (not isinstance(node, int) or isinstance(node, bool)
+                                 or node < 0):
+            raise StoreValueError("fault node is not a node rank")
+        return cls(require(data, "cause", str), member, node, require(data, "kill", bool))
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One node's live member processes: ``ready`` ones have called ``ftrun.init()``."""
+
+    members: tuple[str, ...]
+    ready: frozenset[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"members": list(self.members), "ready": sorted(self.ready)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], node_rank: int) -> Pool:
+        members, ready = require(data, "members", list), require(data, "ready", list)
+        for member in [*members, *ready]:
+            if not (isinstance(member, str) and _valid_member(member)
+                    and node_of(member) == node_rank):
+                raise StoreValueError(f"pool of node {node_rank} lists {member!r}")
+        if not set(ready) <= set(members):
+            raise StoreValueError("pool lists a ready member it does not have")
+        return cls(tuple(members), frozenset(ready))
+
+
+def _valid_member(text: str) -> bool:
+    node, dot, number = text.partition(".")
+    return bool(dot) and node.isdigit() and number.isdigit()

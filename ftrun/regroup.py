@@ -1,29 +1,41 @@
-"""The agent's side of in-process regroup: keep the survivors, replace the failed.
+"""In-process regroup, the agents' side: keep the survivors, replace or drop the failed.
 
 When the workers use the worker API (:mod:`ftrun.worker`), a fault does not stop the job.
-The supervisor owns a pool of member processes for one job attempt and publishes their
-generations in the control store (:mod:`ftrun.protocol`):
+Every agent runs a :class:`RegroupSupervisor` for its own member processes, and the leader
+(the agent that hosts the store; on one node, the agent itself) is the one writer of member
+generations. They talk through the control store (:mod:`ftrun.protocol`):
 
-* a member that exits non-zero or by a signal, that is stopped (SIGSTOP, a tracer), whose
-  heartbeat stops (a wedged process), or that stops reporting steps while the others wait
-  for it (its main thread sleeps) is a fault: the supervisor writes the generation's end
-  *first* (so the survivors' failing collective is explained), kills the member, and
-  publishes the next generation of survivors at once, topped up with warm spares;
-* with ``--on-failure replace`` a new process is started; the survivors do not wait for it
-  (importing torch takes seconds): it joins at a later step boundary, when it is ready, and
-  receives the state from a survivor; with ``shrink`` the job continues with fewer ranks
-  down to ``--min-workers``;
+* an agent whose member exits non-zero or by a signal, is stopped (SIGSTOP, a tracer),
+  stops its heartbeat (a wedged process) writes the member generation's end *first* (so the
+  survivors' failing collective is explained), kills the member, and appends a fault
+  record; the leader does the same for a member that stops reporting steps while the others
+  wait for it (its main thread sleeps: only the leader sees every member's progress) and,
+  on several nodes, for every member of a node whose agent stopped beating;
+* every agent that sees a generation end aborts its own survivors' NCCL communicators
+  through the shim and says so; the leader publishes the next generation of survivors,
+  topped up with ready spares, once every surviving node has (so no communicator of the
+  new generation is made under the old number and aborted with the old ones);
+* with ``--on-failure replace`` the failed member's agent starts a new process; the
+  survivors do not wait for it (importing torch takes seconds): it joins at a later step
+  boundary when ready and receives the state from a survivor; with ``shrink``, and for the
+  members of a lost node, the job goes on with fewer ranks down to ``--min-workers`` and
+  ``MIN`` nodes;
 * scripts that never called ``ftrun.init()`` cannot regroup: with ``--recovery auto`` the
-  supervisor then stops every worker and the agent restarts them (torchrun's behaviour).
+  generation of the whole job ends and every agent restarts its workers (torchrun's way).
 
 Detection bounds (defaults): exit at once; SIGSTOP within one monitor interval (0.1 s);
 a stopped heartbeat after ``--liveness-timeout`` (5 s, counted from the worker's
 ``ftrun.init()``: an import can starve a process for over a second on a busy node); a
-stalled rank after max(``--stall-floor`` 5 s, 20 x the median step time). Progress is
-(committed steps, collectives issued), reported by the worker's heartbeat thread: a member
-is attributed a stall only when the others have reported more than it has; a hang
-that every rank shares (inside one collective) is left to the collective timeout on gloo
-and to the shim on NCCL.
+stalled rank after max(``--stall-floor`` 5 s, 20 x the median step time); a lost node after
+``--heartbeat-timeout``. Progress is (committed steps, collectives issued), reported by
+the worker's heartbeat thread: a member is attributed a stall only when the others have
+reported more than it has; a hang that every rank shares (inside one collective) is left to
+the collective timeout on gloo and to the shim on NCCL.
+
+Store cost per agent and monitor interval: one counter read (the ``changes`` counter says
+whether anything else needs reading), one ``multi_get`` of its own members' status, and on
+several nodes one check of the job generation's end. The leader also reads every member's
+status once per interval.
 """
 
 from __future__ import annotations
@@ -40,16 +52,16 @@ from typing import TYPE_CHECKING, Any
 from ftrun import protocol as P
 from ftrun import workers as local
 from ftrun.shim import ShimError, ShimTimeoutError
-from ftrun.store import JsonStore, StoreError
+from ftrun.store import StoreError, StoreValueError
 
 if TYPE_CHECKING:
-    from ftrun.agent import Agent, GenerationResult
-    from ftrun.rendezvous import Generation
+    from ftrun.agent import Agent, GenerationResult, Outcome
+    from ftrun.rendezvous import Generation, Rendezvous
 
 
 @dataclass
 class Slot:
-    """One member process and what the supervisor knows of it."""
+    """One of this node's member processes and what its agent knows of it."""
 
     member: str
     process: local.WorkerProcess
@@ -57,282 +69,194 @@ class Slot:
     heartbeat: int = 0
     native_liveness: int = -1
     heartbeat_at: float = field(default_factory=time.monotonic)
-    progress: tuple[int, int] = (-1, -1)  # (committed steps, collectives issued)
-    progress_at: float = field(default_factory=time.monotonic)
-    step_at: float = field(default_factory=time.monotonic)
     ready: bool = False
-    synced: bool = False
-    finished: bool = False
-    removed: str | None = None  # why the supervisor took it out
+    finished: bool = False  # exited 0 (or crashed after saying it finished) as a member
+    removed: str | None = None  # why it was taken out
+
+
+@dataclass
+class Progress:
+    """The leader's view of one member's progress."""
+
+    value: tuple[int, int] = (-1, -1)  # (committed steps, collectives issued)
+    changed_at: float = field(default_factory=time.monotonic)
+    step_at: float = field(default_factory=time.monotonic)
 
 
 class RegroupSupervisor:
-    """Runs one job attempt with in-process regroup; see the module docstring."""
+    """Runs one job generation with in-process regroup; see the module docstring."""
 
-    def __init__(self, agent: Agent, generation: Generation, store: JsonStore,
-                 attempt: int) -> None:
+    def __init__(self, agent: Agent, generation: Generation, rdzv: Rendezvous) -> None:
         self.agent = agent
         self.config = agent.config
         self.generation = generation
-        self.prefix = f"ftrun/{agent.run_id}/a{attempt}"
-        self.store = JsonStore(store.raw, self.prefix)
+        self.rdzv = rdzv
+        self.multi = not self.config.is_single_node
+        self.node_rank = agent.node_rank
+        self.prefix = f"ftrun/{agent.run_id}/rg{generation.number}"
+        self.store = rdzv.store.scoped(self.prefix)
         self.slots: dict[str, Slot] = {}
         self.latest: P.MemberGeneration | None = None
-        self.ended: set[int] = set()
+        self.statuses: dict[str, P.Status] = {}
+        self.removed: dict[str, str] = {}  # every member taken out, job-wide: id -> cause
+        self.lost_nodes: set[int] = set()
+        self.released: set[int] = set()  # ended generations whose communicators we aborted
+        self.ended_here: set[int] = set()  # generations whose end this agent wrote
+        self.end_checked = -1  # the change count at the last look for an end
+        self.done = False
+        self.changes_seen = -1
+        self.faults_seen = 0
+        self.pool_sent: P.Pool | None = None
         self.next_member = 0
-        self.step_intervals: deque[float] = deque(maxlen=64)
-        self.failures: list[Any] = []
+        self.failures: list[Slot] = []
         self.first_failure: local.WorkerProcess | None = None
-        self.target = self.config.nproc_per_node
         self.replacement_failures = 0
-        self.finishing = False
+        self.leader = _Leader(self) if rdzv.is_leader else None
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def run(self) -> GenerationResult:
         from ftrun.agent import GenerationResult, Outcome
+        from ftrun.rendezvous import StoreLostError
 
-        initial = [self._spawn(initial=True) for _ in range(self.target)]
+        for _ in range(self.config.nproc_per_node):
+            self._spawn(initial=True)
         for _ in range(self.config.spares):
             self._spawn(initial=False)
-        self._publish([P.Member(s.member, rank, False) for rank, s in enumerate(initial)])
         try:
+            if self.leader is not None:
+                self.leader.publish_initial()
             while True:
                 if self.agent.inbox.received is not None:
                     self._stop_all(self.agent.inbox.received, "signal")
                     return GenerationResult(Outcome.SIGNALED, self._exits())
-                outcome = self._tick()
-                if outcome is not None:
-                    return GenerationResult(outcome, self._exits())
-                procs = [s.process for s in self.slots.values() if s.removed is None]
+                result = self._tick()
+                if result is not None:
+                    return result
+                procs = [s.process for s in self.slots.values() if s.process.poll() is None]
                 woke = local.wait_any(procs, self.config.monitor_interval_s,
                                       [self.agent.inbox.fd])
                 if self.agent.inbox.fd in woke:
                     self.agent.inbox.drain()
+        except StoreError as error:
+            self._stop_all(signal.SIGTERM, "store lost")
+            if self.multi:
+                raise StoreLostError(self.agent._lost_reason() or str(error)) from None
+            self.agent.say(f"control store failed: {error}", style="red")
+            return GenerationResult(Outcome.FAILED, self._exits())
         finally:
             local.join_pumps([s.process for s in self.slots.values()])
 
-    def _tick(self) -> Any:
-        from ftrun.agent import Outcome
+    def _tick(self) -> GenerationResult | None:
+        from ftrun.agent import GenerationResult, Outcome
 
-        for slot in list(self.slots.values()):
-            code = slot.process.poll()
-            if code is None or slot.removed is not None or slot.finished:
-                continue
-            if code == 0 and self._is_active(slot):
-                slot.finished = True
-                self.finishing = True  # the job is done: no more joiners
-                self.agent.events.emit("exit", member=slot.member, pid=slot.process.pid,
-                                       returncode=0)
-                continue
-            cause = f"exit code {code}" if code > 0 else f"killed by {_signame(-code)}"
-            if self._fail(slot, cause) is Outcome.FAILED:
-                return Outcome.FAILED
-        # Joiners still waiting for their first generation are not part of the finish.
-        active = [s for s in self.slots.values() if self._is_active(s) and not self._waiting(s)]
-        if active and all(s.finished for s in active):
-            self._stop_all(signal.SIGTERM, "job finished")
-            return Outcome.SUCCEEDED
-        try:
-            verdict = self._watch_liveness()
-            if verdict is not None:
-                return verdict
-            self._admit_ready_joiners()
-        except StoreError as error:
-            self.agent.say(f"control store failed: {error}", style="red")
-            self._stop_all(signal.SIGTERM, "store failed")
-            return Outcome.FAILED
+        if self.multi:
+            result = self._watch_job()
+            if result is not None:
+                return result
+        outcome = self._follow()
+        if outcome is None:
+            outcome = self._watch_members()
+        if outcome is not None:
+            return self._result(outcome)
+        self._release_ended()
+        self._send_pool()
+        if self.leader is not None:
+            outcome = self.leader.tick()
+            if outcome is not None:
+                return self._result(outcome)
+        if self.done:
+            active = [s for s in self.slots.values()
+                      if self._is_active(s) and not self._waiting(s)]
+            if all(s.process.poll() is not None for s in active):
+                self._stop_all(signal.SIGTERM, "job finished")
+                return GenerationResult(Outcome.SUCCEEDED, self._exits())
         return None
 
-    # --- members -------------------------------------------------------------------------
+    def _result(self, outcome: Outcome | GenerationResult) -> GenerationResult:
+        from ftrun.agent import GenerationResult
+
+        if isinstance(outcome, GenerationResult):
+            return outcome
+        return GenerationResult(outcome, self._exits())
+
+    # --- the job around this node (several nodes) ----------------------------------------
+
+    def _watch_job(self) -> GenerationResult | None:
+        """The job generation: ended by another agent (a restart, a join), this agent's
+        store host lost, and on the leader a lost node or a newcomer."""
+        from ftrun.agent import GenerationResult, Outcome
+        from ftrun.rendezvous import StoreLostError
+
+        agent, rdzv, generation = self.agent, self.rdzv, self.generation
+        lost = agent._lost_reason()
+        if lost is not None:
+            self._stop_all(signal.SIGTERM, "store lost")
+            raise StoreLostError(lost)
+        cause = rdzv.ended(generation.number)
+        if cause is None and self.leader is not None:
+            cause = self.leader.watch_nodes()
+        if cause is not None:
+            agent.say(f"generation {generation.number} ended by node "
+                      f"{cause.get('by', cause.get('node_rank'))}: {_describe(cause)}")
+            self._stop_all(signal.SIGTERM, "remote failure")
+            return GenerationResult(Outcome.REMOTE_FAILED, self._exits(), cause)
+        return None
+
+    def end_job_generation(self, cause: dict[str, Any]) -> dict[str, Any]:
+        """Stop the whole job's generation (every agent restarts its workers)."""
+        if not self.multi:
+            return cause
+        return self.rdzv.end(self.generation.number, {
+            **cause, "node_rank": self.node_rank, "node_id": self.agent.node_id,
+            "node": self.agent.hostname, "by": self.node_rank, "time": time.time()})
+
+    # --- this node's members -------------------------------------------------------------
 
     def _spawn(self, *, initial: bool) -> Slot:
-        member = str(self.next_member)
+        number = self.next_member
         self.next_member += 1
-        local_rank = int(member) if initial else self.target + (int(member) % 1000)
+        member = P.member_id(self.node_rank, number)
         extra = {
             "FTRUN_MEMBER_ID": member,
             "FTRUN_REGROUP_PREFIX": self.prefix,
             "FTRUN_INITIAL": "1" if initial else "0",
         }
-        prefix = f"[rank{member}]:" if initial else f"[member{member}]:"
         process = self.agent.spawn_worker(
-            self.generation, local_rank if initial else 0, extra_env=extra, prefix=prefix,
-            log_name=str(local_rank) if initial else f"member_{member}",  # torchrun's layout
+            self.generation, number if initial else 0, extra_env=extra,
+            prefix=f"[rank{self.generation.rank_offset(self.node_rank) + number}]:"
+            if initial else f"[member{member}]:",
+            log_name=str(number) if initial else f"member_{member}",  # torchrun's layout
         )
         slot = Slot(member, process, initial)
         self.slots[member] = slot
         return slot
 
-    def _waiting(self, slot: Slot) -> bool:
-        """A joiner that has not received the job's state yet."""
-        assert self.latest is not None
-        member = next(m for m in self.latest.members if m.id == slot.member)
-        return member.joiner and not slot.synced
-
     def _is_active(self, slot: Slot) -> bool:
         return (self.latest is not None and slot.removed is None
                 and self.latest.rank_of(slot.member) is not None)
 
-    def _publish(self, members: list[P.Member]) -> None:
-        number = 0 if self.latest is None else self.latest.number + 1
-        generation = P.MemberGeneration(number, tuple(members))
-        self.store.set(P.generation_key(number), generation.to_json())
-        self.store.set(P.LATEST, {"number": number})
-        self.latest = generation
+    def _waiting(self, slot: Slot) -> bool:
+        """A joiner that has not received the job's state yet."""
+        assert self.latest is not None
+        member = next(m for m in self.latest.members if m.id == slot.member)
+        status = self.statuses.get(slot.member)
+        return member.joiner and not (status is not None and status.synced)
+
+    def _watch_members(self) -> Outcome | GenerationResult | None:
+        """Exits, frozen processes and silent heartbeats of this node's members."""
         now = time.monotonic()
-        for slot in self.slots.values():  # a regroup is not a stall: count from here
-            slot.progress_at = now
-        self.agent.events.emit(
-            "generation", generation=number, world_size=generation.world_size,
-            members=[m.id for m in members], joiners=[m.id for m in members if m.joiner],
-        )
-
-    def _end(self, number: int, cause: dict[str, Any]) -> None:
-        if number not in self.ended:
-            self.ended.add(number)
-            self.store.set_first(P.end_key(number), cause)
-
-    def _fail(self, slot: Slot, cause: str, kill: bool = False) -> Any:
-        """Take a failed member out and publish the next generation of survivors."""
-        from ftrun.agent import Outcome
-
-        detected = time.time()
-        in_generation = self._is_active(slot)
-        assert self.latest is not None
-        if in_generation:
-            self._end(self.latest.number, {"member": slot.member, "cause": cause})
-        slot.removed = cause
-        if kill:  # after the end is written: survivors that fail next find it explained
-            slot.process.signal_group(signal.SIGKILL)
-        if self.first_failure is None:
-            self.first_failure = slot.process
-        self.failures.append(slot)
-        self.agent.events.emit(
-            "failure", member=slot.member, pid=slot.process.pid, cause=cause,
-            generation=self.latest.number, detected=detected,
-            rank=self.latest.rank_of(slot.member), local_rank=slot.process.local_rank,
-            returncode=slot.process.returncode,
-        )
-        label = (f"rank {self.latest.rank_of(slot.member)}" if in_generation
-                 else f"member {slot.member}")
-        if cause.startswith("frozen"):
-            self.agent.say(f"{label} (pid {slot.process.pid}) was frozen; killed it at once",
-                           style="yellow")
-        else:
-            self.agent.say(f"{label} (pid {slot.process.pid}) failed: {cause}", style="yellow")
-        if not slot.ready:  # the cached flag may be a tick old: ask the store
-            slot.ready = self.store.exists(P.status_key(slot.member))
-        if not slot.ready and slot.initial and in_generation:
-            self.agent.say("the failed worker never called ftrun.init(): restarting all")
-            self._stop_all(signal.SIGTERM, "restart fallback")
-            return Outcome.FAILED
-        if not in_generation:
-            self.replacement_failures += 1
-            self._replace()
-            return None
-        survivors = [m for m in self.latest.members if m.id != slot.member
-                     and self.slots[m.id].removed is None]
-        if not any(not m.joiner or self.slots[m.id].synced for m in survivors):
-            self.agent.say("no surviving member holds the job's state", style="red")
-            self._stop_all(signal.SIGTERM, "no state left")
-            return Outcome.FAILED
-        self._replace()
-        members = [P.Member(m.id, rank, not (not m.joiner or self.slots[m.id].synced))
-                   for rank, m in enumerate(survivors)]
-        members = self._top_up(members)
-        if len(members) < self.config.min_workers:
-            self.agent.say(
-                f"{len(members)} workers left, fewer than --min-workers "
-                f"{self.config.min_workers}", style="red")
-            self._stop_all(signal.SIGTERM, "below minimum")
-            return Outcome.FAILED
-        self._abort_communicators(survivors, self.latest.number + 1)
-        self._publish(members)
-        return None
-
-    def _abort_communicators(self, survivors: list[P.Member], generation: int) -> None:
-        """Release survivors stuck in an NCCL collective with the failed member.
-
-        Done before the next generation is published, so that no communicator of the new
-        generation can be created under the old number and be aborted with the old ones.
-        A shim that cannot finish in time means a worker wedged in NCCL: it is killed.
-        """
-        for member in survivors:
-            slot = self.slots[member.id]
-            shim = slot.process.shim
-            if shim is None or slot.process.poll() is not None:
-                continue
-            try:
-                report = shim.abort(generation, timeout_s=self.config.abort_timeout_s)
-            except ShimTimeoutError:
-                self.agent.say(f"member {member.id}: NCCL abort timed out; killing it")
-                slot.process.signal_group(signal.SIGKILL)
-                continue
-            except ShimError:
-                continue
-            if report.entries:
-                self.agent.events.emit("abort", member=member.id, generation=generation,
-                                       report=report.to_dict())
-
-    def _replace(self) -> None:
-        if self.config.on_failure != "replace" or self.replacement_failures > 3:
-            return
-        self._spawn(initial=False)
-
-    def _top_up(self, members: list[P.Member]) -> list[P.Member]:
-        """Fill free ranks with ready, idle members (spares, replacements)."""
-        idle = [s for s in self.slots.values() if s.removed is None and s.ready
-                and not any(m.id == s.member for m in members) and not s.finished]
-        for slot in idle:
-            if len(members) >= self.target:
-                break
-            members.append(P.Member(slot.member, len(members), True))
-        return members
-
-    def _admit_ready_joiners(self) -> None:
-        """A replacement that became ready joins at the survivors' next step boundary."""
-        assert self.latest is not None
-        if self.latest.world_size >= self.target or self.finishing:
-            return
-        before = self.latest.world_size
-        members = self._top_up(list(self.latest.members))
-        if len(members) == before:
-            return
-        self.store.set(P.join_key(self.latest.number), {"members": len(members)})
-        self.agent.say(f"a new member is ready: it joins at the next step ({len(members)} ranks)")
-        self._publish(members)
-
-    # --- detection -----------------------------------------------------------------------
-
-    def _watch_liveness(self) -> Any:
         live = [s for s in self.slots.values() if s.removed is None and not s.finished]
-        if not live:
-            return None
-        now = time.monotonic()
         for slot in live:  # a member is ready once its status exists: one check each
             if not slot.ready and self.store.exists(P.status_key(slot.member)):
                 slot.ready = True
                 self.agent.events.emit("ready", member=slot.member, pid=slot.process.pid)
-        ready = [s for s in live if s.ready]
-        raw = self.store.raw.multi_get(
-            [self.store.key(P.status_key(s.member)) for s in ready]) if ready else []
-        for slot, value in zip(ready, raw, strict=True):
-            status = P.Status.decode(value)
-            if status is None:
-                continue
-            if status.beats != slot.heartbeat and slot.process.shim is None:
-                slot.heartbeat, slot.heartbeat_at = status.beats, now
-            reported = (status.steps, status.collectives)
-            if reported != slot.progress:
-                if slot.progress[0] >= 0 and reported[0] != slot.progress[0]:
-                    self.step_intervals.append(now - slot.step_at)
-                    slot.step_at = now
-                slot.progress, slot.progress_at = reported, now
-            slot.synced = slot.synced or status.synced
-            if status.finished and self._is_active(slot):
-                self.finishing = True  # a member left its loop: the job ends, admit no one
+        self._read_statuses([s.member for s in live if s.ready])
         for slot in live:
+            status = self.statuses.get(slot.member)
+            if status is not None and status.beats != slot.heartbeat \
+                    and slot.process.shim is None:
+                slot.heartbeat, slot.heartbeat_at = status.beats, now
             shim = slot.process.shim
             if shim is not None:  # native: keeps counting while the GIL is held elsewhere
                 with contextlib.suppress(ShimError, OSError, ValueError):
@@ -340,36 +264,239 @@ class RegroupSupervisor:
                     if ticks != slot.native_liveness:
                         slot.native_liveness, slot.heartbeat_at = ticks, now
         for slot in live:
-            if slot.process.is_frozen():
-                verdict = self._fail(slot, "frozen (stopped by a signal)", kill=True)
-                if verdict is not None:
-                    return verdict
+            code = slot.process.poll()
+            if code is not None:
+                outcome = self._exited(slot, code)
+            elif slot.process.is_frozen():
+                outcome = self._fault(slot, "frozen (stopped by a signal)", kill=True)
             elif slot.ready and now - slot.heartbeat_at > self.config.liveness_timeout_s:
-                verdict = self._fail(slot, "heartbeat lost", kill=True)
-                if verdict is not None:
-                    return verdict
-        return self._watch_progress(now)
-
-    def _watch_progress(self, now: float) -> Any:
-        active = [s for s in self.slots.values() if self._is_active(s) and not s.finished
-                  and not self._waiting(s) and s.progress[0] >= 0]
-        if len(active) < 2 or not self.step_intervals or self.finishing:
-            return None
-        limit = max(self.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
-        if now - max(s.progress_at for s in active) < limit:
-            return None
-        lowest = min(s.progress for s in active)
-        if lowest == max(s.progress for s in active):
-            return None  # everyone waits at the same step: not attributable to one rank
-        for slot in [s for s in active if s.progress == lowest]:
-            verdict = self._fail(
-                slot, f"stalled: no progress for {now - slot.progress_at:.1f}s "
-                f"(limit {limit:.1f}s) while the others issued more collectives", kill=True)
-            if verdict is not None:
-                return verdict
+                outcome = self._fault(slot, "heartbeat lost", kill=True)
+            else:
+                continue
+            if outcome is not None:
+                return outcome
         return None
 
+    def _exited(self, slot: Slot, code: int) -> Outcome | None:
+        status = self.statuses.get(slot.member)
+        said_finished = status is not None and status.finished
+        if self._is_active(slot) and (code == 0 or said_finished):
+            slot.finished = True
+            self.agent.events.emit("exit", member=slot.member, pid=slot.process.pid,
+                                   returncode=code)
+            if code != 0:
+                self.agent.say(f"member {slot.member} (pid {slot.process.pid}) finished "
+                               f"training, then exited with {_exit_text(code)}",
+                               style="yellow")
+            if not said_finished:  # a script that never called close(): say it for it
+                last = status or P.Status(0, 0, 0, True, False)
+                self.store.raw.set(self.store.key(P.status_key(slot.member)), P.Status(
+                    last.beats + 1, last.steps, last.collectives, last.synced, True).encode())
+                self._changed()
+            return None
+        return self._fault(slot, _exit_text(code))
+
+    def _fault(self, slot: Slot, cause: str, *, kill: bool = False,
+               reported: bool = False) -> Outcome | None:
+        """Take a member of this node out: end its generation, kill it, tell the leader."""
+        from ftrun.agent import Outcome
+
+        detected = time.time()
+        active = self._is_active(slot)
+        assert self.latest is not None or not active
+        if active and not reported:
+            assert self.latest is not None
+            self._end(self.latest.number, {"member": slot.member, "cause": cause})
+        slot.removed = cause
+        self.removed[slot.member] = cause
+        if kill:  # after the end is written: survivors that fail next find it explained
+            slot.process.signal_group(signal.SIGKILL)
+        if self.first_failure is None:
+            self.first_failure = slot.process
+        self.failures.append(slot)
+        number = self.latest.number if self.latest else 0
+        rank = self.latest.rank_of(slot.member) if self.latest else None
+        self.agent.events.emit(
+            "failure", member=slot.member, pid=slot.process.pid, cause=cause,
+            generation=number, detected=detected, rank=rank,
+            local_rank=slot.process.local_rank, returncode=slot.process.returncode,
+        )
+        label = f"rank {rank}" if active else f"member {slot.member}"
+        if cause.startswith("frozen"):
+            self.agent.say(f"{label} (pid {slot.process.pid}) was frozen; killed it at once",
+                           style="yellow")
+        else:
+            self.agent.say(f"{label} (pid {slot.process.pid}) failed: {cause}", style="yellow")
+        if not slot.ready:  # the cached flag may be a tick old: ask the store
+            slot.ready = self.store.exists(P.status_key(slot.member))
+        if not slot.ready and slot.initial and active:
+            self.agent.say("the failed worker never called ftrun.init(): restarting all")
+            self.end_job_generation({"kind": "worker", "rank": rank, "member": slot.member,
+                                     "pid": slot.process.pid,
+                                     "returncode": slot.process.returncode,
+                                     "cause": cause})
+            self._stop_all(signal.SIGTERM, "restart fallback")
+            return Outcome.FAILED
+        if not reported:
+            self._append_fault(P.Fault(cause, member=slot.member))
+        if not active:
+            self.replacement_failures += 1
+        self._replace()
+        return None
+
+    def _replace(self) -> None:
+        if self.config.on_failure != "replace" or self.replacement_failures > 3 or self.done:
+            return
+        self._spawn(initial=False)
+
+    def _abort_communicators(self, number: int) -> None:
+        """Release this node's survivors stuck in an NCCL collective of generation
+        ``number`` (see the module docstring for the order). A shim that cannot finish in
+        time means a worker wedged in NCCL: it is killed."""
+        assert self.latest is not None
+        for member in self.latest.members:
+            slot = self.slots.get(member.id)
+            if slot is None or slot.removed is not None:
+                continue
+            shim = slot.process.shim
+            if shim is None or slot.process.poll() is not None:
+                continue
+            try:
+                report = shim.abort(number + 1, timeout_s=self.config.abort_timeout_s)
+            except ShimTimeoutError:
+                self.agent.say(f"member {member.id}: NCCL abort timed out; killing it")
+                slot.process.signal_group(signal.SIGKILL)
+                continue
+            except ShimError:
+                continue
+            if report.entries:
+                self.agent.events.emit("abort", member=member.id, generation=number + 1,
+                                       report=report.to_dict())
+
+    def _release_ended(self) -> None:
+        """Abort this node's communicators of an ended generation, then say so."""
+        latest = self.latest
+        if latest is None or latest.number in self.released:
+            return
+        if latest.number not in self.ended_here:
+            if self.end_checked == self.changes_seen:
+                return  # nothing was written since the last look
+            self.end_checked = self.changes_seen
+            if not self.store.exists(P.end_key(latest.number)):
+                return
+        self.released.add(latest.number)
+        self._abort_communicators(latest.number)
+        self.store.set_record(P.released_key(latest.number, self.node_rank), {})
+        self._changed()
+
+    def _send_pool(self) -> None:
+        live = [s for s in self.slots.values() if s.removed is None and not s.finished
+                and s.process.poll() is None]
+        pool = P.Pool(tuple(s.member for s in live),
+                      frozenset(s.member for s in live if s.ready))
+        if pool != self.pool_sent:
+            self.store.set_record(P.pool_key(self.node_rank), pool.to_json())
+            self.pool_sent = pool
+            self._changed()
+
+    # --- what the others wrote -----------------------------------------------------------
+
+    def _follow(self) -> Outcome | GenerationResult | None:
+        """Read what changed in the store: faults, the latest generation, the job's end."""
+        changes = self.store.add(P.CHANGES, 0)
+        if changes == self.changes_seen:
+            return None
+        self.changes_seen = changes
+        count = self.store.add(P.FAULTS, 0)
+        while self.faults_seen < count:
+            record = self.store.first_record(P.fault_key(self.faults_seen))
+            if record is None:
+                break  # counted, not written yet (or forged): read it next time
+            self.faults_seen += 1
+            try:
+                fault = P.Fault.from_json(record)
+            except StoreValueError as error:
+                self.agent.say(f"ignored an invalid fault record: {error}", style="yellow")
+                continue
+            outcome = self._apply_fault(fault)
+            if outcome is not None:
+                return outcome
+        record = self.store.get(P.LATEST)
+        number = record.get("number") if record else None
+        if isinstance(number, int) and (self.latest is None or number > self.latest.number):
+            generation = self.store.get(P.generation_key(number))
+            if generation is not None:
+                self.latest = P.MemberGeneration.from_json(generation)
+        if not self.done and self.store.first_record(P.DONE) is not None:
+            self.done = True
+        return None
+
+    def _apply_fault(self, fault: P.Fault) -> Outcome | GenerationResult | None:
+        from ftrun.agent import GenerationResult, Outcome
+
+        if fault.node is not None:
+            self.lost_nodes.add(fault.node)
+            if fault.node == self.node_rank:  # declared lost while alive (a partition)
+                self.agent.say("the leader declared this node lost: stopping its workers "
+                               "and asking to join again", style="yellow")
+                self._stop_all(signal.SIGTERM, "node dropped")
+                cause = {"kind": "regroup", "node_rank": self.node_rank,
+                         "reason": f"the leader left this node out ({fault.cause})"}
+                return GenerationResult(Outcome.REMOTE_FAILED, self._exits(), cause)
+            return None
+        assert fault.member is not None
+        self.removed.setdefault(fault.member, fault.cause)
+        slot = self.slots.get(fault.member)
+        if slot is not None and slot.removed is None:  # the leader's verdict on our member
+            return self._fault(slot, fault.cause, kill=fault.kill, reported=True)
+        return None
+
+    def _read_statuses(self, members: list[str]) -> None:
+        """One ``multi_get`` for the status of ``members`` (and, on the leader, of every
+        member it watches)."""
+        wanted = sorted(set(members) | (self.leader.watched() if self.leader else set()))
+        # torch's multi_get waits for a missing key: only read statuses known to exist.
+        known = self.leader.ready() if self.leader else set()
+        present = [m for m in wanted
+                   if m in self.statuses or m in known or self._is_local_ready(m)]
+        if not present:
+            return
+        raw = self.store.raw.multi_get([self.store.key(P.status_key(m)) for m in present])
+        for member, value in zip(present, raw, strict=True):
+            status = P.Status.decode(value)
+            if status is not None:
+                self.statuses[member] = status
+
+    def _is_local_ready(self, member: str) -> bool:
+        slot = self.slots.get(member)
+        return slot.ready if slot is not None else False
+
+    # --- writing -------------------------------------------------------------------------
+
+    def _end(self, number: int, cause: dict[str, Any]) -> None:
+        if number not in self.ended_here:
+            self.ended_here.add(number)
+            self.store.set_first(P.end_key(number), cause)
+            self._changed()
+
+    def _append_fault(self, fault: P.Fault) -> None:
+        index = self.store.add(P.FAULTS, 1) - 1
+        self.store.put_record(P.fault_key(index), fault.to_json())
+        self._changed()
+
+    def _changed(self) -> None:
+        self.store.add(P.CHANGES, 1)
+
     # --- endings -------------------------------------------------------------------------
+
+    def stop_job(self, why: str, cause: dict[str, Any]) -> Outcome:
+        """The job cannot go on in-process: every agent restarts (or gives up)."""
+        from ftrun.agent import Outcome
+
+        self.agent.say(why, style="red")
+        self.end_job_generation({"kind": "regroup", "reason": why, **cause})
+        self._stop_all(signal.SIGTERM, why)
+        return Outcome.FAILED
 
     def _stop_all(self, sig: int, why: str) -> None:
         procs = [s.process for s in self.slots.values() if s.process.poll() is None]
@@ -399,8 +526,259 @@ class RegroupSupervisor:
         return exits
 
 
-def _signame(number: int) -> str:
+class _Leader:
+    """The leader's side: the one writer of member generations."""
+
+    def __init__(self, supervisor: RegroupSupervisor) -> None:
+        self.sup = supervisor
+        self.pools: dict[int, P.Pool] = {}
+        self.pools_seen = -1
+        self.progress: dict[str, Progress] = {}
+        self.step_intervals: deque[float] = deque(maxlen=64)
+        self.waiting_since: float | None = None
+        self.finishing = False
+        self.next_scan = 0.0
+
+    @property
+    def latest(self) -> P.MemberGeneration:
+        assert self.sup.latest is not None
+        return self.sup.latest
+
+    def watched(self) -> set[str]:
+        return {m.id for m in self.sup.latest.members} if self.sup.latest else set()
+
+    def ready(self) -> set[str]:
+        """Members whose agents say they are ready (their status exists)."""
+        return set().union(*(pool.ready for pool in self.pools.values()))
+
+    def publish_initial(self) -> None:
+        members: list[P.Member] = []
+        for node in sorted(self.sup.generation.nodes, key=lambda n: n.node_rank):
+            for number in range(node.local_world_size):
+                members.append(P.Member(P.member_id(node.node_rank, number), len(members),
+                                        False))
+        self.publish(members)
+
+    def publish(self, members: list[P.Member]) -> None:
+        sup = self.sup
+        number = 0 if sup.latest is None else sup.latest.number + 1
+        generation = P.MemberGeneration(number, tuple(members))
+        sup.store.set(P.generation_key(number), generation.to_json())
+        sup.store.set(P.LATEST, {"number": number})
+        sup.latest = generation
+        sup._changed()
+        self.waiting_since = None
+        now = time.monotonic()
+        for progress in self.progress.values():  # a regroup is not a stall: count from here
+            progress.changed_at = now
+        sup.agent.events.emit(
+            "generation", generation=number, world_size=generation.world_size,
+            members=[m.id for m in members], joiners=[m.id for m in members if m.joiner],
+        )
+
+    # --- each tick -----------------------------------------------------------------------
+
+    def tick(self) -> Outcome | None:
+        self._read_pools()
+        gone = [m for m in self.latest.members if self._gone(m.id)]
+        if gone:
+            return self._regroup(gone)
+        self._admit_ready_joiners()
+        self._watch_progress()
+        self._check_done()
+        return None
+
+    def _gone(self, member: str) -> bool:
+        return member in self.sup.removed or P.node_of(member) in self.sup.lost_nodes
+
+    def _synced(self, member: P.Member) -> bool:
+        status = self.sup.statuses.get(member.id)
+        return not member.joiner or (status is not None and status.synced)
+
+    def _regroup(self, gone: list[P.Member]) -> Outcome | None:
+        sup, latest = self.sup, self.latest
+        first = gone[0].id
+        cause = sup.removed.get(first) or f"node {P.node_of(first)} lost"
+        sup._end(latest.number, {"member": first, "cause": cause})
+        survivors = [m for m in latest.members if not self._gone(m.id)]
+        if not any(self._synced(m) for m in survivors):
+            return sup.stop_job("no surviving member holds the job's state", {})
+        # Every surviving node aborts its communicators of the ended generation first.
+        nodes = sorted({P.node_of(m.id) for m in survivors} - sup.lost_nodes)
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        confirmed = sup.store.present_records(
+            [P.released_key(latest.number, n) for n in nodes])
+        missing = [n for n in nodes if P.released_key(latest.number, n) not in confirmed]
+        if missing:
+            waited = time.monotonic() - self.waiting_since
+            if waited < sup.config.abort_timeout_s + sup.config.heartbeat_timeout_s:
+                return None
+            sup.agent.say(f"nodes {missing} did not confirm their NCCL abort in {waited:.1f} s;"
+                          " publishing the next generation anyway", style="yellow")
+        members = [P.Member(m.id, rank, not self._synced(m)) for rank, m in enumerate(survivors)]
+        members = self._top_up(members)
+        live_nodes = {P.node_of(m.id) for m in members}
+        if len(members) < sup.config.min_workers:
+            return sup.stop_job(f"{len(members)} workers left, fewer than --min-workers "
+                                f"{sup.config.min_workers}", {})
+        if sup.multi and len(live_nodes) < sup.config.nnodes_min:
+            return sup.stop_job(f"{len(live_nodes)} nodes left, fewer than the minimum "
+                                f"{sup.config.nnodes_min}", {})
+        self.publish(members)
+        return None
+
+    def _read_pools(self) -> None:
+        sup = self.sup
+        if self.pools_seen == sup.changes_seen:
+            return
+        self.pools_seen = sup.changes_seen
+        nodes = [n.node_rank for n in sup.generation.nodes if n.node_rank not in sup.lost_nodes]
+        found = sup.store.present_records([P.pool_key(n) for n in nodes])
+        for node in nodes:
+            record = found.get(P.pool_key(node))
+            if record is None:
+                continue
+            try:
+                self.pools[node] = P.Pool.from_json(record, node)
+            except StoreValueError as error:
+                sup.agent.say(f"ignored node {node}'s pool record: {error}", style="yellow")
+
+    @property
+    def target(self) -> int:
+        """The world size the job aims for: every node's share, lost nodes aside."""
+        return sum(n.local_world_size for n in self.sup.generation.nodes
+                   if n.node_rank not in self.sup.lost_nodes)
+
+    def _top_up(self, members: list[P.Member]) -> list[P.Member]:
+        """Fill free ranks with ready, idle members (spares, replacements)."""
+        self._read_pools()
+        taken = {m.id for m in members}
+        for node in sorted(self.pools):
+            if node in self.sup.lost_nodes:
+                continue
+            for member in self.pools[node].members:
+                if len(members) >= self.target:
+                    return members
+                if member in self.pools[node].ready and member not in taken \
+                        and not self._gone(member):
+                    members.append(P.Member(member, len(members), True))
+                    taken.add(member)
+        return members
+
+    def _admit_ready_joiners(self) -> None:
+        """A replacement that became ready joins at the survivors' next step boundary."""
+        latest = self.latest
+        if latest.world_size >= self.target or self.finishing:
+            return
+        members = self._top_up(list(latest.members))
+        if len(members) == latest.world_size:
+            return
+        self.sup.store.set(P.join_key(latest.number), {"members": len(members)})
+        self.sup.agent.say(f"a new member is ready: it joins at the next step "
+                           f"({len(members)} ranks)")
+        self.publish(members)
+
+    # --- detection -----------------------------------------------------------------------
+
+    def watch_nodes(self) -> dict[str, Any] | None:
+        """Lost nodes become faults of all their members (the job generation goes on); a
+        newcomer ends the job generation (everyone re-forms with it). Returns the job
+        generation's end, if this ends it."""
+        sup, agent = self.sup, self.sup.agent
+        now = time.monotonic()
+        if now < self.next_scan:
+            return None
+        self.next_scan = now + sup.config.heartbeat_interval_s / 2
+        for node, silent in agent.scan_lost_nodes(sup.rdzv, sup.generation):
+            if node.node_rank in sup.lost_nodes:
+                continue
+            cause = {"kind": "node lost", "node_id": node.node_id, "node_rank": node.node_rank,
+                     "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
+                     "by": sup.node_rank, "time": time.time()}
+            members = [m for m in self.latest.members if P.node_of(m.id) == node.node_rank] \
+                if sup.latest else []
+            never_ready = [m.id for m in members
+                           if not sup.store.exists(P.status_key(m.id))]
+            if never_ready or sup.latest is None:
+                agent.say("the lost node's workers never called ftrun.init(): restarting all")
+                return sup.rdzv.end(sup.generation.number, cause)
+            agent.dropped_nodes.add(node.node_id)
+            sup.lost_nodes.add(node.node_rank)
+            if members:
+                sup._end(self.latest.number, {"node": node.node_rank, "cause": "node lost"})
+            sup._append_fault(P.Fault(f"node lost: no heartbeat for {silent:.1f} s",
+                                      node=node.node_rank))
+        newcomer = sup.rdzv.pending_join(sup.generation)
+        if newcomer is not None:
+            agent.say(f"node {newcomer.hostname} ({newcomer.addr}) asks to join: re-forming "
+                      "the job with it")
+            return sup.rdzv.end(sup.generation.number, {
+                "kind": "join", "node_id": newcomer.node_id, "node": newcomer.hostname,
+                "addr": newcomer.addr, "by": sup.node_rank, "time": time.time(),
+            })
+        return None
+
+    def _watch_progress(self) -> None:
+        sup, now = self.sup, time.monotonic()
+        active: list[tuple[str, Progress]] = []
+        for member in self.latest.members:
+            status = sup.statuses.get(member.id)
+            if status is None:
+                continue
+            if status.finished:
+                self.finishing = True  # a member left its loop: the job ends, admit no one
+                continue
+            if member.joiner and not status.synced:
+                continue
+            progress = self.progress.setdefault(member.id, Progress())
+            reported = (status.steps, status.collectives)
+            if reported != progress.value:
+                if progress.value[0] >= 0 and reported[0] != progress.value[0]:
+                    self.step_intervals.append(now - progress.step_at)
+                    progress.step_at = now
+                progress.value, progress.changed_at = reported, now
+            active.append((member.id, progress))
+        if len(active) < 2 or not self.step_intervals or self.finishing:
+            return
+        limit = max(sup.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
+        if now - max(p.changed_at for _, p in active) < limit:
+            return
+        lowest = min(p.value for _, p in active)
+        if lowest == max(p.value for _, p in active):
+            return  # everyone waits at the same step: not attributable to one rank
+        for member, progress in active:
+            if progress.value != lowest:
+                continue
+            cause = (f"stalled: no progress for {now - progress.changed_at:.1f}s "
+                     f"(limit {limit:.1f}s) while the others issued more collectives")
+            sup._end(self.latest.number, {"member": member, "cause": cause})
+            sup._append_fault(P.Fault(cause, member=member, kill=True))
+            sup.removed[member] = cause
+
+    def _check_done(self) -> None:
+        """Every member that holds the job's state left its loop: the job is over."""
+        sup = self.sup
+        if sup.done:
+            return
+        deciding = [m for m in self.latest.members if self._synced(m)]
+        if deciding and all((s := sup.statuses.get(m.id)) is not None and s.finished
+                            for m in deciding):
+            sup.store.put_record(P.DONE, {"generation": self.latest.number})
+            sup.done = True
+            sup._changed()
+
+
+def _exit_text(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
     try:
-        return signal.Signals(number).name
+        return f"killed by {signal.Signals(-code).name}"
     except ValueError:
-        return f"signal {number}"
+        return f"killed by signal {-code}"
+
+
+def _describe(cause: dict[str, Any]) -> str:
+    from ftrun.agent import _describe_cause
+
+    return _describe_cause(cause)

@@ -172,6 +172,12 @@ class JsonStore:
     def key(self, name: str) -> str:
         return self.prefix + name
 
+    def scoped(self, prefix: str) -> JsonStore:
+        """The same store, secret and reconnection rules under another key prefix (its own
+        client reference: a reconnect here does not replace the parent's)."""
+        return JsonStore(self.raw, prefix, signer=self.signer, reconnect=self.reconnect,
+                         retry_s=self.retry_s, lost=self.lost, on_reject=self.on_reject)
+
     def set(self, name: str, value: dict[str, Any]) -> None:
         self._call("set", self.key(name), json.dumps(value, separators=(",", ":")))
 

@@ -225,7 +225,7 @@ def test_replacement_dying_while_joining(job_dir: Path) -> None:
     os.kill(_pid_at_step(run, 10, rank=3), signal.SIGKILL)
     joiner = run.wait_for(
         lambda lines: next((int(e["pid"]) for e in _events(job_dir)
-                            if e["event"] == "spawn" and e.get("member") == "4"), None),
+                            if e["event"] == "spawn" and e.get("member") == "0.4"), None),
         60, "the replacement's spawn")
     run.wait_for(lambda lines: "a new member is ready" in "\n".join(lines), 120, "joiner ready")
     os.kill(joiner, signal.SIGKILL)
@@ -237,7 +237,7 @@ def test_replacement_dying_while_joining(job_dir: Path) -> None:
 def test_warm_spare_restores_the_world_size_at_once(job_dir: Path) -> None:
     run = _launch(job_dir, "--spares", "1", steps=100000, extra=("--step-sleep", "0.01"))
     # The spare is ready (past its imports) before the fault.
-    run.wait_for(lambda lines: any(e["event"] == "ready" and e["member"] == "4"
+    run.wait_for(lambda lines: any(e["event"] == "ready" and e["member"] == "0.4"
                                    for e in _events(job_dir)), 120, "the spare ready")
     victim = _pid_at_step(run, 20, rank=1)
     os.kill(victim, signal.SIGKILL)
