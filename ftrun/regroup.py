@@ -706,7 +706,8 @@ class _Leader:
             agent.dropped_nodes.add(node.node_id)
             sup.lost_nodes.add(node.node_rank)
             if members:
-                sup._end(self.latest.number, {"node": node.node_rank, "cause": "node lost"})
+                sup._end(self.latest.number, {"node": node.node_rank, "addr": node.addr,
+                                              "cause": "node lost"})
             sup._append_fault(P.Fault(f"node lost: no heartbeat for {silent:.1f} s",
                                       node=node.node_rank))
         newcomer = sup.rdzv.pending_join(sup.generation)

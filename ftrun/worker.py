@@ -45,6 +45,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -156,6 +158,33 @@ def _release(holder: list[Any]) -> None:
     del backend  # the destructor closes the backend's connections
 
 
+def _shutdown_connections_to(host: str) -> int:
+    """Shut down this process's TCP connections to ``host``; returns how many.
+
+    Each socket is reached through a duplicate of its descriptor: ``shutdown`` acts on the
+    connection itself (its owner's blocked reads see end-of-file), while closing the
+    duplicate leaves the owner's descriptor as it was.
+    """
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return 0
+    addresses |= {f"::ffff:{a}" for a in addresses if ":" not in a}  # v4-mapped peers
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                continue
+            with socket.socket(fileno=os.dup(int(name))) as sock:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (
+                        socket.AF_INET, socket.AF_INET6):
+                    continue
+                if sock.getpeername()[0] in addresses:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+    return count
+
+
 def _backend_name() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -245,12 +274,15 @@ class FaultTolerance:
         self.process_group.issued = 0  # progress within this step (see _beat)
         voted = True
         result: T | None = None
+        self._computing = generation
         try:
             result = compute()
         except RuntimeError as error:
             if not self._fault_explains(error):
                 raise
             voted = False
+        finally:
+            self._computing = -1
         decision = self._decide(generation, step, voted)
         if decision == P.ABORT:
             self._regroup(after=generation)
@@ -303,6 +335,8 @@ class FaultTolerance:
         )
         initial = os.environ.get("FTRUN_INITIAL") == "1"
         self._synced, self._finished, self._beats = initial, False, 0
+        self._computing = -1  # the generation whose step is being computed, or -1
+        self._cut_off = -1  # the last generation whose connections to a lost node were cut
         # Every member starts alone; a joiner stays so until its first run_step, so that
         # building DDP on it (whose constructor runs collectives) stays local.
         self.process_group = ResilientProcessGroup(self._solo_backend())
@@ -328,8 +362,27 @@ class FaultTolerance:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._report(self._beat_store)
+                self._release_from_lost_node()
             except (StoreError, RuntimeError):
                 return  # the agent is gone; PDEATHSIG ends this process
+
+    def _release_from_lost_node(self) -> None:
+        """Fail a collective that waits on a node the leader declared lost.
+
+        A peer on a node that lost its link sends no reset: gloo would wait for its
+        timeout. Shutting down this process's connections to that node's address makes
+        the collective fail now (the same role the NCCL shim's abort plays on GPUs); the
+        main thread then finds the generation ended and regroups.
+        """
+        generation = self._computing
+        if generation < 0 or generation == self._cut_off:
+            return
+        end = self._beat_store.get(P.end_key(generation))
+        addr = end.get("addr") if end else None
+        if not isinstance(addr, str):
+            return
+        self._cut_off = generation
+        _shutdown_connections_to(addr)
 
     # --- the vote -------------------------------------------------------------------------
 

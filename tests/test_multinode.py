@@ -10,6 +10,8 @@ deadline; the machine these run on has two cores.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from ftrun.cli import config_from_args
 from ftrun.config import ConfigError
 from ftrun.heartbeat import HeartbeatMonitor
 from ftrun.store import JsonStore, serve_store
-from tests.launch import Launch, copy_train_script, launcher
+from tests.launch import REPO, Launch, copy_train_script, launcher
 
 HB = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"]
 TOKEN = "s3cret-token-for-tests"
@@ -295,6 +297,110 @@ def test_netns_agent_sigkilled_survivors_regroup(job_dir: Path, net) -> None:  #
         _wait_line(node, "world=2", mark, 120, "the survivors re-formed with two nodes")
         _node_step(node, len(node.lines), 90, "a step after the loss")
     _stop_all(nodes[:2])
+
+
+ELASTIC_STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=\S+ gen=(\d+) "
+                          r"world=(\d+)")
+ELASTIC_REGROUP = re.compile(r"regroup gen=(\d+) rank=\d+ world=(\d+) step=(\d+) "
+                             r"checksum=(\S+)")
+
+
+def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2):  # type: ignore[no-untyped-def]
+    """Three nodes of scripts/train_elastic.py (the worker API) with in-process regroup."""
+    script = job_dir / "train_elastic.py"
+    shutil.copy(REPO / "scripts" / "train_elastic.py", script)
+    leader = net["h1"]
+    args = ["--nnodes", "2:3", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsregroup",
+            "--rdzv-conf", "last_call_timeout=15", *HB, "--recovery", "regroup", *extra]
+    train = [str(script), "--steps", "100000", "--hidden", "64", "--step-sleep", "0.05"]
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
+    return [HostLaunch(host, [*args, "--local-addr", host.addr, *train], env=env, cwd=job_dir)
+            for host in list(net)]
+
+
+def _elastic_steps(node: Launch) -> list[tuple[int, int, int, int, int]]:
+    """(step, rank, pid, generation, world) of every committed step this node printed."""
+    return [tuple(map(int, m.groups())) for m in map(ELASTIC_STEP.search, node.lines) if m]
+
+
+def _check_regroup_across_nodes(survivors: list[Launch], before: dict[int, int],
+                                world: int) -> None:
+    """The survivors' processes kept running and regrouped in place: same pids, steps
+    without a gap or a repeat, one checksum per member generation across the nodes."""
+    out = "\n".join(n.output for n in survivors)
+    assert "restarting" not in out, out[-3000:]
+    per_pid: dict[int, list[int]] = {}
+    for node in survivors:
+        for step, _rank, pid, _gen, _world in _elastic_steps(node):
+            per_pid.setdefault(pid, []).append(step)
+    for pid in before:
+        steps = per_pid[pid]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), (pid, steps)
+        assert steps[-1] > before[pid], (pid, "no step after the regroup")
+    sums: dict[int, set[str]] = {}
+    for match in ELASTIC_REGROUP.finditer(out):
+        sums.setdefault(int(match[1]), set()).add(match[4])
+    assert sums and all(len(v) == 1 for v in sums.values()), sums
+    assert any(int(m[2]) == world for m in ELASTIC_REGROUP.finditer(out)), out[-3000:]
+
+
+def test_netns_node_lost_survivors_regroup_in_process(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
+    """h3's agent and workers are SIGKILLed: the leader declares the node lost by heartbeat
+    and the four workers on h1 and h2 go on in the same processes with world size 4."""
+    nodes = _elastic_job(net, job_dir)
+    for node in nodes:
+        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+    survivors, victim = nodes[:2], nodes[2]
+    before = {pid: step for node in survivors for step, _r, pid, _g, _w in _elastic_steps(node)}
+    victim.kill()
+    killed = time.time()
+    _wait_survivors_in_world(survivors, 4)
+    resumed = min(t for node in survivors for t in _step_times(node, world=4))
+    print(f"node SIGKILLed to a committed step of the 4 survivors: {resumed - killed:.2f}s")
+    _check_regroup_across_nodes(survivors, before, world=4)
+    _stop_all(nodes[:2])
+
+
+def test_netns_node_cut_off_survivors_regroup_in_process(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
+    """h3's link goes down while everyone is inside the gradient allreduce: no reset reaches
+    the survivors, yet they leave the collective once the leader declares h3 lost (they
+    shut down their connections to it) and go on in place; h3's agent exits 3."""
+    nodes = _elastic_job(net, job_dir)
+    for node in nodes:
+        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+    survivors, cut = nodes[:2], nodes[2]
+    before = {pid: step for node in survivors for step, _r, pid, _g, _w in _elastic_steps(node)}
+    net.cut_link(net["h3"])
+    t_cut = time.time()
+    _wait_survivors_in_world(survivors, 4)
+    resumed = min(t for node in survivors for t in _step_times(node, world=4))
+    print(f"link cut to a committed step of the 4 survivors: {resumed - t_cut:.2f}s")
+    # Without the release the survivors leave the allreduce only at gloo's collective
+    # timeout (60 s, measured 60.1 s): well apart from heartbeat timeout + regroup.
+    assert resumed - t_cut < 30, resumed - t_cut
+    assert cut.wait(60) == 3, cut.output
+    _check_regroup_across_nodes(survivors, before, world=4)
+    _stop_all(survivors)
+
+
+def _wait_survivors_in_world(survivors: list[Launch], world: int) -> None:
+    """Until every process that was stepping on these nodes commits a step at ``world``."""
+    marks = [len(node.lines) for node in survivors]
+    for node, mark in zip(survivors, marks, strict=True):
+        node.wait_for(lambda lines, mark=mark: {
+            s[2] for s in _elastic_steps_of(lines) if s[4] == world} >= {
+            s[2] for s in _elastic_steps_of(lines[:mark])},
+            90, f"a committed step with world size {world} on every survivor")
+
+
+def _elastic_steps_of(lines: list[str]) -> list[tuple[int, ...]]:
+    return [tuple(map(int, m.groups())) for m in map(ELASTIC_STEP.search, lines) if m]
+
+
+def _step_times(node: Launch, world: int) -> list[float]:
+    return [float(m[1]) for line in node.lines
+            if (m := re.search(r" t=([\d.]+) gen=\d+ world=(\d+)", line)) and int(m[2]) == world]
 
 
 def test_netns_packet_loss_on_one_link_job_completes(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
