@@ -240,24 +240,30 @@ class Fault:
 
 @dataclass(frozen=True)
 class Pool:
-    """One node's live member processes: ``ready`` ones have called ``ftrun.init()``."""
+    """One node's member processes: ``members`` are alive, ``ready`` ones of them have
+    called ``ftrun.init()``; ``finished`` ones left the job with it done. A status record
+    exists for every ready or finished member (the leader reads only those: torch's
+    ``multi_get`` waits for a missing key)."""
 
     members: tuple[str, ...]
     ready: frozenset[str]
+    finished: frozenset[str] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
-        return {"members": list(self.members), "ready": sorted(self.ready)}
+        return {"members": list(self.members), "ready": sorted(self.ready),
+                "finished": sorted(self.finished)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], node_rank: int) -> Pool:
         members, ready = require(data, "members", list), require(data, "ready", list)
-        for member in [*members, *ready]:
+        finished = require(data, "finished", list)
+        for member in [*members, *ready, *finished]:
             if not (isinstance(member, str) and _valid_member(member)
                     and node_of(member) == node_rank):
                 raise StoreValueError(f"pool of node {node_rank} lists {member!r}")
         if not set(ready) <= set(members):
             raise StoreValueError("pool lists a ready member it does not have")
-        return cls(tuple(members), frozenset(ready))
+        return cls(tuple(members), frozenset(ready), frozenset(finished))
 
 
 def _valid_member(text: str) -> bool:

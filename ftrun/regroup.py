@@ -393,7 +393,8 @@ class RegroupSupervisor:
         live = [s for s in self.slots.values() if s.removed is None and not s.finished
                 and s.process.poll() is None]
         pool = P.Pool(tuple(s.member for s in live),
-                      frozenset(s.member for s in live if s.ready))
+                      frozenset(s.member for s in live if s.ready),
+                      frozenset(s.member for s in self.slots.values() if s.finished))
         if pool != self.pool_sent:
             self.store.set_record(P.pool_key(self.node_rank), pool.to_json())
             self.pool_sent = pool
@@ -456,9 +457,9 @@ class RegroupSupervisor:
         member it watches)."""
         wanted = sorted(set(members) | (self.leader.watched() if self.leader else set()))
         # torch's multi_get waits for a missing key: only read statuses known to exist.
-        known = self.leader.ready() if self.leader else set()
-        present = [m for m in wanted
-                   if m in self.statuses or m in known or self._is_local_ready(m)]
+        known = self.leader.reported() if self.leader else set()
+        known |= {s.member for s in self.slots.values() if s.ready or s.finished}
+        present = [m for m in wanted if m in self.statuses or m in known]
         if not present:
             return
         raw = self.store.raw.multi_get([self.store.key(P.status_key(m)) for m in present])
@@ -466,10 +467,6 @@ class RegroupSupervisor:
             status = P.Status.decode(value)
             if status is not None:
                 self.statuses[member] = status
-
-    def _is_local_ready(self, member: str) -> bool:
-        slot = self.slots.get(member)
-        return slot.ready if slot is not None else False
 
     # --- writing -------------------------------------------------------------------------
 
@@ -547,9 +544,9 @@ class _Leader:
     def watched(self) -> set[str]:
         return {m.id for m in self.sup.latest.members} if self.sup.latest else set()
 
-    def ready(self) -> set[str]:
-        """Members whose agents say they are ready (their status exists)."""
-        return set().union(*(pool.ready for pool in self.pools.values()))
+    def reported(self) -> set[str]:
+        """Members whose agents say their status exists (ready or finished)."""
+        return set().union(*(pool.ready | pool.finished for pool in self.pools.values()))
 
     def publish_initial(self) -> None:
         members: list[P.Member] = []

@@ -384,6 +384,30 @@ def test_netns_node_cut_off_survivors_regroup_in_process(job_dir: Path, net) -> 
     _stop_all(survivors)
 
 
+def test_netns_worker_killed_on_one_node_is_replaced_in_place(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
+    """One worker on h2 is SIGKILLed: its agent reports it, every node confirms before the
+    leader publishes 5 ranks, and h2's replacement later joins to make 6 again; no
+    process but the victim is restarted."""
+    nodes = _elastic_job(net, job_dir)
+    for node in nodes:
+        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+    victim = _elastic_steps(nodes[1])[-1][2]
+    before = {pid: step for node in nodes for step, _r, pid, _g, _w in _elastic_steps(node)
+              if pid != victim}
+    os.kill(victim, signal.SIGKILL)
+    _wait_survivors_in_world([nodes[0], nodes[2]], 5)
+    for node in nodes:  # generation 0 had 6, 1 has 5: a later one with 6 has the joiner
+        node.wait_for(lambda lines: any(s[3] >= 2 and s[4] == 6
+                                        for s in _elastic_steps_of(lines)), 180,
+                      "the replacement joined: 6 ranks again")
+    out = "\n".join(n.output for n in nodes)
+    assert "a new member is ready" in nodes[0].output, nodes[0].output[-3000:]
+    assert "failed: killed by SIGKILL" in nodes[1].output
+    _check_regroup_across_nodes(nodes, before, world=6)
+    assert "restarting" not in out
+    _stop_all(nodes)
+
+
 def _wait_survivors_in_world(survivors: list[Launch], world: int) -> None:
     """Until every process that was stepping on these nodes commits a step at ``world``."""
     marks = [len(node.lines) for node in survivors]
