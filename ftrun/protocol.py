@@ -1,24 +1,29 @@
 """The regroup protocol between an agent and the workers that use ``import ftrun``.
 
-One table of store keys, and the one record both sides read, so that the agent
+One table of store keys, and the records both sides read, so that the agent
 (:mod:`ftrun.regroup`) and the worker API (:mod:`ftrun.worker`) cannot drift apart. All
-keys live under one prefix per job attempt (``FTRUN_REGROUP_PREFIX``, e.g.
-``ftrun/<run id>/a0``) in the agent's control store; values are JSON objects
-or plain integers (counters), never pickles, and every reader validates what it gets.
+keys live under one prefix per job generation (``FTRUN_REGROUP_PREFIX``, e.g.
+``ftrun/<run id>/rg0``) in the control store. Every value is a record signed with the job's
+secret (:mod:`ftrun.auth`; workers inherit it), never a pickle, and every reader checks it:
+a process that reaches the store without the secret cannot end a generation, make a member
+leave or abort its communicators, or decide a step. Write-once keys (ends, decisions,
+``formed``, joins) are appended and the first valid record wins; others are overwritten and
+checked on read. No decision rests on a counter, which anyone could bump; the two
+counters below only say when to look.
 
 =========================  ======================  ==========================================
 key                        written by              meaning
 =========================  ======================  ==========================================
 ``status/<id>``            worker thread           :class:`Status`; its presence means the
                                                    member is ready (past imports, API in use)
-``rgen/latest``            agent                   number of the newest generation
-``rgen/<g>``               agent, once             :class:`MemberGeneration` record
+``rgen/latest``            leader                  number of the newest generation
+``rgen/<g>``               leader, once            :class:`MemberGeneration` record
 ``rgen/<g>/end``           agent, first wins       why generation g ended (failure or join)
-``rgen/<g>/arrived``       workers (counter)       members that reached generation g
+``rgen/<g>/arrived/<id>``  worker                  the member reached generation g
 ``rgen/<g>/formed``        worker, first wins      ``formed`` (all arrived) or ``abandoned``
-``rgen/<g>/vote/<s>``      workers (counter)       members whose step s gradients are good
+``rgen/<g>/vote/<s>/<id>`` worker                  the member's step s gradients are good
 ``rgen/<g>/decision/<s>``  worker, first wins      ``commit``, ``commit-regroup`` or ``abort``
-``rgen/<g>/join``          agent                   a joiner waits: regroup at the next commit
+``rgen/<g>/join``          leader, once            a joiner waits: regroup at the next commit
 =========================  ======================  ==========================================
 
 Between agents (multi-node; on one node the agent is both sides). Members are named
@@ -39,11 +44,13 @@ key                             written by        meaning
 ``done``                        leader            every member finished: the job is over
 ==============================  ================  ========================================
 
-The commit rule. After its gradient collective a member adds one to ``vote/<s>``. The
-member that brings the count to the world size writes ``commit`` (or ``commit-regroup`` when
-a joiner waits); a member that finds the generation ended before the count was complete
-writes ``abort``. Both writes are a compare-and-set on the same key, so exactly one decision
-exists per step and every survivor applies it: the update is applied everywhere or nowhere.
+The commit rule. After its gradient collective a member writes its vote, then reads every
+member's vote (one ``check``, and one ``multi_get`` once all exist). A member that finds all
+of them valid appends ``commit`` (or ``commit-regroup`` when a joiner waits); a member that
+finds the generation ended before that appends ``abort``. The first valid record of the one
+decision key wins, so exactly one decision exists per step and every survivor applies it:
+the update is applied everywhere or nowhere. ``formed`` is decided the same way from the
+arrivals.
 """
 
 from __future__ import annotations
@@ -74,18 +81,15 @@ class Status:
     synced: bool  # holds the job's state (not a joiner waiting for it)
     finished: bool  # left its training loop
 
-    def encode(self) -> str:
-        flags = ("s" if self.synced else "") + ("f" if self.finished else "")
-        return f"{self.beats} {self.steps} {self.collectives} {flags or '-'}"
+    def to_json(self) -> dict[str, Any]:
+        return {"beats": self.beats, "steps": self.steps, "collectives": self.collectives,
+                "synced": self.synced, "finished": self.finished}
 
     @classmethod
-    def decode(cls, raw: bytes) -> Status | None:
-        """None for anything but what a member writes (the store is not trusted)."""
-        try:
-            beats, steps, collectives, flags = raw.decode().split()
-            return cls(int(beats), int(steps), int(collectives), "s" in flags, "f" in flags)
-        except (UnicodeDecodeError, ValueError):
-            return None
+    def from_json(cls, data: dict[str, Any]) -> Status:
+        return cls(require(data, "beats", int), require(data, "steps", int),
+                   require(data, "collectives", int), require(data, "synced", bool),
+                   require(data, "finished", bool))
 
 
 LATEST = "rgen/latest"
@@ -99,12 +103,12 @@ def end_key(number: int) -> str:
     return f"rgen/{number}/end"
 
 
-def arrived_key(number: int) -> str:
-    return f"rgen/{number}/arrived"
+def arrived_key(number: int, member: str) -> str:
+    return f"rgen/{number}/arrived/{member}"
 
 
-def vote_key(number: int, step: int) -> str:
-    return f"rgen/{number}/vote/{step}"
+def vote_key(number: int, step: int, member: str) -> str:
+    return f"rgen/{number}/vote/{step}/{member}"
 
 
 def decision_key(number: int, step: int) -> str:
@@ -117,6 +121,14 @@ def formed_key(number: int) -> str:
 
 FORMED = "formed"
 ABANDONED = "abandoned"
+
+
+def outcome_of(record: dict[str, Any], allowed: tuple[str, ...]) -> str:
+    """The value of a decision or ``formed`` record, checked against what may be there."""
+    value = require(record, "value", str)
+    if value not in allowed:
+        raise StoreValueError(f"unexpected value {value!r}")
+    return value
 
 
 def join_key(number: int) -> str:

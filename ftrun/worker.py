@@ -58,8 +58,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol as P
+from ftrun.auth import Signer, load_secret
 from ftrun.shim import SURVIVOR_TORCH_ENV
-from ftrun.store import JsonStore, StoreError
+from ftrun.store import JsonStore, StoreError, StoreValueError
 
 T = TypeVar("T")
 
@@ -183,6 +184,13 @@ def _shutdown_connections_to(host: str) -> int:
                     sock.shutdown(socket.SHUT_RDWR)
                     count += 1
     return count
+
+
+def _checked(record: dict[str, Any], allowed: tuple[str, ...]) -> str:
+    try:
+        return P.outcome_of(record, allowed)
+    except StoreValueError as error:  # signed, so written by a member: a bug, not a fault
+        raise RegroupError(f"invalid record in the store: {error}") from None
 
 
 def _backend_name() -> str:
@@ -328,11 +336,14 @@ class FaultTolerance:
                 os.environ[key] = value
         host, _, port = os.environ["FTRUN_CONTROL_ADDR"].rpartition(":")
         self._prefix = prefix = os.environ["FTRUN_REGROUP_PREFIX"]
+        signer = Signer(load_secret())  # the job's secret, from the agent's environment
         raw = dist.TCPStore(host, int(port), is_master=False, timeout=self._timeout)
-        self._store = JsonStore(raw, prefix)
+        self._store = JsonStore(raw, prefix, signer=signer)
         self._beat_store = JsonStore(
-            dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10)), prefix
+            dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10)),
+            prefix, signer=signer,
         )
+        self._members: tuple[str, ...] = ()  # of the current generation, in rank order
         initial = os.environ.get("FTRUN_INITIAL") == "1"
         self._synced, self._finished, self._beats = initial, False, 0
         self._computing = -1  # the generation whose step is being computed, or -1
@@ -353,8 +364,7 @@ class FaultTolerance:
         self._beats += 1
         status = P.Status(self._beats, self._step, self.process_group.issued,
                           self._synced, self._finished)
-        target = store or self._store
-        target.raw.set(target.key(P.status_key(self.member_id)), status.encode())
+        (store or self._store).set_record(P.status_key(self.member_id), status.to_json())
 
     def _beat(self) -> None:
         """Liveness and progress, off the main thread: a main thread that stops issuing
@@ -377,7 +387,7 @@ class FaultTolerance:
         generation = self._computing
         if generation < 0 or generation == self._cut_off:
             return
-        end = self._beat_store.get(P.end_key(generation))
+        end = self._ended(generation, self._beat_store)
         addr = end.get("addr") if end else None
         if not isinstance(addr, str):
             return
@@ -390,34 +400,38 @@ class FaultTolerance:
         """A collective failed: is it a fault the agent declared (or is about to)?"""
         deadline = time.monotonic() + self._fault_grace_s
         while time.monotonic() < deadline:
-            if self._store.exists(P.end_key(self._generation)):
+            if self._ended(self._generation) is not None:
                 return True
             time.sleep(POLL_S * 4)
         return False
 
-    def _decide(self, generation: int, step: int, voted: bool) -> str:
-        raw, key = self._store.raw, self._store.key(P.decision_key(generation, step))
-        if voted:
-            count = self._store.add(P.vote_key(generation, step), 1)
-            if count >= self.world_size:
-                joiner_waits = self._store.exists(P.join_key(generation))
-                wanted = P.COMMIT_REGROUP if joiner_waits else P.COMMIT
-                return raw.compare_set(key, "", wanted).decode()
-        end = self._store.key(P.end_key(generation))
-        while True:
-            if raw.check([key]):
-                return self._checked_decision(raw.get(key))
-            if raw.check([end]):
-                return self._checked_decision(raw.compare_set(key, "", P.ABORT))
-            with contextlib.suppress(RuntimeError):  # not decided yet: look at the end again
-                raw.wait([key], timedelta(milliseconds=50))
+    def _ended(self, number: int, store: JsonStore | None = None) -> dict[str, Any] | None:
+        """Why generation ``number`` ended (a valid record only), or None."""
+        return (store or self._store).first_record(P.end_key(number))
 
-    @staticmethod
-    def _checked_decision(value: bytes) -> str:
-        text = value.decode(errors="replace")
-        if text not in P.DECISIONS:
-            raise RegroupError(f"invalid decision {text!r} in the store")
-        return text
+    def _all_valid(self, names: list[str]) -> bool:
+        """Whether each of ``names`` holds a valid record: one ``check``, and one
+        ``multi_get`` once all exist."""
+        store = self._store
+        return store.exist_all(names) and all(r is not None for r in store.read_records(names))
+
+    def _decide(self, generation: int, step: int, voted: bool) -> str:
+        key = P.decision_key(generation, step)
+        if voted:
+            self._store.set_record(P.vote_key(generation, step, self.member_id), {})
+            if self._all_valid([P.vote_key(generation, step, m) for m in self._members]):
+                joiner_waits = self._store.first_record(P.join_key(generation)) is not None
+                self._store.put_record(
+                    key, {"value": P.COMMIT_REGROUP if joiner_waits else P.COMMIT})
+        while True:
+            record = self._store.first_record(key)
+            if record is not None:
+                return _checked(record, P.DECISIONS)
+            if self._ended(generation) is not None:
+                self._store.put_record(key, {"value": P.ABORT})
+                continue
+            if self._store.wait_for(key, 0.05):  # it exists, yet holds no valid record
+                time.sleep(POLL_S)
 
     # --- regroup --------------------------------------------------------------------------
 
@@ -431,7 +445,7 @@ class FaultTolerance:
             if self._enter(generation):
                 self._pending_join = False
                 return
-            if self._store.exists(P.end_key(generation.number)):
+            if self._ended(generation.number) is not None:
                 failures += 1  # a fault, not just a newer generation (that is progress)
             if failures >= self._max_regroups:
                 raise RegroupError(
@@ -458,10 +472,10 @@ class FaultTolerance:
 
     def _await_generation(self, after: int) -> P.MemberGeneration:
         while True:
-            latest = self._store.get(P.LATEST)
+            latest = self._store.get_record(P.LATEST)
             number = latest.get("number") if latest else None
             if isinstance(number, int) and number > after:
-                record = self._store.get(P.generation_key(number))
+                record = self._store.get_record(P.generation_key(number))
                 if record is not None:
                     generation = P.MemberGeneration.from_json(record)
                     if generation.rank_of(self.member_id) is not None:
@@ -475,8 +489,9 @@ class FaultTolerance:
         number, size = generation.number, generation.world_size
         rank = generation.rank_of(self.member_id)
         assert rank is not None
-        if not self._formed(number, size):
+        if not self._formed(generation):
             return False
+        self._members = tuple(m.id for m in generation.members)
         try:
             store = dist.PrefixStore(P.pg_prefix(self._prefix, number), self._store.raw)
             backend = _make_backend(store, rank, size, self._timeout)
@@ -491,31 +506,35 @@ class FaultTolerance:
                 self._synced = True
                 self._report()
         except RuntimeError:
-            if self._store.exists(P.end_key(number)):
+            if self._ended(number) is not None:
                 return False
             raise
         for callback in self._callbacks:
             callback(rank, size)
         return True
 
-    def _formed(self, number: int, size: int) -> bool:
-        """Whether generation ``number`` forms: one decision for all its members.
+    def _formed(self, generation: P.MemberGeneration) -> bool:
+        """Whether ``generation`` forms: one decision for all its members.
 
-        The member whose arrival completes the count writes ``formed``; a member that sees
-        the generation ended, or a newer one published (the agent admitted another joiner
-        meanwhile), writes ``abandoned``. Both are a compare-and-set on one key, so no member
-        builds a group that another has left.
+        A member that finds every member's arrival appends ``formed``; a member that sees
+        the generation ended, or a newer one published (the leader admitted another joiner
+        meanwhile), appends ``abandoned``. The first valid record of the one key wins, so
+        no member builds a group that another has left.
         """
-        raw, key = self._store.raw, self._store.key(P.formed_key(number))
-        if self._store.add(P.arrived_key(number), 1) >= size:
-            return raw.compare_set(key, "", P.FORMED) == P.FORMED.encode()
+        number = generation.number
+        key = P.formed_key(number)
+        self._store.set_record(P.arrived_key(number, self.member_id), {})
+        if self._all_valid([P.arrived_key(number, m.id) for m in generation.members]):
+            self._store.put_record(key, {"value": P.FORMED})
         while True:
-            if raw.check([key]):
-                return raw.get(key) == P.FORMED.encode()
-            latest = self._store.get(P.LATEST) or {}
+            record = self._store.first_record(key)
+            if record is not None:
+                return _checked(record, (P.FORMED, P.ABANDONED)) == P.FORMED
+            latest = self._store.get_record(P.LATEST) or {}
             newer = isinstance(latest.get("number"), int) and latest["number"] > number
-            if newer or self._store.exists(P.end_key(number)):
-                return raw.compare_set(key, "", P.ABANDONED) == P.FORMED.encode()
+            if newer or self._ended(number) is not None:
+                self._store.put_record(key, {"value": P.ABANDONED})
+                continue
             time.sleep(POLL_S)
 
     def _share_state(self, generation: P.MemberGeneration, rank: int) -> None:

@@ -31,11 +31,14 @@ VARIES = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
 
 def _env_by_rank(launch: Launch) -> dict[str, dict[str, str]]:
-    result = {}
+    # torchrun's workers share one unprefixed stdout: two dumps can land on one line.
+    decoder, result = json.JSONDecoder(), {}
     for line in launch.lines:
-        if "ENV {" in line:
-            env = json.loads(line.split("ENV ", 1)[1])
+        start = line.find("ENV {")
+        while start >= 0:
+            env, end = decoder.raw_decode(line, start + len("ENV "))
             result[env["RANK"]] = env
+            start = line.find("ENV {", end)
     return result
 
 

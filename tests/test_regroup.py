@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -36,12 +38,12 @@ def _script(job_dir: Path) -> Path:
 
 
 def _launch(job_dir: Path, *flags: str, steps: int = 120, extra: tuple[str, ...] = (),
-            nproc: int = 4) -> Launch:
+            nproc: int = 4, env: dict[str, str] | None = None) -> Launch:
     events = job_dir / "events.jsonl"
     return Launch(
         ["--nproc-per-node", str(nproc), "--recovery", "regroup", "--events-file", str(events),
          *flags, str(_script(job_dir)), "--steps", str(steps), "--hidden", "128", *extra],
-        cwd=job_dir,
+        cwd=job_dir, env=env,
     )
 
 
@@ -259,3 +261,63 @@ def test_shrink_continues_with_fewer_then_stops_below_minimum(job_dir: Path) -> 
     os.kill(_pid_at_step(run, 1, rank=0), signal.SIGKILL)
     assert run.wait(120) == 1
     assert "fewer than --min-workers 3" in run.output
+
+
+FORGER = r"""
+import json, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+host, port, prefix, step = sys.argv[1], int(sys.argv[2]), sys.argv[3] + "/", int(sys.argv[4])
+store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+def forged(body):
+    return json.dumps({"body": body, "mac": "00" * 32})
+members = [f"0.{i}" for i in range(4)]
+store.append(prefix + "rgen/0/end", "\n" + forged({"member": "0.1", "cause": "forged"}))
+store.append(prefix + "rgen/0/end", "\n" + json.dumps({"body": {"cause": "x"}, "mac": None}))
+for s in range(step, step + 400):  # decisions and votes ahead of the job
+    store.append(prefix + f"rgen/0/decision/{s}", "\n" + forged({"value": "abort"}))
+    for m in members:
+        store.set(prefix + f"rgen/0/vote/{s}/{m}", forged({}))
+store.set(prefix + "status/0.2", forged({"beats": 1, "steps": 0, "collectives": 0,
+                                        "synced": True, "finished": True}))
+n = store.add(prefix + "faults", 1) - 1
+store.append(prefix + f"fault/{n}", "\n" + forged({"cause": "forged", "member": "0.3",
+                                                   "node": None, "kill": True}))
+store.append(prefix + "done", "\n" + forged({"generation": 0}))
+store.set(prefix + "rgen/latest", forged({"number": 7}))
+store.add(prefix + "changes", 1)
+print("forged", flush=True)
+"""
+
+
+def test_forged_regroup_records_change_nothing(job_dir: Path) -> None:
+    """A process without the job's secret writes a generation end, abort decisions and
+    votes for the coming steps, a 'finished' status, a fault that asks to kill a member,
+    the job's done record and a newer generation pointer: the job goes on in generation 0
+    with every member, and its steps stay consistent."""
+    run = _launch(job_dir, steps=100000, extra=("--step-sleep", "0.02"),
+                  env={"FTRUN_JOB_TOKEN": "regroup-test-secret"})
+    pid = _pid_at_step(run, 5, rank=0)
+    environ = dict(item.split("=", 1) for item in
+                   Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    host, _, port = environ["FTRUN_CONTROL_ADDR"].rpartition(":")
+    step = max(s[0] for s in _steps(run))
+    forger = subprocess.run(
+        [sys.executable, "-c", FORGER, host, port, environ["FTRUN_REGROUP_PREFIX"],
+         str(step)], capture_output=True, text=True, timeout=60, env={
+            k: v for k, v in os.environ.items() if k != "FTRUN_JOB_TOKEN"})
+    assert forger.stdout.strip() == "forged", forger.stderr
+    pids = {s[3] for s in _steps(run)}
+    run.wait_for(lambda lines: sum(1 for x in map(STEP.search, lines)
+                                   if x and int(x[1]) >= step + 60) >= 4, 120,
+                 "60 more steps on every rank")
+    assert "ignored a control record" in run.output
+    after = [s for s in _steps(run) if s[0] > step]
+    assert {s[3] for s in after} == pids and {s[5] for s in after} == {0}, "a regroup happened"
+    assert all(s[6] == 4 for s in after)
+    per_pid: dict[int, list[int]] = defaultdict(list)
+    for s in _steps(run):
+        per_pid[s[3]].append(s[0])
+    for sequence in per_pid.values():
+        assert sequence == list(range(sequence[0], sequence[0] + len(sequence)))
+    _stop(run)
