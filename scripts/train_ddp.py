@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before init_process_group: see the end of main()
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
@@ -100,14 +100,19 @@ def main() -> None:
             tmp.replace(checkpoint)  # atomic: a crash never leaves half a checkpoint
     digest = sum(p.detach().double().sum().item() for p in model.parameters())
     print(f"done rank={rank} steps={args.steps} param_sum={digest:.10f}", flush=True)
+    # Join gloo's worker threads now, while the interpreter can still hand them the GIL.
+    # Each gradient allreduce is queued from inside backward, so its work object holds
+    # the thread-local state, which holds the contextvars.Context that autograd stashes
+    # there; the gloo thread that ran it drops it after the main thread has moved on, and
+    # dropping it takes the GIL. If that happens once Py_FinalizeEx has begun, take_gil
+    # ends the thread with pthread_exit, whose unwinding hits the noexcept work destructor:
+    # "terminate called without an active exception", SIGABRT (then a SIGSEGV from the
+    # fault handler). destroy_process_group() joins the threads only if it drops the last
+    # reference to the group: DDP's reducer holds one (so the model goes first), and
+    # torch.distributed.nn's default arguments capture the default group if that module
+    # is first imported after init_process_group (DDP imports it): hence the early import.
+    del model, optimizer
     dist.destroy_process_group()
-    # Leave without running torch's native teardown: with torch 2.13 on this machine it
-    # sometimes aborts after the work is done ("terminate called without an active
-    # exception", then SIGSEGV, about once in ten 4-worker runs; seen with and without the
-    # NCCL shim, cause not found) and otherwise takes 2-4 s. Everything is flushed above.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
