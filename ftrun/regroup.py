@@ -270,7 +270,8 @@ class RegroupSupervisor:
                 outcome = self._exited(slot, code)
             elif slot.process.is_frozen():
                 outcome = self._fault(slot, "frozen (stopped by a signal)", kill=True)
-            elif slot.ready and now - slot.heartbeat_at > self.config.liveness_timeout_s:
+            elif (slot.ready and now - slot.heartbeat_at > self.config.liveness_timeout_s
+                  and not self._said_finished(slot)):  # its beats end with its loop
                 outcome = self._fault(slot, "heartbeat lost", kill=True)
             else:
                 continue
@@ -278,9 +279,14 @@ class RegroupSupervisor:
                 return outcome
         return None
 
+    def _said_finished(self, slot: Slot) -> bool:
+        """The member left its training loop (``close()``): its process is only exiting."""
+        status = self.statuses.get(slot.member)
+        return status is not None and status.finished
+
     def _exited(self, slot: Slot, code: int) -> Outcome | None:
         status = self.statuses.get(slot.member)
-        said_finished = status is not None and status.finished
+        said_finished = self._said_finished(slot)
         if self._is_active(slot) and (code == 0 or said_finished):
             slot.finished = True
             self.agent.events.emit("exit", member=slot.member, pid=slot.process.pid,

@@ -217,6 +217,7 @@ class FaultTolerance:
         self._step = 0
         self._generation = -1
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []  # heartbeat, retire: joined by close()
         self.member_id = os.environ.get("FTRUN_MEMBER_ID", "")
         self.managed = bool(self.member_id and os.environ.get("FTRUN_REGROUP_PREFIX"))
         if self.managed:
@@ -302,13 +303,37 @@ class FaultTolerance:
         return result
 
     def close(self) -> None:
-        """Say this member finished its training loop (no one joins a finished job)."""
+        """Say this member finished its training loop (no one joins a finished job), then
+        stop this worker's threads and the backend's: call it last, the group has no peers
+        afterwards.
+
+        Nothing may take the GIL once the interpreter finalizes: a thread that asks for it
+        then is ended with ``pthread_exit``, and that unwinding through a C++ destructor
+        (noexcept) calls ``std::terminate`` ("terminate called without an active
+        exception", SIGABRT; SIGSEGV when torch's error handler has enabled faulthandler).
+        gloo's worker threads drop each finished work, and a work queued from inside
+        backward (DDP's gradient allreduce) holds the thread-local state with the
+        ``contextvars.Context`` that autograd stashes there: dropping it takes the GIL,
+        whenever that thread gets to it. Our own threads release the GIL in store calls
+        (heartbeat) and in a backend's destructor (retire). So they are joined here, and the
+        backend is dropped here, while the interpreter is alive (its binding releases the
+        GIL while the destructor joins gloo's threads).
+        """
         if self.managed and not self._stop.is_set():
             self._stop.set()
             self._finished = True
             with contextlib.suppress(StoreError, RuntimeError):
                 self._report()
         self._stop.set()
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+        old = self.process_group.backend
+        self.process_group.swap(self._solo_backend())  # idle: nothing is ever queued on it
+        with contextlib.suppress(RuntimeError):
+            old.shutdown()  # a no-op for gloo; what destroy_process_group does for NCCL
+        del old  # the last reference: the destructor joins the backend's threads
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -353,9 +378,16 @@ class FaultTolerance:
         self.process_group = ResilientProcessGroup(self._solo_backend())
         self._pending_join = not initial
         self._report()  # the member is ready: past its imports, using this API
-        threading.Thread(target=self._beat, name="ftrun-heartbeat", daemon=True).start()
+        self._start_thread(self._beat, (), "ftrun-heartbeat")
         if initial:
             self._regroup(after=-1)
+
+    def _start_thread(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+        """A daemon thread (a worker that dies must not wait for it) that close() joins."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _solo_backend(self) -> Any:
         return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, self._timeout)
@@ -467,7 +499,7 @@ class FaultTolerance:
         for obj in self._registered.values():
             if isinstance(obj, DistributedDataParallel):
                 _renew_reducer(obj)  # the old reducer holds the failed step's work
-        threading.Thread(target=_release, args=([old],), name="ftrun-retire", daemon=True).start()
+        self._start_thread(_release, ([old],), "ftrun-retire")
         del old
 
     def _await_generation(self, after: int) -> P.MemberGeneration:
