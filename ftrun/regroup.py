@@ -620,6 +620,13 @@ class _Leader:
         cause = sup.removed.get(first) or f"node {P.node_of(first)} lost"
         sup._end(latest.number, {"member": first, "cause": cause})
         survivors = [m for m in latest.members if not self._gone(m.id)]
+        never_ready = [m.id for m in gone if not m.joiner and m.id not in sup.statuses
+                       and not sup.store.exists(P.status_key(m.id))]
+        if never_ready:  # its agent saw it die before it knew the generation
+            sup.agent.say(f"member {never_ready[0]} failed before it called ftrun.init(): "
+                          "restarting all")
+            return sup.stop_job("a worker without the worker API failed",
+                                {"member": never_ready[0]})
         if not any(self._synced(m) for m in survivors):
             return sup.stop_job("no surviving member holds the job's state", {})
         # Every surviving node aborts its communicators of the ended generation first.
