@@ -8,8 +8,8 @@ secret (:mod:`ftrun.auth`; workers inherit it), never a pickle, and every reader
 a process that reaches the store without the secret cannot end a generation, make a member
 leave or abort its communicators, or decide a step. Write-once keys (ends, decisions,
 ``formed``, joins) are appended and the first valid record wins; others are overwritten and
-checked on read. No decision rests on a counter, which anyone could bump; the two
-counters below only say when to look.
+checked on read. No decision rests on a counter, which anyone could bump; counters
+only say when to look.
 
 =========================  ======================  ==========================================
 key                        written by              meaning
@@ -22,6 +22,7 @@ key                        written by              meaning
 ``rgen/<g>/arrived/<id>``  worker                  the member reached generation g
 ``rgen/<g>/formed``        worker, first wins      ``formed`` (all arrived) or ``abandoned``
 ``rgen/<g>/vote/<s>/<id>`` worker                  the member's step s gradients are good
+``rgen/<g>/votes/<s>``     workers (counter)       votes written so far: when to read them
 ``rgen/<g>/decision/<s>``  worker, first wins      ``commit``, ``commit-regroup`` or ``abort``
 ``rgen/<g>/join``          leader, once            a joiner waits: regroup at the next commit
 =========================  ======================  ==========================================
@@ -44,13 +45,14 @@ key                             written by        meaning
 ``done``                        leader            every member finished: the job is over
 ==============================  ================  ========================================
 
-The commit rule. After its gradient collective a member writes its vote, then reads every
-member's vote (one ``check``, and one ``multi_get`` once all exist). A member that finds all
-of them valid appends ``commit`` (or ``commit-regroup`` when a joiner waits); a member that
-finds the generation ended before that appends ``abort``. The first valid record of the one
-decision key wins, so exactly one decision exists per step and every survivor applies it:
-the update is applied everywhere or nowhere. ``formed`` is decided the same way from the
-arrivals.
+The commit rule. After its gradient collective a member writes its vote and adds one to
+``votes/<s>``; a member whose addition reaches the world size reads every member's vote
+(one ``check`` and one ``multi_get``). A member that finds all of them valid appends
+``commit`` (or ``commit-regroup`` when a joiner waits); a member that finds the generation
+ended before that appends ``abort``. The first valid record of the one decision key wins,
+so exactly one decision exists per step and every survivor applies it: the update is
+applied everywhere or nowhere. ``formed`` is decided from the arrivals, each member
+reading them all after writing its own.
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ def arrived_key(number: int, member: str) -> str:
 
 def vote_key(number: int, step: int, member: str) -> str:
     return f"rgen/{number}/vote/{step}/{member}"
+
+
+def votes_key(number: int, step: int) -> str:
+    return f"rgen/{number}/votes/{step}"
 
 
 def decision_key(number: int, step: int) -> str:

@@ -451,18 +451,23 @@ class FaultTolerance:
         key = P.decision_key(generation, step)
         if voted:
             self._store.set_record(P.vote_key(generation, step, self.member_id), {})
-            if self._all_valid([P.vote_key(generation, step, m) for m in self._members]):
+            # The counter only says when to look (anyone could bump it); the votes decide.
+            counted = self._store.add(P.votes_key(generation, step), 1)
+            if counted >= len(self._members) and self._all_valid(
+                    [P.vote_key(generation, step, m) for m in self._members]):
                 joiner_waits = self._store.first_record(P.join_key(generation)) is not None
                 self._store.put_record(
                     key, {"value": P.COMMIT_REGROUP if joiner_waits else P.COMMIT})
         while True:
-            record = self._store.first_record(key)
-            if record is not None:
-                return _checked(record, P.DECISIONS)
+            present = self._store.wait_for(key, 0.05)  # returns as soon as it is written
+            if present:
+                record = self._store.first_record(key)
+                if record is not None:
+                    return _checked(record, P.DECISIONS)
             if self._ended(generation) is not None:
                 self._store.put_record(key, {"value": P.ABORT})
                 continue
-            if self._store.wait_for(key, 0.05):  # it exists, yet holds no valid record
+            if present:  # it holds only records without the job's secret
                 time.sleep(POLL_S)
 
     # --- regroup --------------------------------------------------------------------------
