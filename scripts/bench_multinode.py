@@ -3,26 +3,61 @@
     python scripts/bench_multinode.py                      # everything, table
     python scripts/bench_multinode.py --json               # the same, as JSON
     python scripts/bench_multinode.py --only rendezvous --agents 64,256,512
+    python scripts/bench_multinode.py --only rendezvous --agents 64,128 --torchrun-rendezvous
     python scripts/bench_multinode.py --only store-load --store-load 1000
 
 * ``node_loss_recovery_s``: three network-namespace hosts (tests/infra/netns.py; needs root)
-  each run one launcher and one gloo worker of scripts/train_ddp.py (elastic 2:3, c10d).
-  h3's link is cut; the figure is the time from the cut to the survivors' first training
-  step after it. ftrun and torchrun run the same job with the same flags. torchrun has no
+  each run one launcher and one gloo worker (elastic 2:3, c10d), in three variants: ``ftrun``
+  and ``torchrun`` run the same job with the same flags (scripts/train_ddp.py, checkpoints
+  every 10 steps: they recover by restart); ``ftrun_regroup`` runs scripts/train_elastic.py
+  (the worker API) with ``--recovery regroup``. h3's link is cut; the figure is the time from
+  the cut to the survivors' first committed step after it, and ``node_loss_steps_lost`` the
+  committed steps the survivors had to redo. torchrun has no
   node heartbeat: its survivors sit in the gloo collective until a timeout, so a run that
   shows no step within ``--cap`` seconds is reported as the cap and listed in
   ``censored`` (the true figure is larger).
-* ``rendezvous_s``: N simulated agents (threads with one store client each, in a few
-  processes) join generation 0 of ftrun's c10d rendezvous against a real TCPStore; the figure
-  is from the start signal to the moment every agent holds the generation record. torchrun's
-  figures are the anchors measured on this machine type (docs: TEST-INFRA.md) unless
-  ``--torchrun-rendezvous`` re-measures them with torch's own C10dRendezvousBackend.
+* ``rendezvous_s``: N simulated agents join one rendezvous of exactly N nodes (min = max =
+  N) against a real TCPStore, and each agent is an OS process of its own, as in a real job
+  (not threads sharing one GIL). The store is served by the harness process; every agent is
+  a client of it. Agent processes are forked from a fork server that has torch and ftrun
+  imported; each builds what its launcher builds before it joins, reports ready, and waits
+  for a common start time (set once all N are ready, _START_LEAD_S ahead); so start-up,
+  imports and store connects are not in the figure. The figure is from that common start
+  to the moment the last agent's join returned (all clocks are this machine's), the median
+  of ``--rdzv-repeats`` runs (every run is in ``rendezvous_runs``):
+
+  - ftrun: ftrun.rendezvous.DynamicRendezvous.join() for generation 0, as ftrun's agent
+    sets it up (ftrun/agent.py): a client with its request timeout, HMAC-signed records,
+    poll 0.05 s, a heartbeat thread per agent (1 s); agent 0 is the leader (in a real job
+    the store host's agent), which also opens the generation's worker store. Returns when
+    the agent holds the generation record (its rank and the worker store's address).
+  - torchrun: torch's own c10d rendezvous, built by the registry exactly as torchrun's
+    launcher does (RendezvousParameters, backend "c10d", ``is_host=False``,
+    ``local_addr=127.0.0.1``; get_rendezvous_handler gives torch's DynamicRendezvousHandler
+    on C10dRendezvousBackend with its own TCPStore client), then next_rendezvous(), which
+    includes torch's random 0-0.3 s start delay, its 1 s state polls and rank 0 opening the
+    shared TCPStore. Returns with the rank, world size and that store's address. Above
+    ``--torchrun-max-agents``, or without ``--torchrun-rendezvous``, torchrun's figure is
+    the anchor measured earlier on this machine type (TEST-INFRA.md), marked as such.
+
+  Limits: all N agents share this machine's cores (2 here, and other work may run on it:
+  ``load_1min`` is recorded per run), whereas real agents each have a host; each run
+  records the CPU all agents used inside the window (``agent_cpu_s_total``) and that
+  divided by the cores (``cpu_floor_s``): a figure near that floor is bound by this
+  machine's CPU, not by the protocol. Each run has one store connect inside the window
+  (the new store of torch's rank 0 / ftrun's leader), which this sandbox's resolver
+  stalls for 5 s a few percent of the time (TEST-INFRA.md); such runs are marked
+  ``suspect`` and the median keeps them from the figure. ``BENCH_RDZV_DEBUG=1`` prints
+  torch's own rendezvous log, timestamped, per agent.
 * ``store_load``: the request rate N agents put on the store with the heartbeat defaults,
   offered to a real TCPStore by a few client processes, with heartbeat latencies and the
   leader's scan time.
 
-JSON: ``{"node_loss_recovery_s": {"ftrun": [...], "torchrun": [...]}, "rendezvous_s":
-{"ftrun": {N: s}, "torchrun": {N: s}}, ...}`` (the first two keys are a contract).
+JSON: ``{"node_loss_recovery_s": {"ftrun": [...], "ftrun_regroup": [...], "torchrun": [...]},
+"node_loss_steps_lost": {...}, "rendezvous_s":
+{"ftrun": {N: s}, "torchrun": {N: s}}, ...}`` (the first two keys are a contract; None:
+did not finish, or skipped), plus ``rendezvous_runs`` ({launcher: {N: [run details]}}) and
+``torchrun_rendezvous_source``.
 """
 
 from __future__ import annotations
@@ -31,6 +66,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import re
 import shutil
 import signal
@@ -40,6 +76,8 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,8 +92,14 @@ TORCHRUN_RDZV_ANCHORS = {64: 1.3, 128: 3.6, 256: 35.0, 512: None}
 # --- node-loss recovery on namespace hosts -------------------------------------------------
 
 
-def _launcher_args(program: str, leader_addr: str, host_addr: str, script: Path,
+#: The three ways a job meets a lost node: torchrun's restart, ftrun's restart (a script
+#: without the worker API) and ftrun's in-process regroup (scripts/train_elastic.py).
+VARIANTS = ("ftrun", "ftrun_regroup", "torchrun")
+
+
+def _launcher_args(variant: str, leader_addr: str, host_addr: str, script: Path,
                    workdir: Path) -> list[str]:
+    program = "torchrun" if variant == "torchrun" else "ftrun"
     common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"{leader_addr}:29400", "--rdzv-id", "bench",
               "--max-restarts", "3", "--local-addr", host_addr]
@@ -65,6 +109,8 @@ def _launcher_args(program: str, leader_addr: str, host_addr: str, script: Path,
     common += ["--rdzv-conf", f"last_call_timeout=15,is_host={is_host}"]
     if program == "torchrun":
         common += ["--monitor-interval", "0.1"]
+    if variant == "ftrun_regroup":
+        common += ["--recovery", "regroup"]
     return [str(BIN / program), *common, str(script), "--steps", "100000",
             "--step-sleep", "0.05", "--checkpoint-dir", str(workdir),
             "--checkpoint-every", "10"]
@@ -74,6 +120,7 @@ class _Reader:
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
         self.steps: list[float] = []  # wall time each step line was read
+        self.numbers: list[int] = []  # the step number of each of those lines
         self.lines: list[str] = []
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -81,29 +128,34 @@ class _Reader:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if STEP.search(line):
+            match = STEP.search(line)
+            if match:
                 self.steps.append(time.time())
+                self.numbers.append(int(match[1]))
 
 
-def node_loss_once(program: str, cap_s: float) -> float | None:
+def node_loss_once(variant: str, cap_s: float) -> tuple[float | None, int | None]:
+    """Seconds from h3's link cut to a new step on both survivors, and the committed steps
+    the survivors lost (the last step before the cut minus the step they went on from)."""
     from tests.infra.netns import NetnsNetwork
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_mn_"))
-    script = workdir / "train_ddp.py"
-    shutil.copy(REPO / "scripts" / "train_ddp.py", script)
+    name = "train_elastic.py" if variant == "ftrun_regroup" else "train_ddp.py"
+    script = workdir / name
+    shutil.copy(REPO / "scripts" / name, script)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", FTRUN_JOB_TOKEN="bench-token")
     try:
         with NetnsNetwork(3) as net:
             readers = []
             for host in net:
-                args = _launcher_args(program, net["h1"].addr, host.addr, script, workdir)
+                args = _launcher_args(variant, net["h1"].addr, host.addr, script, workdir)
                 proc = host.popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, errors="replace", env=env, cwd=workdir)
                 readers.append(_Reader(proc))
             deadline = time.time() + 180
             while not all(len(r.steps) >= 5 for r in readers):
                 if time.time() > deadline:
-                    raise RuntimeError(f"{program}: no steps: {readers[0].lines[-20:]}")
+                    raise RuntimeError(f"{variant}: no steps: {readers[0].lines[-20:]}")
                 time.sleep(0.1)
             net.cut_link(net["h3"])
             cut = time.time()
@@ -112,143 +164,331 @@ def node_loss_once(program: str, cap_s: float) -> float | None:
             deadline = cut + cap_s
             while time.time() < deadline:
                 if all(any(t > cut + 0.5 for t in r.steps) for r in readers[:2]):
-                    after = [min(t for t in r.steps if t > cut + 0.5) for r in readers[:2]]
+                    firsts = [next(i for i, t in enumerate(r.steps) if t > cut + 0.5)
+                              for r in readers[:2]]
+                    after = [r.steps[i] for r, i in zip(readers[:2], firsts, strict=True)]
+                    done = max(max((n for n, t in zip(r.numbers, r.steps, strict=True)
+                                    if t <= cut), default=0) for r in readers[:2])
+                    went_on = min(r.numbers[i] for r, i in zip(readers[:2], firsts, strict=True))
                     # A survivor that kept stepping through the cut never lost progress.
-                    return max(after) - cut
+                    return max(after) - cut, max(0, done - went_on + 1)
                 time.sleep(0.05)
-            return None
+            return None, None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-# --- rendezvous of many simulated agents ---------------------------------------------------
+# --- rendezvous of many simulated agents, one OS process each ------------------------------
+
+#: Imported once by the fork server that starts the agent processes, so that each agent is a
+#: fork of an interpreter that has torch loaded (seconds and ~150 MB of private memory less
+#: per agent than importing it again; start-up is not part of the figure either way).
+_AGENT_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.elastic.rendezvous",
+    "torch.distributed.elastic.rendezvous.registry",
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "ftrun.auth",
+    "ftrun.heartbeat",
+    "ftrun.rendezvous",
+    "ftrun.store",
+]
+#: Agents are started this many at a time, each batch once the one before is ready: a few
+#: hundred simultaneous store connects make this sandbox's resolver stall many of them
+#: (TEST-INFRA.md). Start-up is not in the figure, so this changes nothing measured.
+_START_BATCH = 32
+#: Seconds from the start signal to the common start time: every agent is then asleep on
+#: its own timer for that instant, so none starts late because others are still waking.
+_START_LEAD_S = 0.5
+#: ftrun's defaults for an agent: heartbeat interval and timeout, and its rendezvous poll,
+#: min(--monitor-interval 0.1, 0.05) (ftrun/agent.py).
+_HB_INTERVAL_S, _HB_TIMEOUT_S, _FTRUN_POLL_S = 1.0, 5.0, 0.05
+#: Private memory of one forked agent process: about 10 MB measured here for either
+#: launcher, 25 with headroom; raised to the largest a run measures. A run whose agents
+#: would not fit in 80% of the available memory is skipped and says so.
+_agent_mem_mb = 25.0
 
 
-def _agents_proc(host: str, port: int, ids: list[int], ready: mp.Queue, go_at: object,
-                 out: mp.Queue) -> None:
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
+def _ftrun_agent(index: int, n: int, port: int, run_id: str,
+                 timeout_s: float) -> Callable[[], object]:
+    """What ftrun's agent builds on a host that does not serve the store (agent 0 is the
+    leader, as the store host's agent is in a real job): a client with the agent's request
+    timeout, signed records, a heartbeat thread; then its join of generation 0."""
     from ftrun.auth import Signer
+    from ftrun.heartbeat import HeartbeatSender
     from ftrun.rendezvous import DynamicRendezvous, NodeSlot
-    from ftrun.store import JsonStore
+    from ftrun.store import JsonStore, connect_store, serve_store
 
-    # Hundreds of agents share this process's GIL (real agents, one per host, do not).
-    # BENCH_SWITCH_INTERVAL (seconds) is for experiments only: 0.0005 made 512 agents
-    # take 15 s instead of 1.8 s here (context switches), so the default is Python's.
-    if os.environ.get("BENCH_SWITCH_INTERVAL"):
-        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
-    results: list[float] = []
-    lock = threading.Lock()
-    start = threading.Event()  # one waiter per process, not hundreds of spinning threads
+    op_timeout = max(1.0, _HB_TIMEOUT_S / 3)
 
-    def starter() -> None:
-        while go_at.value == 0:  # type: ignore[attr-defined]
+    def connect() -> object:
+        return connect_store("127.0.0.1", port, op_timeout, op_timeout_s=op_timeout)
+
+    leader = index == 0
+    beat: HeartbeatSender | None = None
+    store = JsonStore(connect_store("127.0.0.1", port, 60, op_timeout_s=op_timeout),
+                      f"ftrun/{run_id}", signer=Signer(b"bench-token"),
+                      reconnect=None if leader else connect, retry_s=_HB_TIMEOUT_S * 3,
+                      lost=lambda: beat is not None and beat.lost())
+    if not leader:  # the leader hosts the store in a real job and sends no heartbeats
+        beat = HeartbeatSender(connect, store, f"sim-{index}", _HB_INTERVAL_S, _HB_TIMEOUT_S)
+        since = beat.last_ok
+        beat.start()
+        until = time.monotonic() + 120
+        while beat.last_ok == since:  # its own connection is up before the start
+            if time.monotonic() > until:
+                raise RuntimeError(f"no first heartbeat: {beat.last_error}")
             time.sleep(0.01)
-        time.sleep(max(0.0, go_at.value - time.time()))  # type: ignore[attr-defined]
-        start.set()
+    rdzv = DynamicRendezvous(store, min_nodes=n, max_nodes=n, last_call_s=30,
+                             is_leader=leader, poll_s=_FTRUN_POLL_S,
+                             interrupted=lambda: False,
+                             lost=lambda: "store lost" if beat is not None and beat.lost()
+                             else None)
+    slot = NodeSlot(-1, 1, "127.0.0.1", f"sim{index}", os.getpid(), f"sim-{index}")
+    worker_stores: list[object] = []
 
-    def agent(i: int) -> None:
-        while True:  # plain clients: connect_store serialises connects within a process
-            try:
-                raw = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-                break
-            except RuntimeError:
-                time.sleep(0.1)
-        store = JsonStore(raw, "ftrun/bench", signer=Signer(b"bench-token"))
-        rdzv = DynamicRendezvous(store, min_nodes=1, max_nodes=10**6, last_call_s=0,
-                                 is_leader=False, poll_s=0.05, interrupted=lambda: False)
-        slot = NodeSlot(-1, 1, f"10.0.{i // 250}.{i % 250}", f"sim{i}", os.getpid(), f"sim-{i}")
-        ready.put(i)  # connected: connects are not part of the figure (see TEST-INFRA.md)
-        start.wait()
-        rdzv.join(0, slot, 120, lambda: ("", 0))
-        with lock:
-            results.append(time.time())
+    def open_worker_store() -> tuple[str, int]:  # as the real leader: a fresh store
+        server = serve_store(0, timeout_s)
+        worker_stores.append(server)
+        return "127.0.0.1", int(server.port)
 
-    threading.Thread(target=starter, daemon=True).start()
-    threads = [threading.Thread(target=agent, args=(i,)) for i in ids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out.put(results)
+    return lambda: rdzv.join(0, slot, timeout_s, open_worker_store)
 
 
-def rendezvous_once(n: int, procs: int = 4) -> float:
-    from ftrun.auth import Signer
-    from ftrun.rendezvous import DynamicRendezvous, NodeSlot
-    from ftrun.store import JsonStore, serve_store
-
-    server = serve_store(0, 120)
-    store = JsonStore(server, "ftrun/bench", signer=Signer(b"bench-token"))
-    leader = DynamicRendezvous(store, min_nodes=n + 1, max_nodes=n + 1, last_call_s=0,
-                               is_leader=True, poll_s=0.01, interrupted=lambda: False)
-    ctx = mp.get_context("spawn")  # forking a process that runs a store server can deadlock
-    out: mp.Queue = ctx.Queue()
-    ready: mp.Queue = ctx.Queue()
-    go_at = ctx.Value("d", 0.0)
-    workers = [ctx.Process(target=_agents_proc,
-                           args=("127.0.0.1", server.port, list(range(k, n, procs)), ready,
-                                 go_at, out))
-               for k in range(procs)]
-    for w in workers:
-        w.start()
-    for _ in range(n):
-        ready.get(timeout=300)
-    go = time.time() + 0.2
-    go_at.value = go
-    while time.time() < go:
-        time.sleep(0.001)
-    own = NodeSlot(-1, 1, "127.0.0.1", "leader", os.getpid(), "leader")
-    leader.join(0, own, 300, lambda: ("127.0.0.1", 1))
-    formed = time.time() - go
-    done = [t for _ in workers for t in out.get(timeout=300)]
-    for w in workers:
-        w.join(30)
-    if os.environ.get("BENCH_VERBOSE"):
-        done.sort()
-        print(f"  n={n}: record written {formed:.3f} s, agents hold it: first "
-              f"{done[0] - go:.3f} median {done[len(done) // 2] - go:.3f} "
-              f"last {done[-1] - go:.3f}", file=sys.stderr)
-    return max(done) - go
-
-
-def torchrun_rendezvous_once(n: int, procs: int = 4) -> float | None:
-    """torch's own c10d rendezvous handler, n simulated agents as threads."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
+def _torchrun_agent(index: int, n: int, port: int, run_id: str,
+                    timeout_s: float) -> Callable[[], object]:
+    """What torchrun's launcher builds for ``--rdzv-backend c10d`` on a host that does not
+    serve the store: RendezvousParameters, the registry's handler (torch's c10d backend and
+    DynamicRendezvousHandler, its own TCPStore client); then its next_rendezvous()."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        create_handler,
-    )
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    done: list[float] = []
-    go = time.time() + 2.0 + n / 100
+    if os.environ.get("BENCH_RDZV_DEBUG"):  # torch's own log of every step, timestamped
+        import logging
 
-    def agent(i: int) -> None:
-        client = TCPStore("127.0.0.1", server.port, is_master=False,
-                          timeout=timedelta(seconds=120))
-        backend = C10dRendezvousBackend(client, "bench")
-        params = RendezvousParameters("c10d", f"127.0.0.1:{server.port}", "bench", n, n,
-                                      join_timeout=120, last_call_timeout=1)
-        handler = create_handler(client, backend, params)
-        while time.time() < go:
-            time.sleep(0.001)
-        handler.next_rendezvous()
-        done.append(time.time())
+        log = logging.getLogger("torch.distributed.elastic.rendezvous")
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(created).3f agent{index} %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+        log.propagate = False  # torch.distributed's own handler prints warnings only
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=n,
+        max_nodes=n, local_addr="127.0.0.1", is_host=False, join_timeout=int(timeout_s))
+    handler = get_rendezvous_handler(params)
+    return handler.next_rendezvous
 
-    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=max(5.0, go + 150 - time.time()))
-    return max(done) - go if len(done) == n else None
+
+def _rdzv_agent(program: str, index: int, n: int, port: int, run_id: str, timeout_s: float,
+                go: object, go_at: object, leave: object, out: mp.Queue) -> None:
+    """One simulated agent, alone in its process: set up, report ready, wait for the common
+    start time, join, report the time the join returned; stay until the harness is done."""
+    try:
+        began = time.monotonic()
+        setup = _ftrun_agent if program == "ftrun" else _torchrun_agent
+        join = setup(index, n, port, run_id, timeout_s)
+        out.put(("ready", index, time.monotonic() - began))
+        go.wait()  # type: ignore[attr-defined]
+        start = go_at.value  # type: ignore[attr-defined]
+        time.sleep(max(0.0, start - time.time()))
+        late = time.time() - start
+        join()
+        out.put(("done", index, (time.time(), late)))
+    except BaseException as error:  # reported to the harness, then this process exits
+        text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                 for f in traceback.extract_tb(error.__traceback__)[-3:]]
+        out.put(("error", index, f"{text} (at {' < '.join(reversed(where))})"))
+    leave.wait()  # type: ignore[attr-defined]
+    out.close()
+    out.join_thread()
+    os._exit(0)  # skip torch's native teardown (scripts/train_ddp.py: it sometimes aborts)
+
+
+def _mem_available_mb() -> float:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    return float("inf")
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (all its threads), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores, /proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_for_quiet(max_cores: float, max_wait_s: float) -> tuple[float, float]:
+    """Waits (up to ``max_wait_s``) until other work keeps fewer than ``max_cores`` cores
+    busy over a 2 s sample; returns (seconds waited, cores busy in the last sample)."""
+    began = time.monotonic()
+    while True:
+        busy, own = _machine_busy_s(), _cpu_s(os.getpid())
+        time.sleep(2.0)
+        cores = ((_machine_busy_s() - busy) - (_cpu_s(os.getpid()) - own)) / 2.0
+        waited = time.monotonic() - began
+        if cores < max_cores or waited >= max_wait_s:
+            return round(waited, 1), round(cores, 2)
+
+
+def _private_mb(pid: int) -> float:
+    """A process's own memory (private pages: what forking one more agent costs)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1])
+    except OSError:
+        return 0.0
+    return total / 1024
+
+
+def _start_agent(proc: mp.process.BaseProcess) -> None:
+    """Starts an agent; the fork server, started with the first one, keeps torch's C++ log
+    quiet (each connect this sandbox stalls would print a stack trace)."""
+    saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = os.environ.get("BENCH_AGENT_CPP_LOG_LEVEL", "FATAL")
+    try:
+        proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = saved
+
+
+def rendezvous_run(program: str, n: int, timeout_s: float = 120.0, quiet_cores: float = 0.5,
+                   quiet_wait_s: float = 60.0) -> dict[str, object]:
+    """n agents of ``program`` ("ftrun" or "torchrun"), one process each, join one
+    rendezvous of exactly n nodes on a store this process serves. The figure ("s") is from
+    the common start time to the last agent's return from its join; None when not all
+    returned within ``timeout_s``. Before the agents start, waits up to ``quiet_wait_s``
+    for other work on this machine to use fewer than ``quiet_cores`` cores."""
+    global _agent_mem_mb
+    from ftrun.store import serve_store
+
+    info: dict[str, object] = {"program": program, "agents": n, "s": None}
+    available = _mem_available_mb()
+    if n * _agent_mem_mb > 0.8 * available:
+        info["skipped"] = (f"{n} agents x {_agent_mem_mb:.0f} MB would not fit in 80% of "
+                           f"{available:.0f} MB available")
+        return info
+    info["waited_for_quiet_s"], info["other_work_cores_before"] = _wait_for_quiet(
+        quiet_cores, quiet_wait_s)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_AGENT_PRELOAD)
+    server = serve_store(0, timeout_s + 60)  # the store host, a process of its own
+    run_id = f"bench-{program}-{n}-{time.time_ns()}"
+    out: mp.Queue = ctx.Queue()
+    go, leave = ctx.Event(), ctx.Event()
+    go_at = ctx.Value("d", 0.0)
+    procs = []
+    try:
+        setups: list[float] = []
+        for first in range(0, n, _START_BATCH):
+            for i in range(first, min(n, first + _START_BATCH)):
+                proc = ctx.Process(target=_rdzv_agent, daemon=True,
+                                   args=(program, i, n, server.port, run_id, timeout_s,
+                                         go, go_at, leave, out))
+                _start_agent(proc)
+                procs.append(proc)
+            deadline = time.time() + 300
+            while len(setups) < len(procs):
+                try:
+                    kind, index, value = out.get(timeout=max(0.1, deadline - time.time()))
+                except queue.Empty:
+                    raise RuntimeError(f"only {len(setups)} of {n} agents ready") from None
+                if kind == "error":
+                    raise RuntimeError(f"agent {index} failed before the start: {value}")
+                setups.append(value)
+        # set-ups over 4.5 s: most likely a store connect stalled 5 s (not in the figure)
+        info["slow_setups"] = sum(1 for t in setups if t > 4.5)
+        setups.sort()
+        info["setup_s_median"] = round(setups[len(setups) // 2], 2)
+        sample = [_private_mb(proc.pid) for proc in procs[:: max(1, n // 16)] if proc.pid]
+        info["agent_mem_mb"] = round(max(sample), 1)
+        _agent_mem_mb = max(_agent_mem_mb, max(sample))
+        info["load_1min"] = round(os.getloadavg()[0], 2)
+        cpu_before = sum(_cpu_s(proc.pid) for proc in procs if proc.pid)
+        busy_before, own_before = _machine_busy_s(), _cpu_s(os.getpid())
+        start = time.time() + _START_LEAD_S
+        go_at.value = start
+        go.set()
+        done: list[float] = []
+        late: list[float] = []
+        errors: list[str] = []
+        deadline = start + timeout_s + 15
+        while len(done) + len(errors) < n:
+            try:
+                kind, index, value = out.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                break
+            if kind == "done":
+                done.append(value[0] - start)
+                late.append(value[1])
+            else:
+                errors.append(f"agent {index}: {value}")
+        # CPU the agents used from the start to the last return (or the timeout), all of
+        # them together; the least time that takes on this machine's cores; and the share
+        # of the machine they got in that time (other work runs here too).
+        cpu = sum(_cpu_s(proc.pid) for proc in procs if proc.pid) - cpu_before
+        own = _cpu_s(os.getpid()) - own_before  # the harness: mostly the store server
+        others = _machine_busy_s() - busy_before - cpu - own
+        window = max(0.001, time.time() - start)
+        cores = os.cpu_count() or 1
+        done.sort()
+        info.update({
+            "returned": len(done),
+            "first_s": round(done[0], 3) if done else None,
+            "median_s": round(done[len(done) // 2], 3) if done else None,
+            "last_s": round(done[-1], 3) if done else None,
+            "max_start_lateness_s": round(max(late), 3) if late else None,
+            "agent_cpu_s_total": round(cpu, 2),
+            "cpu_floor_s": round(cpu / cores, 2),
+            # shares from /proc ticks (10 ms per process): only over windows of >= 1 s
+            "machine_share": round(cpu / (cores * window), 2) if window >= 1 else None,
+            "store_host_cpu_s": round(own, 2),
+            "other_work_cores": round(max(0.0, others) / window, 2) if window >= 1 else None,
+            "errors": errors[:5],
+        })
+        if len(done) == n:
+            info["s"] = round(done[-1], 3)
+        return info
+    except RuntimeError as error:  # the run could not start: recorded, the next one runs
+        info["failed"] = str(error)
+        return info
+    finally:
+        leave.set()
+        stop = time.time() + 15
+        for proc in procs:
+            proc.join(max(0.1, stop - time.time()))
+        for proc in procs:  # agents still inside a join that never returned
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        out.close()
+        del server
+
+
+def _median(values: list[float | None]) -> float | None:
+    """The median with a run that did not finish counted as longer than any other."""
+    ranked = sorted(values, key=lambda v: float("inf") if v is None else v)
+    return ranked[len(ranked) // 2] if ranked else None
 
 
 # --- store load ------------------------------------------------------------------------------
@@ -333,6 +573,106 @@ def store_load(n: int, interval: float, poll: float, seconds: float = 10.0,
 # --- main ----------------------------------------------------------------------------------
 
 
+def rendezvous(args: argparse.Namespace, result: dict[str, object]) -> None:
+    """Fills ``rendezvous_s`` (median per launcher and agent count) and ``rendezvous_runs``
+    (every run's details); launchers alternate run by run, so drifting background load on
+    this shared machine hits both alike."""
+    medians: dict[str, dict[int, float | None]] = {"ftrun": {}, "torchrun": {}}
+    runs: dict[str, dict[int, list[dict[str, object]]]] = {"ftrun": {}, "torchrun": {}}
+    counts = [int(x) for x in args.agents.split(",")]
+    for n in counts:
+        programs = ["ftrun"]
+        if args.torchrun_rendezvous and n <= args.torchrun_max_agents:
+            programs.append("torchrun")
+        for _ in range(args.rdzv_repeats):
+            for program in programs:
+                info = rendezvous_run(program, n, args.rdzv_timeout, args.rdzv_quiet,
+                                      args.rdzv_quiet_wait)
+                runs[program].setdefault(n, []).append(info)
+                notes = [f"{key} {info[key]}" for key in ("waited_for_quiet_s",
+                                                           "other_work_cores_before",
+                                                           "first_s", "median_s", "returned",
+                                                           "max_start_lateness_s",
+                                                           "agent_cpu_s_total",
+                                                           "cpu_floor_s",
+                                                           "machine_share",
+                                                           "other_work_cores",
+                                                           "agent_mem_mb", "load_1min",
+                                                           "slow_setups", "skipped",
+                                                           "failed", "errors")
+                         if info.get(key) not in (None, [])]
+                print(f"  rendezvous, {program}, {n} agents: {info['s']}  ({', '.join(notes)})",
+                      file=sys.stderr, flush=True)
+        for program in programs:
+            infos = runs[program][n]
+            valid = [info["s"] for info in infos if "skipped" not in info
+                     and "failed" not in info]
+            medians[program][n] = _median(valid)  # type: ignore[arg-type]
+            if not valid:
+                continue
+            # A run 4.5-6 s above the others: the sandbox's 5 s connect stall (TEST-INFRA.md)
+            # in the one connect inside the window (the new store of rank 0 / the leader).
+            median = medians[program][n]
+            for info in infos:
+                s_ = info["s"]
+                if isinstance(s_, float) and median is not None and 4.5 <= s_ - median <= 6:
+                    info["suspect"] = "about 5 s above the median: possibly the connect stall"
+        if "torchrun" not in programs:
+            medians["torchrun"][n] = TORCHRUN_RDZV_ANCHORS.get(n)
+    result["rendezvous_s"] = medians
+    result["rendezvous_runs"] = runs
+    measured = [n for n in counts if runs["torchrun"].get(n)]
+    result["torchrun_rendezvous_source"] = (
+        f"measured at {','.join(map(str, measured))} agents"
+        + (", TEST-INFRA.md anchors above" if len(measured) < len(counts) else "")
+        if measured else "TEST-INFRA.md anchors (not measured; --torchrun-rendezvous)")
+
+
+def print_rendezvous_table(result: dict[str, object]) -> None:
+    rd = result["rendezvous_s"]
+    runs = result["rendezvous_runs"]
+    print("rendezvous of N agents, one process each (s): common start -> the last agent's "
+          "join returned;")
+    print(f"  median of runs [every run]; torchrun: {result['torchrun_rendezvous_source']}")
+    print(f"  {'N':>6} {'ftrun':>7} {'runs':<20} {'torchrun':>8} {'runs':<20} "
+          f"{'t-cpu/cores':>11} {'other':>5}")
+
+    def cell(program: str, n: int) -> tuple[str, str]:
+        value = rd[program].get(n)  # type: ignore[index]
+        infos = runs[program].get(n, [])  # type: ignore[index]
+        shown = "n/a" if value is None else f"{value:.3f}"
+        if infos and all("skipped" in i for i in infos):
+            return "skipped", "(memory)"
+        if not infos:
+            if n not in TORCHRUN_RDZV_ANCHORS:
+                return shown, "(not measured)"
+            return shown, "(anchor)" if value is not None else "(anchor: did not finish)"
+        each = " ".join("fail" if "failed" in i else "dnf" if i["s"] is None
+                        else f"{i['s']:.2f}" + ("*" if "suspect" in i else "") for i in infos)
+        return shown, f"[{each}]"
+
+    def median_of(keys: tuple[str, ...], infos: list[dict[str, object]]) -> str:
+        values = sorted(next(i[k] for k in keys if isinstance(i.get(k), (int, float)))
+                        for i in infos if any(isinstance(i.get(k), (int, float)) for k in keys))
+        return f"{values[len(values) // 2]:.1f}" if values else "-"
+
+    for n in rd["ftrun"]:  # type: ignore[index]
+        f_value, f_runs = cell("ftrun", n)
+        t_value, t_runs = cell("torchrun", n)
+        t_infos = runs["torchrun"].get(n, [])  # type: ignore[index]
+        both = runs["ftrun"].get(n, []) + t_infos  # type: ignore[index]
+        print(f"  {n:>6} {f_value:>7} {f_runs:<20} {t_value:>8} {t_runs:<20} "
+              f"{median_of(('cpu_floor_s',), t_infos):>11} "
+              f"{median_of(('other_work_cores', 'other_work_cores_before'), both):>5}")
+    print("  t-cpu/cores: CPU all torchrun agents used in the window / this machine's cores "
+          "(median): the least\n  time the machine needed for it, whatever the protocol "
+          "does; other: cores busy with other work\n  during the runs (median; just before "
+          "them for runs under 1 s)")
+    print("  dnf: not every agent returned within the join timeout; fail: the agents could "
+          "not be set up (see\n  rendezvous_runs); *: about 5 s above the median, possibly the "
+          "sandbox's 5 s connect stall (TEST-INFRA.md)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -344,23 +684,37 @@ def main() -> None:
                         help="re-measure torchrun's c10d rendezvous (slow at 256+)")
     parser.add_argument("--torchrun-max-agents", type=int, default=256,
                         help="above this, torchrun's figure is the anchor (512 never ends)")
+    parser.add_argument("--rdzv-repeats", type=int, default=3,
+                        help="rendezvous runs per launcher and agent count (median shown)")
+    parser.add_argument("--rdzv-timeout", type=float, default=120.0,
+                        help="join timeout of every simulated agent (s)")
+    parser.add_argument("--rdzv-quiet", type=float, default=0.5,
+                        help="before each rendezvous run, wait until other work on this "
+                             "machine uses fewer cores than this...")
+    parser.add_argument("--rdzv-quiet-wait", type=float, default=60.0,
+                        help="...but no longer than this (s); 0: do not wait")
     parser.add_argument("--store-load", type=int, default=1000)
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--poll", type=float, default=0.1)
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     result: dict[str, object] = {
-        "node_loss_recovery_s": {"ftrun": [], "torchrun": []},
+        "node_loss_recovery_s": {variant: [] for variant in VARIANTS},
+        "node_loss_steps_lost": {variant: [] for variant in VARIANTS},
         "rendezvous_s": {"ftrun": {}, "torchrun": {}},
         "censored": {"torchrun": []},
     }
     if args.only in (None, "recovery"):
         recovery = result["node_loss_recovery_s"]
         assert isinstance(recovery, dict)
+        lost = result["node_loss_steps_lost"]
+        assert isinstance(lost, dict)
         for _ in range(args.runs):
-            for program in ("ftrun", "torchrun"):
-                took = node_loss_once(program, args.cap)
-                print(f"  node loss, {program}: {took}", file=sys.stderr, flush=True)
+            for program in VARIANTS:
+                took, steps_lost = node_loss_once(program, args.cap)
+                print(f"  node loss, {program}: {took} s, {steps_lost} steps lost",
+                      file=sys.stderr, flush=True)
+                lost[program].append(steps_lost)
                 if took is None:
                     took = args.cap
                     censored = result["censored"]
@@ -368,24 +722,7 @@ def main() -> None:
                     censored.setdefault(program, []).append(len(recovery[program]))
                 recovery[program].append(round(took, 2))
     if args.only in (None, "rendezvous"):
-        rdzv = result["rendezvous_s"]
-        assert isinstance(rdzv, dict)
-        counts = [int(x) for x in args.agents.split(",")]
-        for n in counts:
-            rdzv["ftrun"][n] = round(rendezvous_once(n), 3)
-            print(f"  rendezvous, ftrun, {n} agents: {rdzv['ftrun'][n]}", file=sys.stderr,
-                  flush=True)
-        for n in counts:  # last: a torchrun run that does not finish leaves threads behind
-            if args.torchrun_rendezvous and n <= args.torchrun_max_agents:
-                took_t = torchrun_rendezvous_once(n)
-                rdzv["torchrun"][n] = None if took_t is None else round(took_t, 3)
-                print(f"  rendezvous, torchrun, {n} agents: {rdzv['torchrun'][n]}",
-                      file=sys.stderr, flush=True)
-            else:
-                rdzv["torchrun"][n] = TORCHRUN_RDZV_ANCHORS.get(n)
-        result["torchrun_rendezvous_source"] = (
-            f"measured up to {args.torchrun_max_agents} agents, TEST-INFRA.md anchors above"
-            if args.torchrun_rendezvous else "TEST-INFRA.md anchors")
+        rendezvous(args, result)
     if args.only in (None, "store-load"):
         result["store_load"] = store_load(args.store_load, args.interval, args.poll)
     if args.json:
@@ -393,19 +730,16 @@ def main() -> None:
         return
     print("node loss -> training progressing again (s), link of h3 cut:")
     rec = result["node_loss_recovery_s"]
-    for program in ("ftrun", "torchrun"):
+    for program in VARIANTS:
         values = rec[program]  # type: ignore[index]
         if values:
             note = f"  (>= cap {args.cap:.0f} s: no progress)" if program in result[
                 "censored"] and result["censored"][program] else ""  # type: ignore[index]
-            print(f"  {program:9} {' '.join(f'{v:7.2f}' for v in values)}{note}")
-    rd = result["rendezvous_s"]
-    if rd["ftrun"]:  # type: ignore[index]
-        print(f"rendezvous of N agents (s)   [torchrun: {result['torchrun_rendezvous_source']}]")
-        print(f"  {'N':>6} {'ftrun':>9} {'torchrun':>9}")
-        for n, v in rd["ftrun"].items():  # type: ignore[index]
-            t = rd["torchrun"].get(n)  # type: ignore[index]
-            print(f"  {n:>6} {v:9.3f} {('n/a' if t is None else f'{t:.3f}'):>9}")
+            lost = result["node_loss_steps_lost"][program]  # type: ignore[index]
+            print(f"  {program:14} {' '.join(f'{v:7.2f}' for v in values)}"
+                  f"   steps lost {lost}{note}")
+    if result["rendezvous_s"]["ftrun"]:  # type: ignore[index]
+        print_rendezvous_table(result)
     if "store_load" in result:
         print("store load:")
         for key, value in result["store_load"].items():  # type: ignore[union-attr]
