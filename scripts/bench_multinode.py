@@ -40,15 +40,22 @@
     ``--torchrun-max-agents``, or without ``--torchrun-rendezvous``, torchrun's figure is
     the anchor measured earlier on this machine type (TEST-INFRA.md), marked as such.
 
-  Limits: all N agents share this machine's cores (2 here, and other work may run on it:
-  ``load_1min`` is recorded per run), whereas real agents each have a host; each run
-  records the CPU all agents used inside the window (``agent_cpu_s_total``) and that
-  divided by the cores (``cpu_floor_s``): a figure near that floor is bound by this
-  machine's CPU, not by the protocol. Each run has one store connect inside the window
-  (the new store of torch's rank 0 / ftrun's leader), which this sandbox's resolver
-  stalls for 5 s a few percent of the time (TEST-INFRA.md); such runs are marked
-  ``suspect`` and the median keeps them from the figure. ``BENCH_RDZV_DEBUG=1`` prints
-  torch's own rendezvous log, timestamped, per agent.
+  Limits: all N agents share this machine's cores (2 here), whereas real agents each have
+  a host, and other work may run here too. Each run first waits (``--rdzv-quiet``,
+  ``--rdzv-quiet-wait``) for other work to use under half a core, and records what it
+  finds: ``other_work_cores_before``, and for runs of 1 s or more ``other_work_cores``
+  (cores busy with anything but the agents and the store host during the window),
+  ``agent_cpu_s_total`` (CPU all agents used in the window), ``cpu_floor_s`` (that divided
+  by the cores: the least time this machine needs for it) and ``machine_share``. A figure
+  near ``cpu_floor_s`` is bound by this machine's CPU, not by what the protocol waits for:
+  torch's c10d is, from about 32 agents on here (every agent retries its compare-and-set
+  of the whole state, and every step logs through inspect.stack()). Start-up is in
+  batches of _START_BATCH agents, and ``slow_setups`` counts agents whose set-up took over
+  4.5 s: this sandbox's resolver stalls store connects for 5 s, far more often when many
+  connect at once (TEST-INFRA.md). Set-up is not in the figure; the one connect inside
+  the window (the new store of torch's rank 0 / ftrun's leader) can stall too, so a run
+  4.5-6 s above the median is marked ``suspect`` and the median keeps it out of the
+  figure. ``BENCH_RDZV_DEBUG=1`` prints torch's own rendezvous log per agent, timestamped.
 * ``store_load``: the request rate N agents put on the store with the heartbeat defaults,
   offered to a real TCPStore by a few client processes, with heartbeat latencies and the
   leader's scan time.
