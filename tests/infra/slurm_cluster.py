@@ -174,7 +174,12 @@ def reap_stale_clusters(parent: Path = DEFAULT_PARENT, timeout: float = 10.0) ->
             pid = _read_pid(d / name)
             if pid is not None and pid not in pids and _is_our_daemon(pid, d):
                 pids.append(pid)
-        kill_and_wait(pids, timeout, grace=0)  # a dead run's cluster needs no grace
+        # A dead run's cluster needs no grace. A daemon killed mid-way may have started a
+        # marked child (a step daemon) after the snapshot: look again until none is left.
+        deadline = time.monotonic() + timeout
+        while pids and time.monotonic() < deadline:
+            kill_and_wait(pids, max(0.1, deadline - time.monotonic()), grace=0)
+            pids = marked_processes(d)
         shutil.rmtree(d, ignore_errors=True)
         reaped.append(d)
     return reaped
