@@ -24,9 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from ftrun.config import LaunchConfig, Recovery, Std, parse_seconds
 from ftrun.events import EventLog, WorkerExit, read_error_file
 from ftrun.exitcodes import ExitCode, for_signal
 from ftrun.heartbeat import HeartbeatMonitor, HeartbeatSender
+from ftrun.outcome import GenerationResult, Outcome, describe_cause
 from ftrun.regroup import RegroupSupervisor
 from ftrun.rendezvous import (
     DynamicRendezvous,
@@ -82,20 +81,6 @@ class SignalInbox:
             signal.signal(sig, handler)
         os.close(self._read_fd)
         os.close(self._write_fd)
-
-
-class Outcome(Enum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # a local worker failed
-    REMOTE_FAILED = "remote_failed"  # another node ended the generation
-    SIGNALED = "signaled"
-
-
-@dataclass
-class GenerationResult:
-    outcome: Outcome
-    exits: list[WorkerExit]
-    cause: dict[str, Any] | None = None
 
 
 class Agent:
@@ -213,7 +198,7 @@ class Agent:
             number = generation.number + 1
             self._drop_old_worker_stores()
             if joining:
-                self.say(f"generation {generation.number} ended: {_describe_cause(why)}; "
+                self.say(f"generation {generation.number} ended: {describe_cause(why)}; "
                          "re-forming (not counted as a restart)", style="yellow")
                 self.events.emit("regenerate", generation=generation.number, cause="join")
                 continue
@@ -224,7 +209,7 @@ class Agent:
             cause = (
                 f"rank {first.rank} ({first.reason})"
                 if first is not None
-                else _describe_cause(result.cause)
+                else describe_cause(result.cause)
             )
             self.say(
                 f"generation {generation.number} ended: {cause}; restarting "
@@ -490,7 +475,7 @@ class Agent:
                 if cause is not None:
                     self.say(f"generation {generation.number} ended by node "
                              f"{cause.get('by', cause.get('node_rank'))}: "
-                             f"{_describe_cause(cause)}")
+                             f"{describe_cause(cause)}")
                     self.stop_workers(group, signal.SIGTERM, "remote failure")
                     exits = self._exits(generation, group, None)
                     return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
@@ -508,31 +493,24 @@ class Agent:
         cause = rdzv.ended(generation.number)
         if cause is not None or self.monitor is None:
             return cause
+        lost, join = self.watch_other_nodes(rdzv, generation)
+        for _node, cause in lost:
+            return rdzv.end(generation.number, cause)
+        return rdzv.end(generation.number, join) if join is not None else None
+
+    def watch_other_nodes(
+        self, rdzv: Rendezvous, generation: Generation
+    ) -> tuple[list[tuple[NodeSlot, dict[str, Any]]], dict[str, Any] | None]:
+        """Leader, at most every half heartbeat interval: the other nodes of ``generation``
+        whose heartbeats stopped (and that are not done), each with the cause that would
+        end the generation for it, and a newcomer's join cause if one waits. Each is said
+        and logged once; ending anything is the caller's choice (restart ends the
+        generation, regroup drops the lost node's workers)."""
+        assert self.monitor is not None
         now = time.monotonic()
         if now < self._next_scan:
-            return None
+            return [], None
         self._next_scan = now + self.config.heartbeat_interval_s / 2
-        for node, silent in self.scan_lost_nodes(rdzv, generation):
-            return rdzv.end(generation.number, {
-                "kind": "node lost", "node_id": node.node_id, "node_rank": node.node_rank,
-                "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
-                "by": self.node_rank, "time": time.time(),
-            })
-        newcomer = rdzv.pending_join(generation)
-        if newcomer is not None:
-            self.say(f"node {newcomer.hostname} ({newcomer.addr}) asks to join: re-forming "
-                     "the job with it")
-            return rdzv.end(generation.number, {
-                "kind": "join", "node_id": newcomer.node_id, "node": newcomer.hostname,
-                "addr": newcomer.addr, "by": self.node_rank, "time": time.time(),
-            })
-        return None
-
-    def scan_lost_nodes(self, rdzv: Rendezvous,
-                        generation: Generation) -> list[tuple[NodeSlot, float]]:
-        """Leader: the other nodes of ``generation`` whose heartbeats stopped (and that are
-        not done), with how long each has been silent; each is said and logged once."""
-        assert self.monitor is not None
         members = {n.node_id for n in generation.nodes} - {self.node_id}
         self.monitor.watch(members - self._finished_nodes - self.dropped_nodes)
         lost = []
@@ -547,8 +525,19 @@ class Agent:
                      f"for {silent:.1f} s", style="yellow")
             self.events.emit("node_lost", generation=generation.number, node=node.hostname,
                              node_rank=node.node_rank, node_id=node_id, silent_s=silent)
-            lost.append((node, silent))
-        return lost
+            lost.append((node, {
+                "kind": "node lost", "node_id": node.node_id, "node_rank": node.node_rank,
+                "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
+                "by": self.node_rank, "time": time.time(),
+            }))
+        newcomer = rdzv.pending_join(generation)
+        join = None
+        if newcomer is not None:
+            self.say(f"node {newcomer.hostname} ({newcomer.addr}) asks to join: re-forming "
+                     "the job with it")
+            join = {"kind": "join", "node_id": newcomer.node_id, "node": newcomer.hostname,
+                    "addr": newcomer.addr, "by": self.node_rank, "time": time.time()}
+        return lost, join
 
     def _local_failure(
         self,
@@ -671,25 +660,6 @@ class Agent:
 
 def _first_failure(exits: list[WorkerExit]) -> WorkerExit | None:
     return next((e for e in exits if e.first), None)
-
-
-def _describe_cause(cause: dict[str, Any] | None) -> str:
-    if not cause:
-        return "unknown cause"
-    if cause.get("kind") == "node lost":
-        return (f"node {cause.get('node_rank')} ({cause.get('node')}) lost: no heartbeat for "
-                f"{cause.get('silent_s')} s")
-    if cause.get("kind") == "join":
-        return f"node {cause.get('node')} ({cause.get('addr')}) joins"
-    if cause.get("kind") == "regroup":
-        return str(cause.get("reason", "the job could not regroup"))
-    code = cause.get("returncode")
-    what = (
-        f"killed by {signal.Signals(-code).name}"
-        if isinstance(code, int) and code < 0 and -code in signal.valid_signals()
-        else f"exit code {code}"
-    )
-    return f"rank {cause.get('rank')} on {cause.get('node')} ({what})"
 
 
 def _is_local_address(host: str) -> bool:

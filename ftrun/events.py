@@ -30,6 +30,18 @@ from typing import IO, Any
 MAX_TRACEBACK_CHARS = 20_000
 
 
+def describe_returncode(code: int) -> str:
+    """'exit code 3', or 'killed by SIGKILL' for a negative (subprocess-style) code."""
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 @dataclass(frozen=True)
 class WorkerExit:
     """How one worker process ended."""
@@ -52,19 +64,12 @@ class WorkerExit:
 
     @property
     def signal_name(self) -> str | None:
-        if self.returncode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.returncode).name
-        except ValueError:
-            return f"signal {-self.returncode}"
+        return _signal_name(-self.returncode) if self.returncode < 0 else None
 
     @property
     def reason(self) -> str:
         """One line: 'exit code 3' or 'killed by SIGKILL', plus the error message."""
-        what = (
-            f"killed by {self.signal_name}" if self.signal_name else f"exit code {self.returncode}"
-        )
+        what = describe_returncode(self.returncode)
         if self.stopped_by_agent:
             what += " (stopped by ftrun)"
         return f"{what}: {self.message}" if self.message else what

@@ -51,11 +51,14 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol as P
 from ftrun import workers as local
+from ftrun.events import WorkerExit, describe_returncode, read_error_file
+from ftrun.outcome import GenerationResult, Outcome, describe_cause
+from ftrun.rendezvous import StoreLostError
 from ftrun.shim import ShimError, ShimTimeoutError
 from ftrun.store import StoreError, StoreValueError
 
 if TYPE_CHECKING:
-    from ftrun.agent import Agent, GenerationResult, Outcome
+    from ftrun.agent import Agent
     from ftrun.rendezvous import Generation, Rendezvous
 
 
@@ -117,9 +120,6 @@ class RegroupSupervisor:
     # --- lifecycle -----------------------------------------------------------------------
 
     def run(self) -> GenerationResult:
-        from ftrun.agent import GenerationResult, Outcome
-        from ftrun.rendezvous import StoreLostError
-
         for _ in range(self.config.nproc_per_node):
             self._spawn(initial=True)
         for _ in range(self.config.spares):
@@ -149,8 +149,6 @@ class RegroupSupervisor:
             local.join_pumps([s.process for s in self.slots.values()])
 
     def _tick(self) -> GenerationResult | None:
-        from ftrun.agent import GenerationResult, Outcome
-
         if self.multi:
             result = self._watch_job()
             if result is not None:
@@ -175,8 +173,6 @@ class RegroupSupervisor:
         return None
 
     def _result(self, outcome: Outcome | GenerationResult) -> GenerationResult:
-        from ftrun.agent import GenerationResult
-
         if isinstance(outcome, GenerationResult):
             return outcome
         return GenerationResult(outcome, self._exits())
@@ -186,9 +182,6 @@ class RegroupSupervisor:
     def _watch_job(self) -> GenerationResult | None:
         """The job generation: ended by another agent (a restart, a join), this agent's
         store host lost, and on the leader a lost node or a newcomer."""
-        from ftrun.agent import GenerationResult, Outcome
-        from ftrun.rendezvous import StoreLostError
-
         agent, rdzv, generation = self.agent, self.rdzv, self.generation
         lost = agent._lost_reason()
         if lost is not None:
@@ -199,7 +192,7 @@ class RegroupSupervisor:
             cause = self.leader.watch_nodes()
         if cause is not None:
             agent.say(f"generation {generation.number} ended by node "
-                      f"{cause.get('by', cause.get('node_rank'))}: {_describe(cause)}")
+                      f"{cause.get('by', cause.get('node_rank'))}: {describe_cause(cause)}")
             self._stop_all(signal.SIGTERM, "remote failure")
             return GenerationResult(Outcome.REMOTE_FAILED, self._exits(), cause)
         return None
@@ -293,7 +286,7 @@ class RegroupSupervisor:
                                    returncode=code)
             if code != 0:
                 self.agent.say(f"member {slot.member} (pid {slot.process.pid}) finished "
-                               f"training, then exited with {_exit_text(code)}",
+                               f"training, then exited with {describe_returncode(code)}",
                                style="yellow")
             if not said_finished:  # a script that never called close(): say it for it
                 last = status or P.Status(0, 0, 0, True, False)
@@ -301,13 +294,11 @@ class RegroupSupervisor:
                     last.beats + 1, last.steps, last.collectives, last.synced, True).to_json())
                 self._changed()
             return None
-        return self._fault(slot, _exit_text(code))
+        return self._fault(slot, describe_returncode(code))
 
     def _fault(self, slot: Slot, cause: str, *, kill: bool = False,
                reported: bool = False) -> Outcome | None:
         """Take a member of this node out: end its generation, kill it, tell the leader."""
-        from ftrun.agent import Outcome
-
         detected = time.time()
         active = self._is_active(slot)
         assert self.latest is not None or not active
@@ -452,8 +443,6 @@ class RegroupSupervisor:
         return now - self.fault_missing[1] > 1.0
 
     def _apply_fault(self, fault: P.Fault) -> Outcome | GenerationResult | None:
-        from ftrun.agent import GenerationResult, Outcome
-
         if fault.node is not None:
             self.lost_nodes.add(fault.node)
             if fault.node == self.node_rank:  # declared lost while alive (a partition)
@@ -510,8 +499,6 @@ class RegroupSupervisor:
 
     def stop_job(self, why: str, cause: dict[str, Any]) -> Outcome:
         """The job cannot go on in-process: every agent restarts (or gives up)."""
-        from ftrun.agent import Outcome
-
         self.agent.say(why, style="red")
         self.end_job_generation({"kind": "regroup", "reason": why, **cause})
         self._stop_all(signal.SIGTERM, why)
@@ -525,8 +512,6 @@ class RegroupSupervisor:
     def _exits(self) -> list[Any]:
         """Cause records in the agent's vocabulary: the error file's message for a worker
         that failed on its own, the supervisor's verdict for one it took out."""
-        from ftrun.events import WorkerExit, read_error_file
-
         exits = []
         for slot in self.slots.values():
             proc = slot.process
@@ -555,8 +540,8 @@ class _Leader:
         self.progress: dict[str, Progress] = {}
         self.step_intervals: deque[float] = deque(maxlen=64)
         self.waiting_since: float | None = None
+        self.ready_checked: set[str] = set()  # failed members whose readiness was looked up
         self.finishing = False
-        self.next_scan = 0.0
 
     @property
     def latest(self) -> P.MemberGeneration:
@@ -620,7 +605,11 @@ class _Leader:
         cause = sup.removed.get(first) or f"node {P.node_of(first)} lost"
         sup._end(latest.number, {"member": first, "cause": cause})
         survivors = [m for m in latest.members if not self._gone(m.id)]
-        never_ready = [m.id for m in gone if not m.joiner and m.id not in sup.statuses
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        unchecked = [m for m in gone if m.id not in self.ready_checked]  # once per member
+        self.ready_checked.update(m.id for m in unchecked)
+        never_ready = [m.id for m in unchecked if not m.joiner and m.id not in sup.statuses
                        and not sup.store.exists(P.status_key(m.id))]
         if never_ready:  # its agent saw it die before it knew the generation
             sup.agent.say(f"member {never_ready[0]} failed before it called ftrun.init(): "
@@ -631,8 +620,6 @@ class _Leader:
             return sup.stop_job("no surviving member holds the job's state", {})
         # Every surviving node aborts its communicators of the ended generation first.
         nodes = sorted({P.node_of(m.id) for m in survivors} - sup.lost_nodes)
-        if self.waiting_since is None:
-            self.waiting_since = time.monotonic()
         confirmed = sup.store.present_records(
             [P.released_key(latest.number, n) for n in nodes])
         missing = [n for n in nodes if P.released_key(latest.number, n) not in confirmed]
@@ -712,21 +699,12 @@ class _Leader:
         newcomer ends the job generation (everyone re-forms with it). Returns the job
         generation's end, if this ends it."""
         sup, agent = self.sup, self.sup.agent
-        now = time.monotonic()
-        if now < self.next_scan:
-            return None
-        self.next_scan = now + sup.config.heartbeat_interval_s / 2
-        for node, silent in agent.scan_lost_nodes(sup.rdzv, sup.generation):
+        lost, join = agent.watch_other_nodes(sup.rdzv, sup.generation)
+        for node, cause in lost:
             if node.node_rank in sup.lost_nodes:
                 continue
-            cause = {"kind": "node lost", "node_id": node.node_id, "node_rank": node.node_rank,
-                     "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
-                     "by": sup.node_rank, "time": time.time()}
-            members = [m for m in self.latest.members if P.node_of(m.id) == node.node_rank] \
-                if sup.latest else []
-            never_ready = [m.id for m in members
-                           if not sup.store.exists(P.status_key(m.id))]
-            if never_ready or sup.latest is None:
+            members = [m for m in self.latest.members if P.node_of(m.id) == node.node_rank]
+            if any(not sup.store.exists(P.status_key(m.id)) for m in members):
                 agent.say("the lost node's workers never called ftrun.init(): restarting all")
                 return sup.rdzv.end(sup.generation.number, cause)
             agent.dropped_nodes.add(node.node_id)
@@ -734,17 +712,9 @@ class _Leader:
             if members:
                 sup._end(self.latest.number, {"node": node.node_rank, "addr": node.addr,
                                               "cause": "node lost"})
-            sup._append_fault(P.Fault(f"node lost: no heartbeat for {silent:.1f} s",
+            sup._append_fault(P.Fault(f"node lost: no heartbeat for {cause['silent_s']} s",
                                       node=node.node_rank))
-        newcomer = sup.rdzv.pending_join(sup.generation)
-        if newcomer is not None:
-            agent.say(f"node {newcomer.hostname} ({newcomer.addr}) asks to join: re-forming "
-                      "the job with it")
-            return sup.rdzv.end(sup.generation.number, {
-                "kind": "join", "node_id": newcomer.node_id, "node": newcomer.hostname,
-                "addr": newcomer.addr, "by": sup.node_rank, "time": time.time(),
-            })
-        return None
+        return sup.rdzv.end(sup.generation.number, join) if join is not None else None
 
     def _watch_progress(self) -> None:
         sup, now = self.sup, time.monotonic()
@@ -794,18 +764,3 @@ class _Leader:
             sup.store.put_record(P.DONE, {"generation": self.latest.number})
             sup.done = True
             sup._changed()
-
-
-def _exit_text(code: int) -> str:
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-def _describe(cause: dict[str, Any]) -> str:
-    from ftrun.agent import _describe_cause
-
-    return _describe_cause(cause)

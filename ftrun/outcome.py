@@ -1,0 +1,41 @@
+"""How one generation of a job ended, in the words both the agent and the regroup
+supervisor use: the outcome, the workers' exits, and the cause record another node (or the
+leader) wrote into the store, which is read back as untrusted JSON and only described."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from ftrun.events import WorkerExit, describe_returncode
+
+
+class Outcome(Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a local worker failed
+    REMOTE_FAILED = "remote_failed"  # another node ended the generation
+    SIGNALED = "signaled"
+
+
+@dataclass
+class GenerationResult:
+    outcome: Outcome
+    exits: list[WorkerExit]
+    cause: dict[str, Any] | None = None
+
+
+def describe_cause(cause: dict[str, Any] | None) -> str:
+    """One line for a generation's end cause (any shape: it comes from the store)."""
+    if not cause:
+        return "unknown cause"
+    if cause.get("kind") == "node lost":
+        return (f"node {cause.get('node_rank')} ({cause.get('node')}) lost: no heartbeat for "
+                f"{cause.get('silent_s')} s")
+    if cause.get("kind") == "join":
+        return f"node {cause.get('node')} ({cause.get('addr')}) joins"
+    if cause.get("kind") == "regroup":
+        return str(cause.get("reason", "the job could not regroup"))
+    code = cause.get("returncode")  # from the store: checked before use
+    what = describe_returncode(code) if isinstance(code, int) else f"exit code {code}"
+    return f"rank {cause.get('rank')} on {cause.get('node')} ({what})"
