@@ -240,6 +240,20 @@ def _node_step(node: Launch, after: int, timeout: float, what: str) -> None:
     node.wait_for(lambda lines: any("step=" in x for x in lines[after:]), timeout, what)
 
 
+def _wait_all_succeed(nodes: list[Launch], timeout: float) -> None:
+    """Every node's launcher exits 0 within ``timeout``; on a failure, show every node's own
+    lines (a hang on one node is often explained by another's)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for node in nodes:
+            assert node.wait(max(1.0, deadline - time.monotonic())) == 0, "exit code"
+    except AssertionError as error:
+        for node in nodes:
+            node.kill()
+        own = ["\n".join(x for x in node.lines if "step=" not in x)[-3000:] for node in nodes]
+        raise AssertionError(f"{error}\n" + "\n--- next node ---\n".join(own)) from None
+
+
 def _stop_all(nodes: list[Launch]) -> None:
     for node in nodes:
         if node.proc.poll() is None:
@@ -432,8 +446,7 @@ def test_netns_packet_loss_on_one_link_job_completes(job_dir: Path, net) -> None
     for node in nodes:
         node.wait_step(2, 150)
     net.add_loss(net["h2"], 0.1)
-    for node in nodes:
-        assert node.wait(240) == 0, node.output
+    _wait_all_succeed(nodes, 240)
     out = "\n".join(n.output for n in nodes)
     assert "lost: no heartbeat" not in out and "lost the rendezvous store" not in out
     sums = {x.split("param_sum=")[1] for n in nodes for x in n.lines if "param_sum=" in x}
