@@ -168,6 +168,9 @@ class Agent:
             )
             member = generation.node(self.node_id)
             assert member is not None
+            # Per generation: a node dropped from (or done in) the last one is back in this.
+            self.dropped_nodes.clear()
+            self._finished_nodes.clear()
             self.node_rank = member.node_rank
             restart_count = generation.restart_count
             if number != generation.number or (dynamic and generation.number == 0):
@@ -192,7 +195,9 @@ class Agent:
                 self.events.emit("stop", reason="signal", signal=sig.name)
                 return for_signal(sig)
             why = result.cause or {}
-            joining = (result.outcome is Outcome.REMOTE_FAILED and why.get("kind") == "join")
+            # A join, or this node left out while alive: membership changed, nothing failed.
+            joining = (result.outcome is Outcome.REMOTE_FAILED
+                       and why.get("kind") in ("join", "dropped"))
             lost = why.get("node_id") if why.get("kind") == "node lost" else None
             expected = tuple(n.node_id for n in generation.nodes if n.node_id != lost)
             number = generation.number + 1
@@ -200,7 +205,7 @@ class Agent:
             if joining:
                 self.say(f"generation {generation.number} ended: {describe_cause(why)}; "
                          "re-forming (not counted as a restart)", style="yellow")
-                self.events.emit("regenerate", generation=generation.number, cause="join")
+                self.events.emit("regenerate", generation=generation.number, cause=why["kind"])
                 continue
             if restart_count >= self.config.max_restarts:
                 return self._give_up(rdzv, result)
@@ -530,7 +535,7 @@ class Agent:
                 "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
                 "by": self.node_rank, "time": time.time(),
             }))
-        newcomer = rdzv.pending_join(generation)
+        newcomer = rdzv.pending_join(generation, self.dropped_nodes)
         join = None
         if newcomer is not None:
             self.say(f"node {newcomer.hostname} ({newcomer.addr}) asks to join: re-forming "

@@ -4,7 +4,9 @@
   its own TCPStore connection (a client is not thread safe) and overwrites ``hb/<node id>``
   with a signed ``{"seq": n}`` every ``interval``. When its requests have failed for
   ``timeout`` it reports the store host as lost (:meth:`HeartbeatSender.lost`): the agent
-  then stops its workers and exits 3.
+  then stops its workers and exits 3. Silence alone is not loss: an agent that was paused
+  (SIGSTOP, a frozen VM) is silent for as long as the pause, and must learn from the store
+  what happened meanwhile rather than give up before its thread has tried again.
 * :class:`HeartbeatMonitor` runs in the leader (the store host). It reads the heartbeat
   keys of the agents it waits for in one ``multi_get`` and declares an agent lost when its
   sequence number has not grown for ``timeout`` by the *leader's* clock: no clock on
@@ -49,6 +51,7 @@ class HeartbeatSender:
         self.timeout_s = timeout_s
         self.last_ok = time.monotonic()
         self.last_error = ""
+        self.failing = False  # the latest request failed (cleared by the next success)
         self.seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-heartbeat", daemon=True)
@@ -65,7 +68,9 @@ class HeartbeatSender:
         return time.monotonic() - self.last_ok
 
     def lost(self) -> bool:
-        return self.silent_s() > self.timeout_s
+        """Requests have failed, and none succeeded for ``timeout`` (see the module
+        docstring: a pause alone does not count)."""
+        return self.failing and self.silent_s() > self.timeout_s
 
     def _run(self) -> None:
         store: JsonStore | None = None
@@ -78,8 +83,10 @@ class HeartbeatSender:
                 self.seq += 1
                 store.set_record(heartbeat_key(self.node_id), {"seq": self.seq})
                 self.last_ok = time.monotonic()
+                self.failing = False
             except StoreError as error:
                 self.last_error = str(error)
+                self.failing = True
                 store = None  # a timed-out client may be out of step: reconnect
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 

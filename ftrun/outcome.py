@@ -34,7 +34,7 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
                 f"{cause.get('silent_s')} s")
     if cause.get("kind") == "join":
         return f"node {cause.get('node')} ({cause.get('addr')}) joins"
-    if cause.get("kind") == "regroup":
+    if cause.get("kind") in ("regroup", "dropped"):
         return str(cause.get("reason", "the job could not regroup"))
     code = cause.get("returncode")  # from the store: checked before use
     what = describe_returncode(code) if isinstance(code, int) else f"exit code {code}"

@@ -449,7 +449,7 @@ class RegroupSupervisor:
                 self.agent.say("the leader declared this node lost: stopping its workers "
                                "and asking to join again", style="yellow")
                 self._stop_all(signal.SIGTERM, "node dropped")
-                cause = {"kind": "regroup", "node_rank": self.node_rank,
+                cause = {"kind": "dropped", "node_rank": self.node_rank,
                          "reason": f"the leader left this node out ({fault.cause})"}
                 return GenerationResult(Outcome.REMOTE_FAILED, self._exits(), cause)
             return None

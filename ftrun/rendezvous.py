@@ -44,7 +44,7 @@ and every wait also gives up when the agent's heartbeat thread reports the store
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -223,8 +223,11 @@ class Rendezvous:
                  expected: tuple[str, ...]) -> list[NodeSlot]:
         raise NotImplementedError
 
-    def pending_join(self, generation: Generation) -> NodeSlot | None:
-        """Leader: a valid newcomer waiting for the next generation, if the job has room."""
+    def pending_join(self, generation: Generation,
+                     left_out: Collection[str] = ()) -> NodeSlot | None:
+        """Leader: a valid newcomer waiting for the next generation, if the job has room.
+        ``left_out``: nodes of ``generation`` that an in-process regroup dropped; they
+        free their places, and one of them asking again is a newcomer."""
         return None
 
     def _wait(self, probe: Callable[[], Any], deadline: float, what: str,
@@ -418,8 +421,10 @@ class DynamicRendezvous(Rendezvous):
         chosen = sorted(slots.items(), key=order)[: self.max_nodes]
         return [slot.with_rank(rank) for rank, (_, (_, slot)) in enumerate(chosen)]
 
-    def pending_join(self, generation: Generation) -> NodeSlot | None:
-        if generation.nnodes >= self.max_nodes:
+    def pending_join(self, generation: Generation,
+                     left_out: Collection[str] = ()) -> NodeSlot | None:
+        gone = {n.node_id for n in generation.nodes} & set(left_out)
+        if generation.nnodes - len(gone) >= self.max_nodes:
             return None
         number = generation.number + 1
         count = self.store.add(f"gen/{number}/count", 0)
@@ -437,6 +442,7 @@ class DynamicRendezvous(Rendezvous):
                 continue
             self._scanned[number] = index
             slot = found[index]
-            if slot is not None and generation.node(slot.node_id) is None:
+            if slot is not None and (generation.node(slot.node_id) is None
+                                     or slot.node_id in gone):
                 return slot
         return None

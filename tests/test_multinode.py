@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,8 @@ import pytest
 from ftrun.auth import Signer
 from ftrun.cli import config_from_args
 from ftrun.config import ConfigError
-from ftrun.heartbeat import HeartbeatMonitor
-from ftrun.store import JsonStore, serve_store
+from ftrun.heartbeat import HeartbeatMonitor, HeartbeatSender
+from ftrun.store import JsonStore, connect_store, serve_store
 from tests.launch import REPO, Launch, copy_train_script, launcher
 
 HB = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"]
@@ -87,6 +88,46 @@ def test_heartbeat_monitor_uses_its_own_clock_and_ignores_replays(store) -> None
     assert monitor.scan() == ["a", "b"]
     monitor.watch(["a"])
     assert monitor.scan() == ["a"]
+
+
+def test_heartbeat_sender_reads_failures_not_silence_as_a_lost_store() -> None:
+    """A sender whose thread did not run for longer than the timeout (the agent was paused)
+    is silent but has not lost its store; one whose requests fail for the timeout (the
+    store host SIGKILLed) has."""
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom ftrun.store import serve_store\n"
+         "s = serve_store(0, 10)\nprint(s.port, flush=True)\ntime.sleep(300)"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    senders: list[HeartbeatSender] = []
+    try:
+        port = int(host.stdout.readline())  # type: ignore[union-attr]
+        connect = lambda: connect_store("127.0.0.1", port, 2.0, op_timeout_s=0.2)  # noqa: E731
+        template = JsonStore(connect(), "ftrun/hb", signer=Signer(TOKEN.encode()))
+        for node_id in ("paused", "cut off"):
+            sender = HeartbeatSender(connect, template, node_id, interval_s=0.05,
+                                     timeout_s=0.5)
+            senders.append(sender)
+            sender.start()
+            _until(lambda sender=sender: sender.seq >= 2, 10, f"two beats of {node_id}")
+        paused, cut_off = senders
+        paused.stop()  # silent from now on, without a failed request
+        _until(lambda: paused.silent_s() > 1.0, 10, "silence past the timeout")
+        assert not paused.lost() and not cut_off.lost()
+        host.kill()
+        _until(cut_off.lost, 10, "the sender reporting its store lost")
+        assert cut_off.last_error and not paused.lost()
+    finally:
+        for sender in senders:
+            sender.stop()
+        host.kill()
+        host.wait(10)
+
+
+def _until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def test_leader_reads_slots_in_bulk_around_holes_and_agents_wait_in_the_store(store) -> None:  # type: ignore[no-untyped-def]
@@ -396,6 +437,38 @@ def test_netns_node_cut_off_survivors_regroup_in_process(job_dir: Path, net) -> 
     assert cut.wait(60) == 3, cut.output
     _check_regroup_across_nodes(survivors, before, world=4)
     _stop_all(survivors)
+
+
+def test_netns_agent_frozen_past_heartbeat_timeout_is_dropped_then_rejoins(  # type: ignore[no-untyped-def]
+        job_dir: Path, net) -> None:
+    """h3's agent is frozen (SIGSTOP) for longer than the heartbeat timeout while its
+    workers run on: the leader declares h3 lost and the four survivors go on in place.
+    Thawed, h3's agent learns it was left out (it must not read its own pause as a lost
+    store), stops its workers and asks to join; the job re-forms with six ranks. Neither
+    side counts a restart: with the default --max-restarts 0 the job goes on."""
+    nodes = _elastic_job(net, job_dir)
+    for node in nodes:
+        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+    survivors, frozen = nodes[:2], nodes[2]
+    before = {pid: step for node in survivors for step, _r, pid, _g, _w in _elastic_steps(node)}
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    try:
+        _wait_survivors_in_world(survivors, 4)
+        _check_regroup_across_nodes(survivors, before, world=4)
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    _wait_line(frozen, "declared this node lost", 0, 60, "h3's agent learning it was dropped")
+    marks = [len(node.lines) for node in nodes]
+    for node, mark in zip(nodes, marks, strict=True):
+        node.wait_for(lambda lines, mark=mark: any(s[4] == 6 for s in
+                                                   _elastic_steps_of(lines[mark:])), 180,
+                      "the job re-formed with h3: six ranks again")
+    out = "\n".join(n.output for n in nodes)
+    assert "lost the rendezvous store" not in frozen.output, frozen.output[-3000:]
+    assert "asks to join" in nodes[0].output, nodes[0].output[-3000:]
+    assert "max restarts" not in out and "restarting (" not in out, out[-3000:]
+    assert all(node.proc.poll() is None for node in nodes), out[-3000:]
+    _stop_all(nodes)
 
 
 def test_netns_worker_killed_on_one_node_is_replaced_in_place(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
