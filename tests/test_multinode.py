@@ -360,7 +360,8 @@ ELASTIC_REGROUP = re.compile(r"regroup gen=(\d+) rank=\d+ world=(\d+) step=(\d+)
                              r"checksum=(\S+)")
 
 
-def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2):  # type: ignore[no-untyped-def]
+def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2,  # type: ignore[no-untyped-def]
+                 hosts=None):
     """Three nodes of scripts/train_elastic.py (the worker API) with in-process regroup."""
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
@@ -371,7 +372,7 @@ def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2):  # type: igno
     train = [str(script), "--steps", "100000", "--hidden", "64", "--step-sleep", "0.05"]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
     return [HostLaunch(host, [*args, "--local-addr", host.addr, *train], env=env, cwd=job_dir)
-            for host in list(net)]
+            for host in (hosts or list(net))]
 
 
 def _elastic_steps(node: Launch) -> list[tuple[int, int, int, int, int]]:
@@ -414,7 +415,15 @@ def test_netns_node_lost_survivors_regroup_in_process(job_dir: Path, net) -> Non
     resumed = min(t for node in survivors for t in _step_times(node, world=4))
     print(f"node SIGKILLed to a committed step of the 4 survivors: {resumed - killed:.2f}s")
     _check_regroup_across_nodes(survivors, before, world=4)
-    _stop_all(nodes[:2])
+    # The lost node's place is free again: a new agent on h3 joins (the job re-forms).
+    (newcomer,) = _elastic_job(net, job_dir, hosts=[net["h3"]])
+    marks = [len(node.lines) for node in survivors]
+    for node, mark in [*zip(survivors, marks, strict=True), (newcomer, 0)]:
+        node.wait_for(lambda lines, mark=mark: any(s[4] == 6 for s in
+                                                   _elastic_steps_of(lines[mark:])), 180,
+                      "the job re-formed with the new h3: six ranks again")
+    assert "asks to join" in survivors[0].output
+    _stop_all([*survivors, newcomer])
 
 
 def test_netns_node_cut_off_survivors_regroup_in_process(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
