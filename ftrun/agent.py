@@ -280,6 +280,7 @@ class Agent:
             interrupted=interrupted,
             lost=self._lost_reason,
             monitor=monitor,
+            on_wait=lambda text: self.say(text, style="yellow"),
         )
         if dynamic:
             last_call = parse_seconds(config.rdzv_conf.get("last_call_timeout", "30"),

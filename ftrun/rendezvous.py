@@ -39,6 +39,8 @@ Two ways to form a generation:
 
 Waiting is done in short slices so a signal to the agent is never stuck behind the store,
 and every wait also gives up when the agent's heartbeat thread reports the store lost.
+A wait that lasts says so every ``WAIT_REPORT_S`` (what it waits for, who is missing, how
+long until ``join_timeout``): a job that cannot re-form is otherwise silent for minutes.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ class Rendezvous:
         interrupted: Callable[[], bool],
         lost: Callable[[], str | None] = lambda: None,
         monitor: HeartbeatMonitor | None = None,
+        on_wait: Callable[[str], None] = lambda text: None,
     ) -> None:
         self.store = store
         self.is_leader = is_leader
@@ -169,6 +172,8 @@ class Rendezvous:
         self.interrupted = interrupted
         self.lost = lost
         self.monitor = monitor
+        self.on_wait = on_wait
+        self._report: tuple[tuple[str, float], float] = (("", 0.0), 0.0)  # wait, next report
 
     # --- forming a generation -----------------------------------------------------------
 
@@ -242,6 +247,8 @@ class Rendezvous:
     #: The longest a server-side wait blocks before the agent checks for signals, a lost
     #: store host, shutdown and its deadline.
     WAIT_SLICE_S = 0.5
+    #: How often a wait that lasts says what it is waiting for.
+    WAIT_REPORT_S = 15.0
 
     def _wait_record(self, name: str, deadline: float, what: str) -> dict[str, Any]:
         """The first valid record of ``name``: blocks in the store's own ``wait`` (one
@@ -267,9 +274,18 @@ class Rendezvous:
         if reason is not None:
             raise RendezvousError(f"the job was shut down while waiting for {what}: "
                                   f"{reason.get('reason', 'no reason given')}")
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             detail = f" ({describe_missing()})" if describe_missing else ""
             raise RendezvousError(f"timed out waiting for {what}{detail}")
+        wait, next_report = self._report
+        if wait != (what, deadline):  # a new wait: its first report is one period away
+            self._report = ((what, deadline), now + self.WAIT_REPORT_S)
+        elif now >= next_report:
+            self._report = (wait, now + self.WAIT_REPORT_S)
+            detail = f" ({describe_missing()})" if describe_missing else ""
+            self.on_wait(f"still waiting for {what}{detail}; giving up in "
+                         f"{deadline - now:.0f} s (join_timeout)")
 
     # --- the life of a generation -------------------------------------------------------
 
@@ -402,7 +418,13 @@ class DynamicRendezvous(Rendezvous):
                     break  # re-forming: every member still alive is back
                 if not expected and now - min_reached >= self.last_call_s:
                     break
-            status = f"{len(slots)} joined, waiting for {sorted(waiting) or 'more'}"
+            joined = ", ".join(sorted(f"{s.hostname} ({s.addr})" for _, s in slots.values()))
+            parts = []
+            if waiting:
+                parts.append(f"{len(waiting)} member(s) of the last generation still beat")
+            if len(slots) < self.min_nodes:
+                parts.append(f"{self.min_nodes - len(slots)} more needed")
+            status = f"{len(slots)} joined: {joined}; {'; '.join(parts) or 'last call'}"
             self._check_waiting(deadline, f"at least {self.min_nodes} nodes",
                                 lambda s=status: s)
             time.sleep(self.poll_s)

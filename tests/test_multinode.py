@@ -161,6 +161,29 @@ def test_leader_reads_slots_in_bulk_around_holes_and_agents_wait_in_the_store(st
     assert agent.add("gen/0/count", 0) == 0
 
 
+def test_a_wait_that_lasts_says_who_is_missing_then_times_out(store) -> None:  # type: ignore[no-untyped-def]
+    """A leader that cannot form a generation says so while it waits (who joined, how many
+    more it needs, how long until it gives up), then fails with the same detail."""
+    from ftrun.rendezvous import DynamicRendezvous, NodeSlot, RendezvousError
+
+    said: list[str] = []
+    jstore = JsonStore(store, "ftrun/wait", signer=Signer(TOKEN.encode()))
+    rdzv = DynamicRendezvous(jstore, min_nodes=3, max_nodes=3, last_call_s=0, is_leader=True,
+                             poll_s=0.01, interrupted=lambda: False, on_wait=said.append)
+    rdzv.WAIT_REPORT_S = 0.3
+    other = DynamicRendezvous(JsonStore(store, "ftrun/wait", signer=Signer(TOKEN.encode())),
+                              min_nodes=3, max_nodes=3, last_call_s=0, is_leader=False,
+                              poll_s=0.01, interrupted=lambda: False)
+    other._offer(0, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2"))
+    with pytest.raises(RendezvousError) as error:
+        rdzv.join(0, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"), 1.0,
+                  lambda: ("10.0.0.1", 1))
+    assert "timed out waiting for at least 3 nodes" in str(error.value)
+    assert 2 <= len(said) <= 4, said
+    assert all("2 joined: h1 (10.0.0.1), h2 (10.0.0.2); 1 more needed" in x and
+               "giving up in" in x for x in said), said
+
+
 def _client(port: int):  # type: ignore[no-untyped-def]
     from datetime import timedelta
 
