@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from rich.markup import escape
 from ftrun import workers as local
 from ftrun.auth import Signer, load_secret
 from ftrun.config import LaunchConfig, Recovery, Std, parse_seconds
+from ftrun.endwatch import EndWatcher
 from ftrun.events import EventLog, WorkerExit, read_error_file
 from ftrun.exitcodes import ExitCode, for_signal
 from ftrun.heartbeat import HeartbeatMonitor, HeartbeatSender
@@ -115,6 +117,8 @@ class Agent:
         self._next_scan = 0.0
         self.store_lost = False
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
+        # Non-leaders: how to open a client for an EndWatcher, and its wait slice.
+        self._end_watch: tuple[Callable[[], Any], float] | None = None
 
     # --- messages ------------------------------------------------------------------------
 
@@ -254,6 +258,8 @@ class Agent:
         host, port = self.control_endpoint
         signer = Signer(load_secret())
         reconnect = lambda: connect_store(host, port, op_timeout, op_timeout_s=op_timeout)  # noqa: E731
+        if multi and not hosting:
+            self._end_watch = (reconnect, op_timeout / 2)
         jstore = JsonStore(
             store, f"ftrun/{self.run_id}", signer=signer,
             reconnect=None if hosting else reconnect,
@@ -447,6 +453,26 @@ class Agent:
     def _watch(
         self, rdzv: Rendezvous, generation: Generation, group: list[local.WorkerProcess]
     ) -> GenerationResult:
+        watcher = self.end_watcher(rdzv, generation)
+        try:
+            return self._watch_generation(rdzv, generation, group, watcher)
+        finally:
+            if watcher is not None:
+                watcher.stop()
+
+    def end_watcher(self, rdzv: Rendezvous, generation: Generation) -> EndWatcher | None:
+        """A started watcher of ``generation``'s end (see ftrun.endwatch), or None on the
+        leader and on a single node (they read the end directly: it costs no network)."""
+        if self._end_watch is None:
+            return None
+        connect, slice_s = self._end_watch
+        return EndWatcher(connect, rdzv.store, f"gen/{generation.number}/end",
+                          slice_s).start()
+
+    def _watch_generation(
+        self, rdzv: Rendezvous, generation: Generation, group: list[local.WorkerProcess],
+        watcher: EndWatcher | None,
+    ) -> GenerationResult:
         config = self.config
         reported: set[int] = set()
         remote = not config.is_single_node
@@ -474,7 +500,9 @@ class Agent:
             if remote and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + config.monitor_interval_s
                 try:
-                    cause = self._remote_cause(rdzv, generation)
+                    # With a watcher, the end key is read only once it exists.
+                    cause = self._remote_cause(
+                        rdzv, generation, watcher is None or watcher.fired.is_set())
                 except StoreError as error:
                     self.stop_workers(group, signal.SIGTERM, "store lost")
                     raise StoreLostError(self._lost_reason() or str(error)) from None
@@ -486,17 +514,25 @@ class Agent:
                     exits = self._exits(generation, group, None)
                     return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
             timeout = max(0.0, next_poll - time.monotonic()) if remote else 3600.0
-            if self.inbox.fd in local.wait_any(group, timeout, [self.inbox.fd]):
+            fds = [self.inbox.fd]
+            if watcher is not None and not watcher.fired.is_set():
+                fds.append(watcher.fd)
+            woke = local.wait_any(group, timeout, fds)
+            if self.inbox.fd in woke:
                 self.inbox.drain()
+            if watcher is not None and watcher.fd in woke:
+                next_poll = time.monotonic()  # the end was written: read it now
 
-    def _remote_cause(self, rdzv: Rendezvous, generation: Generation) -> dict[str, Any] | None:
+    def _remote_cause(self, rdzv: Rendezvous, generation: Generation,
+                      read_end: bool = True) -> dict[str, Any] | None:
         """Why another node (or, on the leader, a heartbeat or a newcomer) ended this
-        generation; None while it runs. Raises StoreError/StoreLostError when this agent
+        generation; None while it runs. ``read_end``: whether to read the end record (an
+        EndWatcher says when it exists). Raises StoreError/StoreLostError when this agent
         has lost the store."""
         lost = self._lost_reason()
         if lost is not None:
             raise StoreLostError(lost)
-        cause = rdzv.ended(generation.number)
+        cause = rdzv.ended(generation.number) if read_end else None
         if cause is not None or self.monitor is None:
             return cause
         lost, join = self.watch_other_nodes(rdzv, generation)

@@ -59,6 +59,7 @@ from ftrun.store import StoreError, StoreValueError
 
 if TYPE_CHECKING:
     from ftrun.agent import Agent
+    from ftrun.endwatch import EndWatcher
     from ftrun.rendezvous import Generation, Rendezvous
 
 
@@ -116,10 +117,20 @@ class RegroupSupervisor:
         self.first_failure: local.WorkerProcess | None = None
         self.replacement_failures = 0
         self.leader = _Leader(self) if rdzv.is_leader else None
+        self.end_watcher: EndWatcher | None = None  # the job generation's end (not leader)
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def run(self) -> GenerationResult:
+        self.end_watcher = self.agent.end_watcher(self.rdzv, self.generation) \
+            if self.multi else None
+        try:
+            return self._run()
+        finally:
+            if self.end_watcher is not None:
+                self.end_watcher.stop()
+
+    def _run(self) -> GenerationResult:
         for _ in range(self.config.nproc_per_node):
             self._spawn(initial=True)
         for _ in range(self.config.spares):
@@ -135,8 +146,11 @@ class RegroupSupervisor:
                 if result is not None:
                     return result
                 procs = [s.process for s in self.slots.values() if s.process.poll() is None]
-                woke = local.wait_any(procs, self.config.monitor_interval_s,
-                                      [self.agent.inbox.fd])
+                fds = [self.agent.inbox.fd]
+                watcher = self.end_watcher
+                if watcher is not None and not watcher.fired.is_set():
+                    fds.append(watcher.fd)
+                woke = local.wait_any(procs, self.config.monitor_interval_s, fds)
                 if self.agent.inbox.fd in woke:
                     self.agent.inbox.drain()
         except StoreError as error:
@@ -187,7 +201,9 @@ class RegroupSupervisor:
         if lost is not None:
             self._stop_all(signal.SIGTERM, "store lost")
             raise StoreLostError(lost)
-        cause = rdzv.ended(generation.number)
+        watcher = self.end_watcher
+        read_end = watcher is None or watcher.fired.is_set()  # the key exists: verify it
+        cause = rdzv.ended(generation.number) if read_end else None
         if cause is None and self.leader is not None:
             cause = self.leader.watch_nodes()
         if cause is not None:

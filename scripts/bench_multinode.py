@@ -502,13 +502,16 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _load_proc(port: int, agents: list[int], interval: float, poll: float, seconds: float,
-               out: mp.Queue) -> None:
+               out: mp.Queue, end_wait: bool) -> None:
     from ftrun.auth import Signer
     from ftrun.store import JsonStore, connect_store
 
     store = JsonStore(connect_store("127.0.0.1", port, 30), "ftrun/load",
                       signer=Signer(b"bench-token"))
-    # Each agent: one heartbeat per interval, one end check per poll. Spread evenly.
+    # Each agent: one heartbeat per interval, and one end check per poll (end_wait: one
+    # renewal of its server-side wait per slice, sent as a real wait request that the
+    # store times out at once; a held wait costs the store nothing between renewals).
+    # Spread evenly.
     period = 1.0 / (len(agents) / interval + len(agents) / poll)
     beats_every = round(interval / poll) + 1  # of every k requests, one is a beat
     latencies: list[float] = []
@@ -523,6 +526,8 @@ def _load_proc(port: int, agents: list[int], interval: float, poll: float, secon
             seq += 1
             store.set_record(f"hb/sim-{agent}", {"seq": seq})
             latencies.append(time.monotonic() - t0)
+        elif end_wait:
+            store.wait_for("gen/0/end", 0.001)
         else:
             store.exists("gen/0/end")
         k += 1
@@ -534,7 +539,9 @@ def _load_proc(port: int, agents: list[int], interval: float, poll: float, secon
 
 
 def store_load(n: int, interval: float, poll: float, seconds: float = 10.0,
-               procs: int = 4) -> dict[str, float]:
+               procs: int = 4, end_wait: bool = True) -> dict[str, float]:
+    """``poll``: seconds between one agent's end checks (end_wait: between renewals of
+    its wait, the EndWatcher's slice)."""
     from ftrun.auth import Signer
     from ftrun.heartbeat import HeartbeatMonitor
     from ftrun.store import JsonStore, serve_store
@@ -547,7 +554,7 @@ def store_load(n: int, interval: float, poll: float, seconds: float = 10.0,
     out: mp.Queue = ctx.Queue()
     workers = [ctx.Process(target=_load_proc,
                            args=(server.port, list(range(k, n, procs)), interval, poll,
-                                 seconds, out))
+                                 seconds, out, end_wait))
                for k in range(procs)]
     started = time.monotonic()
     for w in workers:
@@ -702,7 +709,13 @@ def main() -> None:
                         help="...but no longer than this (s); 0: do not wait")
     parser.add_argument("--store-load", type=int, default=1000)
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--poll", type=float, default=0.1)
+    parser.add_argument("--poll", type=float, default=None,
+                        help="seconds between an agent's end checks: default the "
+                        "EndWatcher's wait slice (heartbeat timeout / 6, at least 0.5 s); "
+                        "with --end-poll, the monitor interval (0.1 s)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--end-poll", action="store_true",
+                        help="model agents that poll the end key (before the EndWatcher)")
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     result: dict[str, object] = {
@@ -731,7 +744,10 @@ def main() -> None:
     if args.only in (None, "rendezvous"):
         rendezvous(args, result)
     if args.only in (None, "store-load"):
-        result["store_load"] = store_load(args.store_load, args.interval, args.poll)
+        poll = args.poll or (0.1 if args.end_poll else max(1.0, args.heartbeat_timeout / 3) / 2)
+        result["store_load"] = {
+            **store_load(args.store_load, args.interval, poll, end_wait=not args.end_poll),
+            "end_check_every_s": poll}
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -123,6 +123,36 @@ def test_heartbeat_sender_reads_failures_not_silence_as_a_lost_store() -> None:
         host.wait(10)
 
 
+def test_end_watcher_wakes_on_the_write_and_stops_within_a_slice(store) -> None:  # type: ignore[no-untyped-def]
+    """The watcher's server-side wait returns when the end key is written (its fd becomes
+    readable at once, not at the next poll), costs one request per slice meanwhile, and
+    stop() does not leave its thread inside torch."""
+    import select
+
+    from ftrun.endwatch import EndWatcher
+
+    signer = Signer(TOKEN.encode())
+    writer = JsonStore(store, "ftrun/ew", signer=signer)
+    connect = lambda: connect_store("127.0.0.1", store.port, 5.0, op_timeout_s=1.0)  # noqa: E731
+    idle = EndWatcher(connect, writer, "gen/0/end", slice_s=0.2).start()
+    watcher = EndWatcher(connect, writer, "gen/1/end", slice_s=0.5).start()
+    try:
+        time.sleep(0.6)  # both are waiting; nothing is written yet (the negative case)
+        assert not watcher.fired.is_set() and not idle.fired.is_set()
+        writer.put_record("gen/1/end", {"kind": "worker", "rank": 3})
+        written = time.monotonic()
+        assert select.select([watcher.fd], [], [], 5.0)[0] == [watcher.fd]
+        print(f"end written to watcher woken: {1000 * (time.monotonic() - written):.1f} ms")
+        assert watcher.fired.is_set() and not idle.fired.is_set()
+        started = time.monotonic()
+        idle.stop()
+        assert time.monotonic() - started < 0.2 + 1.0 and not idle._thread.is_alive()
+    finally:
+        watcher.stop()
+        if idle._thread.is_alive():
+            idle.stop()
+
+
 def _until(condition: Callable[[], object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

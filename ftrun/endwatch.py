@@ -1,0 +1,78 @@
+"""Learning that a generation ended without polling the store.
+
+Every agent must react within a moment when any node ends the running generation (a
+worker failed somewhere, a node was lost, a newcomer asks to join). Polling the end key
+every ``--monitor-interval`` costs the store host 10 requests per second per agent at the
+default 0.1 s: at 1,000 nodes that is most of what one TCPStore serves. An
+:class:`EndWatcher` instead holds one server-side ``wait`` on ``gen/<N>/end`` from a thread
+with its own connection (a TCPStore client is not thread safe), renewed every ``slice_s``
+(shorter than the connection's request timeout, or the socket gives up first):
+the store answers the moment the key is written, and the thread wakes the agent's loop
+through a pipe. The agent then reads and verifies the record itself: the watcher only says
+that the key exists, which a forged write can make true (the agent then polls that
+generation's end as before).
+
+Errors: a failed or timed-out request makes the thread reconnect after a short pause; it
+never raises and never decides that the store is lost (the heartbeat thread does that).
+:meth:`EndWatcher.stop` waits for the thread (at most one slice plus a request timeout) so
+that no thread is inside torch when the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ftrun.store import JsonStore, StoreError
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+
+class EndWatcher:
+    """One generation's end, watched from a thread; see the module docstring."""
+
+    def __init__(self, connect: Callable[[], TCPStore], template: JsonStore, key: str,
+                 slice_s: float, retry_s: float = 0.2) -> None:
+        self._connect = connect
+        self._template = template
+        self.key = key
+        self.slice_s = slice_s
+        self.retry_s = retry_s
+        self.fired = threading.Event()  # the key exists (not yet verified)
+        self._stop = threading.Event()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self._thread = threading.Thread(target=self._run, name="ftrun-end-watch", daemon=True)
+
+    @property
+    def fd(self) -> int:
+        """Readable once the key exists: add it to the agent's ``select``."""
+        return self._read_fd
+
+    def start(self) -> EndWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        for fd in (self._read_fd, self._write_fd):
+            os.close(fd)
+
+    def _run(self) -> None:
+        store: JsonStore | None = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = JsonStore(self._connect(), self._template.prefix.rstrip("/"),
+                                      signer=self._template.signer)
+                if store.wait_for(self.key, self.slice_s):
+                    self.fired.set()
+                    os.write(self._write_fd, b"!")
+                    return
+            except StoreError:
+                store = None  # a timed-out client may be out of step: reconnect
+                self._stop.wait(self.retry_s)
