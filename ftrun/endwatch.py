@@ -59,6 +59,8 @@ class EndWatcher:
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return  # stuck past every bound: leave it its pipe rather than a reused fd
         for fd in (self._read_fd, self._write_fd):
             os.close(fd)
 
