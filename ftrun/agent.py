@@ -119,6 +119,7 @@ class Agent:
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
         # Non-leaders: how to open a client for an EndWatcher, and its wait slice.
         self._end_watch: tuple[Callable[[], Any], float] | None = None
+        self._op_timeout = 1.0  # the bound on one store request of a non-leader
 
     # --- messages ------------------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class Agent:
             return ExitCode.RENDEZVOUS_FAILED
         finally:
             if self.heartbeat is not None:
-                self.heartbeat.stop()
+                self.heartbeat.stop(0.0 if self.store_lost else 2.0 * self._op_timeout)
             self.inbox.close()
             self.events.close()
 
@@ -236,6 +237,7 @@ class Agent:
         hosting = config.hosts_store if (explicit_host or not dynamic) else _is_local_address(
             config.rdzv_host)
         op_timeout = max(1.0, config.heartbeat_timeout_s / 3)
+        self._op_timeout = op_timeout
         store: Any = None
         if hosting:
             try:
@@ -258,8 +260,8 @@ class Agent:
         host, port = self.control_endpoint
         signer = Signer(load_secret())
         reconnect = lambda: connect_store(host, port, op_timeout, op_timeout_s=op_timeout)  # noqa: E731
-        if multi and not hosting:
-            self._end_watch = (reconnect, op_timeout / 2)
+        if multi and not hosting:  # a wait slice under the request timeout, and short
+            self._end_watch = (reconnect, min(1.0, op_timeout / 2))  # for a prompt stop()
         jstore = JsonStore(
             store, f"ftrun/{self.run_id}", signer=signer,
             reconnect=None if hosting else reconnect,
@@ -458,7 +460,12 @@ class Agent:
             return self._watch_generation(rdzv, generation, group, watcher)
         finally:
             if watcher is not None:
-                watcher.stop()
+                self.stop_end_watcher(watcher)
+
+    def stop_end_watcher(self, watcher: EndWatcher) -> None:
+        """Without a store (the agent exits at once, by ``os._exit``) there is nothing to
+        wait for."""
+        watcher.stop(0.0 if self._lost_reason() is not None else 5.0)
 
     def end_watcher(self, rdzv: Rendezvous, generation: Generation) -> EndWatcher | None:
         """A started watcher of ``generation``'s end (see ftrun.endwatch), or None on the
@@ -500,9 +507,9 @@ class Agent:
             if remote and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + config.monitor_interval_s
                 try:
-                    # With a watcher, the end key is read only once it exists.
-                    cause = self._remote_cause(
-                        rdzv, generation, watcher is None or watcher.fired.is_set())
+                    # With a working watcher, the end key is read only once it exists.
+                    cause = self._remote_cause(rdzv, generation, watcher is None
+                                               or watcher.fired.is_set() or not watcher.healthy)
                 except StoreError as error:
                     self.stop_workers(group, signal.SIGTERM, "store lost")
                     raise StoreLostError(self._lost_reason() or str(error)) from None
@@ -677,8 +684,10 @@ class Agent:
                 if self.monitor is not None:
                     done = {n for n in others if rdzv.store.get_record(
                         f"gen/{generation.number}/done/{n}") is not None}
+                    if not others - done:
+                        break  # the nodes a regroup dropped are never done: not waited for
                     self.monitor.watch(others - done)
-                    if others - done and set(self.monitor.scan()) >= others - done:
+                    if set(self.monitor.scan()) >= others - done:
                         self.say("every node that is not done has stopped beating; exiting",
                                  style="yellow")
                         break
@@ -729,10 +738,12 @@ def run_agent(config: LaunchConfig) -> int:
     """Run one node's share of the job; returns the process exit code."""
     agent = Agent(config)
     code = agent.run()
-    if agent.store_lost:
-        # A store client may still be blocked inside torch on a dead connection; running
-        # its destructors at interpreter exit can abort the process. Everything is said
-        # and every worker is stopped: leave now, with the documented code.
+    if agent.store_lost or not config.is_single_node:
+        # A store client thread (heartbeat, end watch, a connect to a frozen host) may still
+        # be inside torch: one that takes the GIL back once the interpreter finalizes aborts
+        # the process ("terminate called without an active exception", seen when the store
+        # host left first). Everything is said and every worker is stopped: leave now, with
+        # the documented code.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -337,8 +337,11 @@ def check_resolvable(host: str, flag: str) -> None:
 
 
 def check_port_free(port: int, flag: str) -> None:
-    """Refuse early when a port the store must bind is taken (a clearer error than torch's)."""
+    """Refuse early when a port the store must bind is taken (a clearer error than torch's).
+    Taken means listened on: connections of a job that just ended linger in TIME_WAIT on
+    the port for a minute, and the store binds over them (SO_REUSEADDR), as the probe does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
         except OSError as error:

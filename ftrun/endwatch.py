@@ -12,8 +12,11 @@ through a pipe. The agent then reads and verifies the record itself: the watcher
 that the key exists, which a forged write can make true (the agent then polls that
 generation's end as before).
 
-Errors: a failed or timed-out request makes the thread reconnect after a short pause; it
-never raises and never decides that the store is lost (the heartbeat thread does that).
+Errors: a failed or timed-out request makes the thread reconnect after a pause of one
+slice (so that it does not crowd the heartbeat thread's reconnects); it never raises and
+never decides that the store is lost (the heartbeat thread does that). While it has not
+completed a wait for a while (:attr:`EndWatcher.healthy` is false: reconnecting, stuck in
+a connect to a frozen host, or dead) the agent reads the end key itself, as it did before.
 :meth:`EndWatcher.stop` waits for the thread (at most one slice plus a request timeout) so
 that no thread is inside torch when the interpreter exits.
 """
@@ -22,10 +25,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ftrun.store import JsonStore, StoreError
+from ftrun.store import JsonStore
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -35,13 +39,13 @@ class EndWatcher:
     """One generation's end, watched from a thread; see the module docstring."""
 
     def __init__(self, connect: Callable[[], TCPStore], template: JsonStore, key: str,
-                 slice_s: float, retry_s: float = 0.2) -> None:
+                 slice_s: float) -> None:
         self._connect = connect
         self._template = template
         self.key = key
         self.slice_s = slice_s
-        self.retry_s = retry_s
         self.fired = threading.Event()  # the key exists (not yet verified)
+        self._last_wait = time.monotonic()  # when a wait last came back (or the start)
         self._stop = threading.Event()
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
@@ -51,6 +55,13 @@ class EndWatcher:
     def fd(self) -> int:
         """Readable once the key exists: add it to the agent's ``select``."""
         return self._read_fd
+
+    @property
+    def healthy(self) -> bool:
+        """Whether its waits are coming back: a slice, a connect and some slack since the
+        last one (a renewal that takes longer is failing)."""
+        return self._thread.is_alive() and \
+            time.monotonic() - self._last_wait < 3 * self.slice_s + 1.0
 
     def start(self) -> EndWatcher:
         self._thread.start()
@@ -71,10 +82,12 @@ class EndWatcher:
                 if store is None:
                     store = JsonStore(self._connect(), self._template.prefix.rstrip("/"),
                                       signer=self._template.signer)
-                if store.wait_for(self.key, self.slice_s):
+                exists = store.wait_for(self.key, self.slice_s)
+                self._last_wait = time.monotonic()
+                if exists:
                     self.fired.set()
                     os.write(self._write_fd, b"!")
                     return
-            except StoreError:
+            except Exception:  # StoreError; nothing may end the thread unseen
                 store = None  # a timed-out client may be out of step: reconnect
-                self._stop.wait(self.retry_s)
+                self._stop.wait(self.slice_s)

@@ -2,11 +2,13 @@
 
 * :class:`HeartbeatSender` is a thread in every agent that does not host the store. It has
   its own TCPStore connection (a client is not thread safe) and overwrites ``hb/<node id>``
-  with a signed ``{"seq": n}`` every ``interval``. When its requests have failed for
-  ``timeout`` it reports the store host as lost (:meth:`HeartbeatSender.lost`): the agent
-  then stops its workers and exits 3. Silence alone is not loss: an agent that was paused
-  (SIGSTOP, a frozen VM) is silent for as long as the pause, and must learn from the store
-  what happened meanwhile rather than give up before its thread has tried again.
+  with a signed ``{"seq": n}`` every ``interval``, then makes one request that has a reply:
+  torch's ``set`` has none, and a store host that is frozen (SIGSTOP, a stalled VM) goes on
+  accepting sends into its socket buffer. When its requests have failed for ``timeout`` it
+  reports the store host as lost (:meth:`HeartbeatSender.lost`): the agent then stops its
+  workers and exits 3. Silence alone is not loss: an agent that was paused is silent for as
+  long as the pause, and must learn from the store what happened meanwhile rather than
+  give up before its thread has tried again.
 * :class:`HeartbeatMonitor` runs in the leader (the store host). It reads the heartbeat
   keys of the agents it waits for in one ``multi_get`` and declares an agent lost when its
   sequence number has not grown for ``timeout`` by the *leader's* clock: no clock on
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ftrun.store import JsonStore, StoreError
+from ftrun.store import JsonStore
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -51,7 +53,7 @@ class HeartbeatSender:
         self.timeout_s = timeout_s
         self.last_ok = time.monotonic()
         self.last_error = ""
-        self.failing = False  # the latest request failed (cleared by the next success)
+        self.failing_since: float | None = None  # start of the first failed attempt in a row
         self.seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-heartbeat", daemon=True)
@@ -59,18 +61,28 @@ class HeartbeatSender:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()  # a daemon thread: never wait long for one stuck in a connect
-        self._thread.join(timeout=0.5)
+    def stop(self, timeout_s: float = 0.5) -> None:
+        """Stop beating; wait up to ``timeout_s`` for a request in flight (a daemon
+        thread: never wait long for one stuck on a dead host)."""
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
 
     def silent_s(self) -> float:
         """Seconds since the last heartbeat the store accepted."""
         return time.monotonic() - self.last_ok
 
     def lost(self) -> bool:
-        """Requests have failed, and none succeeded for ``timeout`` (see the module
-        docstring: a pause alone does not count)."""
-        return self.failing and self.silent_s() > self.timeout_s
+        """Requests have failed, and none succeeded for ``timeout``. A pause alone does not
+        count (see the module docstring): after one, the failures count from an interval
+        before the first failed attempt, not from the last success before the pause."""
+        since = self.failing_since
+        if since is None:
+            return False
+        return time.monotonic() - max(self.last_ok, since - self.interval_s) > self.timeout_s
+
+    @property
+    def failing(self) -> bool:
+        return self.failing_since is not None
 
     def _run(self) -> None:
         store: JsonStore | None = None
@@ -82,11 +94,13 @@ class HeartbeatSender:
                                       signer=self._template.signer)
                 self.seq += 1
                 store.set_record(heartbeat_key(self.node_id), {"seq": self.seq})
+                store.exists(heartbeat_key(self.node_id))  # the reply proves the set arrived
                 self.last_ok = time.monotonic()
-                self.failing = False
-            except StoreError as error:
-                self.last_error = str(error)
-                self.failing = True
+                self.failing_since = None
+            except Exception as error:  # StoreError; nothing may end the thread unseen
+                self.last_error = str(error) or type(error).__name__
+                if self.failing_since is None:
+                    self.failing_since = started
                 store = None  # a timed-out client may be out of step: reconnect
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 

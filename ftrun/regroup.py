@@ -128,7 +128,7 @@ class RegroupSupervisor:
             return self._run()
         finally:
             if self.end_watcher is not None:
-                self.end_watcher.stop()
+                self.agent.stop_end_watcher(self.end_watcher)
 
     def _run(self) -> GenerationResult:
         for _ in range(self.config.nproc_per_node):
@@ -202,7 +202,8 @@ class RegroupSupervisor:
             self._stop_all(signal.SIGTERM, "store lost")
             raise StoreLostError(lost)
         watcher = self.end_watcher
-        read_end = watcher is None or watcher.fired.is_set()  # the key exists: verify it
+        # The key exists (verify it), or the watcher is not working: read it.
+        read_end = watcher is None or watcher.fired.is_set() or not watcher.healthy
         cause = rdzv.ended(generation.number) if read_end else None
         if cause is None and self.leader is not None:
             cause = self.leader.watch_nodes()

@@ -348,6 +348,23 @@ class StaticRendezvous(Rendezvous):
             self._check_waiting(deadline, "nodes", lambda m=missing: f"missing node ranks {m}")
             time.sleep(self.poll_s)
 
+    def pending_join(self, generation: Generation,
+                     left_out: Collection[str] = ()) -> NodeSlot | None:
+        """A node that a regroup left out asks again under its own node rank (a static job
+        has no other room)."""
+        gone = [n for n in generation.nodes if n.node_id in set(left_out)]
+        names = [f"gen/{generation.number + 1}/join/{n.node_rank}" for n in gone]
+        present = self.store.present_records(names) if names else {}
+        for node, name in zip(gone, names, strict=True):
+            data = present.get(name)
+            try:
+                slot = NodeSlot.from_json(data) if data is not None else None
+            except StoreValueError:
+                continue
+            if slot is not None and slot.node_rank == node.node_rank:
+                return slot
+        return None
+
 
 class DynamicRendezvous(Rendezvous):
     """c10d-style rendezvous of MIN to MAX agents; see the module docstring."""

@@ -86,23 +86,60 @@ def connect_store(
     waits for TCP to give up (many minutes), so an agent would hang instead of noticing
     that its store host is gone. The bound is put on the client's socket (receive and send
     timeouts, ``TCP_USER_TIMEOUT``); ``timeout_s`` still bounds server-side waits.
+
+    One gap is inside torch: the constructor's first exchange with the server is read
+    without a timeout, so a connect to a *frozen* store host (SIGSTOP, a stalled VM: its
+    kernel still accepts connections) blocks until the host resumes. So each attempt runs
+    in a thread of its own, and the caller stops waiting for it at the deadline (the thread
+    finishes, and its client is dropped, if the host ever resumes); the attempt holds the
+    lock that attributes new sockets to a client, and other connects give up on that lock
+    at their deadline. Nothing that calls this hangs on a frozen host.
     """
     deadline = time.monotonic() + timeout_s
     last_error = "no attempt"
     while True:
         slice_s = min(_CONNECT_SLICE_S, max(deadline - time.monotonic(), 0.1))
-        try:
-            with _CONNECT_LOCK:
-                before = _socket_fds()
-                store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=slice_s))
-                if op_timeout_s is not None:
-                    _bound_requests(_socket_fds() - before, op_timeout_s)
-            store.set_timeout(timedelta(seconds=op_timeout_s or timeout_s))
-            return store
-        except (RuntimeError, ValueError) as error:
-            last_error = str(error).splitlines()[0] if str(error) else type(error).__name__
+        attempt = _ConnectAttempt(host, port, slice_s, op_timeout_s)
+        attempt.thread.start()
+        give_up = max(deadline, time.monotonic() + slice_s) + 0.5
+        while attempt.thread.is_alive() and time.monotonic() < give_up and not interrupted():
+            attempt.thread.join(0.25)
+        if attempt.thread.is_alive():
+            raise StoreError(f"cannot reach the store at {host}:{port}: no answer to the "
+                             "connect (a frozen store host?)")
+        if attempt.store is not None:
+            attempt.store.set_timeout(timedelta(seconds=op_timeout_s or timeout_s))
+            return attempt.store
+        last_error = attempt.error
         if interrupted() or time.monotonic() >= deadline:
             raise StoreError(f"cannot reach the store at {host}:{port}: {last_error}")
+
+
+class _ConnectAttempt:
+    """One TCPStore client construction, in a daemon thread (see :func:`connect_store`)."""
+
+    def __init__(self, host: str, port: int, slice_s: float, op_timeout_s: float | None
+                 ) -> None:
+        self.store: TCPStore | None = None
+        self.error = "no attempt"
+        self.thread = threading.Thread(target=self._run, args=(host, port, slice_s,
+                                                               op_timeout_s),
+                                       name="ftrun-store-connect", daemon=True)
+
+    def _run(self, host: str, port: int, slice_s: float, op_timeout_s: float | None) -> None:
+        if not _CONNECT_LOCK.acquire(timeout=slice_s + 0.5):
+            self.error = "another connect has not returned (a frozen store host?)"
+            return
+        try:
+            before = _socket_fds()
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=slice_s))
+            if op_timeout_s is not None:
+                _bound_requests(_socket_fds() - before, op_timeout_s)
+            self.store = store
+        except (RuntimeError, ValueError) as error:
+            self.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+        finally:
+            _CONNECT_LOCK.release()
 
 
 _CONNECT_LOCK = threading.Lock()

@@ -170,3 +170,24 @@ def test_script_named_like_a_subcommand(tmp_path: Path) -> None:
     assert "ran the script" in result.stdout
     dashed = _run_ftrun("--", "doctor", cwd=tmp_path)
     assert dashed.returncode == 0 and "ran the script" in dashed.stdout
+
+
+def test_port_check_refuses_a_listener_but_not_a_just_ended_job() -> None:
+    """A port someone listens on is refused; one whose last job's connections linger in
+    TIME_WAIT (an agent re-run at once on the same --master-port) is not: the store binds
+    over those, and so must the check."""
+    from ftrun.config import check_port_free
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with pytest.raises(ConfigError, match="port is in use"):
+        check_port_free(port, "--master-port")
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server side closes first: its end of the pair waits in TIME_WAIT
+    client.close()
+    listener.close()
+    check_port_free(port, "--master-port")

@@ -255,9 +255,14 @@ def _c10d(port: int, nnodes: str, *extra: str) -> list[str]:
             "--rdzv-conf", "last_call_timeout=10", *HB, *extra]
 
 
-def test_store_host_killed_every_agent_exits_3_in_seconds(job_dir: Path) -> None:
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_store_host_killed_every_agent_exits_3_in_seconds(job_dir: Path, fault: str) -> None:
+    """The store host's agent is SIGKILLed, or frozen (SIGSTOP: its kernel still accepts
+    what is sent to it, and torch's ``set`` expects no reply): either way the other agent
+    stops its workers and exits 3 within the heartbeat timeout and a request or two."""
     script = copy_train_script(job_dir)
-    args = [*_c10d(29721, "2"), str(script), "--steps", "100000", "--step-sleep", "0.05"]
+    port = 29721 if fault == "killed" else 29723
+    args = [*_c10d(port, "2"), str(script), "--steps", "100000", "--step-sleep", "0.05"]
     env = {"FTRUN_JOB_TOKEN": TOKEN}
     nodes = [Launch(args, cwd=job_dir, env=env) for _ in range(2)]
     for node in nodes:
@@ -266,11 +271,17 @@ def test_store_host_killed_every_agent_exits_3_in_seconds(job_dir: Path) -> None
     leader = next(n for n in nodes if any("as node 0" in x for x in n.lines))
     other = next(n for n in nodes if n is not leader)
     other.wait_step(3, 120)
-    leader.kill()
+    if fault == "killed":
+        leader.kill()
+    else:
+        os.kill(leader.proc.pid, signal.SIGSTOP)
     killed = time.monotonic()
-    assert other.wait(30) == 3, other.output
+    try:
+        assert other.wait(30) == 3, other.output
+    finally:
+        leader.kill()  # a frozen one too: SIGKILL needs no SIGCONT
     took = time.monotonic() - killed
-    print(f"store host killed to every agent exited: {took:.2f}s")
+    print(f"store host {fault} to every agent exited: {took:.2f}s")
     assert took < 3 + 12  # heartbeat timeout + an op timeout + stop; margin for a loaded box
     assert "lost the rendezvous store" in other.output or "rendezvous failed" in other.output
     assert "Traceback" not in "\n".join(x for x in other.lines if not x.startswith("[rank"))
@@ -414,7 +425,7 @@ ELASTIC_REGROUP = re.compile(r"regroup gen=(\d+) rank=\d+ world=(\d+) step=(\d+)
 
 
 def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2,  # type: ignore[no-untyped-def]
-                 hosts=None):
+                 hosts=None, steps: int = 100000):
     """Three nodes of scripts/train_elastic.py (the worker API) with in-process regroup."""
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
@@ -422,7 +433,7 @@ def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2,  # type: ignor
     args = ["--nnodes", "2:3", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsregroup",
             "--rdzv-conf", "last_call_timeout=15", *HB, "--recovery", "regroup", *extra]
-    train = [str(script), "--steps", "100000", "--hidden", "64", "--step-sleep", "0.05"]
+    train = [str(script), "--steps", str(steps), "--hidden", "64", "--step-sleep", "0.05"]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
     return [HostLaunch(host, [*args, "--local-addr", host.addr, *train], env=env, cwd=job_dir)
             for host in (hosts or list(net))]
@@ -477,6 +488,34 @@ def test_netns_node_lost_survivors_regroup_in_process(job_dir: Path, net) -> Non
                       "the job re-formed with the new h3: six ranks again")
     assert "asks to join" in survivors[0].output
     _stop_all([*survivors, newcomer])
+
+
+def test_netns_regroup_job_that_lost_a_node_finishes_and_every_agent_exits_0(  # type: ignore[no-untyped-def]
+        job_dir: Path, net) -> None:
+    """A regroup job loses h3, the survivors go on in place and finish their steps: both
+    agents exit 0 at once (the leader does not wait for the dropped node to be done, which
+    it never will be, until join_timeout)."""
+    nodes = _elastic_job(net, job_dir, steps=250)
+    for node in nodes:
+        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+    survivors = nodes[:2]
+    nodes[2].kill()
+    _wait_survivors_in_world(survivors, 4)
+    last = [0.0]
+
+    def finished(lines: list[str]) -> bool:
+        done = sum("done rank=" in x for x in lines) >= 2
+        if done and not last[0]:
+            last[0] = time.monotonic()
+        return done
+
+    for node in survivors:
+        node.wait_for(finished, 180, "both members of this node finishing their steps")
+    _wait_all_succeed(survivors, 60)
+    print(f"last member done to every agent exited: {time.monotonic() - last[0]:.2f}s")
+    assert time.monotonic() - last[0] < 30, "an agent lingered after the job finished"
+    sums = {x.split("param_sum=")[1] for n in survivors for x in n.lines if "param_sum=" in x}
+    assert len(sums) == 1, sums
 
 
 def test_netns_node_cut_off_survivors_regroup_in_process(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
