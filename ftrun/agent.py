@@ -35,7 +35,7 @@ from rich.markup import escape
 from ftrun import workers as local
 from ftrun.auth import Signer, load_secret
 from ftrun.config import LaunchConfig, Recovery, Std, parse_seconds
-from ftrun.endwatch import EndWatcher
+from ftrun.endwatch import EndWatcher, ReadEnd
 from ftrun.events import EventLog, WorkerExit, read_error_file
 from ftrun.exitcodes import ExitCode, for_signal
 from ftrun.heartbeat import HeartbeatMonitor, HeartbeatSender
@@ -117,9 +117,10 @@ class Agent:
         self._next_scan = 0.0
         self.store_lost = False
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
-        # Non-leaders: how to open a client for an EndWatcher, and its wait slice.
-        self._end_watch: tuple[Callable[[], Any], float] | None = None
-        self._op_timeout = 1.0  # the bound on one store request of a non-leader
+        # Non-leaders: how a thread opens a store client of its own, and the bound on one
+        # store request.
+        self._open_client: Callable[[], Any] | None = None
+        self._op_timeout = 1.0
 
     # --- messages ------------------------------------------------------------------------
 
@@ -260,8 +261,8 @@ class Agent:
         host, port = self.control_endpoint
         signer = Signer(load_secret())
         reconnect = lambda: connect_store(host, port, op_timeout, op_timeout_s=op_timeout)  # noqa: E731
-        if multi and not hosting:  # a wait slice under the request timeout, and short
-            self._end_watch = (reconnect, min(1.0, op_timeout / 2))  # for a prompt stop()
+        if multi and not hosting:
+            self._open_client = reconnect
         jstore = JsonStore(
             store, f"ftrun/{self.run_id}", signer=signer,
             reconnect=None if hosting else reconnect,
@@ -459,26 +460,27 @@ class Agent:
         try:
             return self._watch_generation(rdzv, generation, group, watcher)
         finally:
-            if watcher is not None:
-                self.stop_end_watcher(watcher)
+            self.stop_end_watcher(watcher)
 
-    def stop_end_watcher(self, watcher: EndWatcher) -> None:
+    def end_watcher(self, rdzv: Rendezvous, generation: Generation) -> EndWatcher | ReadEnd:
+        """A started watcher of ``generation``'s end (see ftrun.endwatch); the leader and a
+        single node read the end directly (in-process: it costs no network)."""
+        if self._open_client is None:
+            return ReadEnd()
+        # A wait slice under the request timeout (or the socket gives up first), and short
+        # for a prompt stop().
+        slice_s = min(1.0, self._op_timeout / 2)
+        return EndWatcher(self._open_client, rdzv.store, f"gen/{generation.number}/end",
+                          slice_s).start()
+
+    def stop_end_watcher(self, watcher: EndWatcher | ReadEnd) -> None:
         """Without a store (the agent exits at once, by ``os._exit``) there is nothing to
         wait for."""
         watcher.stop(0.0 if self._lost_reason() is not None else 5.0)
 
-    def end_watcher(self, rdzv: Rendezvous, generation: Generation) -> EndWatcher | None:
-        """A started watcher of ``generation``'s end (see ftrun.endwatch), or None on the
-        leader and on a single node (they read the end directly: it costs no network)."""
-        if self._end_watch is None:
-            return None
-        connect, slice_s = self._end_watch
-        return EndWatcher(connect, rdzv.store, f"gen/{generation.number}/end",
-                          slice_s).start()
-
     def _watch_generation(
         self, rdzv: Rendezvous, generation: Generation, group: list[local.WorkerProcess],
-        watcher: EndWatcher | None,
+        watcher: EndWatcher | ReadEnd,
     ) -> GenerationResult:
         config = self.config
         reported: set[int] = set()
@@ -507,9 +509,7 @@ class Agent:
             if remote and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + config.monitor_interval_s
                 try:
-                    # With a working watcher, the end key is read only once it exists.
-                    cause = self._remote_cause(rdzv, generation, watcher is None
-                                               or watcher.fired.is_set() or not watcher.healthy)
+                    cause = self._remote_cause(rdzv, generation, watcher.end_may_exist)
                 except StoreError as error:
                     self.stop_workers(group, signal.SIGTERM, "store lost")
                     raise StoreLostError(self._lost_reason() or str(error)) from None
@@ -521,13 +521,10 @@ class Agent:
                     exits = self._exits(generation, group, None)
                     return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
             timeout = max(0.0, next_poll - time.monotonic()) if remote else 3600.0
-            fds = [self.inbox.fd]
-            if watcher is not None and not watcher.fired.is_set():
-                fds.append(watcher.fd)
-            woke = local.wait_any(group, timeout, fds)
+            woke = local.wait_any(group, timeout, [self.inbox.fd, *watcher.wake_fds()])
             if self.inbox.fd in woke:
                 self.inbox.drain()
-            if watcher is not None and watcher.fd in woke:
+            if set(woke) - {self.inbox.fd}:
                 next_poll = time.monotonic()  # the end was written: read it now
 
     def _remote_cause(self, rdzv: Rendezvous, generation: Generation,

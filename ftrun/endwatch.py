@@ -53,7 +53,7 @@ class EndWatcher:
 
     @property
     def fd(self) -> int:
-        """Readable once the key exists: add it to the agent's ``select``."""
+        """Readable once the key exists."""
         return self._read_fd
 
     @property
@@ -62,6 +62,16 @@ class EndWatcher:
         last one (a renewal that takes longer is failing)."""
         return self._thread.is_alive() and \
             time.monotonic() - self._last_wait < 3 * self.slice_s + 1.0
+
+    @property
+    def end_may_exist(self) -> bool:
+        """Whether the agent should read the end key now: it exists (to be verified), or
+        the watcher is not working and cannot say."""
+        return self.fired.is_set() or not self.healthy
+
+    def wake_fds(self) -> list[int]:
+        """What the agent's ``select`` adds: the pipe, until it has fired."""
+        return [] if self.fired.is_set() else [self.fd]
 
     def start(self) -> EndWatcher:
         self._thread.start()
@@ -80,8 +90,7 @@ class EndWatcher:
         while not self._stop.is_set():
             try:
                 if store is None:
-                    store = JsonStore(self._connect(), self._template.prefix.rstrip("/"),
-                                      signer=self._template.signer)
+                    store = self._template.with_client(self._connect())
                 exists = store.wait_for(self.key, self.slice_s)
                 self._last_wait = time.monotonic()
                 if exists:
@@ -91,3 +100,16 @@ class EndWatcher:
             except Exception:  # StoreError; nothing may end the thread unseen
                 store = None  # a timed-out client may be out of step: reconnect
                 self._stop.wait(self.slice_s)
+
+
+class ReadEnd:
+    """The stand-in for the agents that need no watcher (the leader, whose store is
+    in-process, and a single node): the end key is read every tick."""
+
+    end_may_exist = True
+
+    def wake_fds(self) -> list[int]:
+        return []
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        """Nothing to stop."""

@@ -80,18 +80,13 @@ class HeartbeatSender:
             return False
         return time.monotonic() - max(self.last_ok, since - self.interval_s) > self.timeout_s
 
-    @property
-    def failing(self) -> bool:
-        return self.failing_since is not None
-
     def _run(self) -> None:
         store: JsonStore | None = None
         while not self._stop.is_set():
             started = time.monotonic()
             try:
                 if store is None:
-                    store = JsonStore(self._connect(), self._template.prefix.rstrip("/"),
-                                      signer=self._template.signer)
+                    store = self._template.with_client(self._connect())
                 self.seq += 1
                 store.set_record(heartbeat_key(self.node_id), {"seq": self.seq})
                 store.exists(heartbeat_key(self.node_id))  # the reply proves the set arrived

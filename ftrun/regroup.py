@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol as P
 from ftrun import workers as local
+from ftrun.endwatch import EndWatcher, ReadEnd
 from ftrun.events import WorkerExit, describe_returncode, read_error_file
 from ftrun.outcome import GenerationResult, Outcome, describe_cause
 from ftrun.rendezvous import StoreLostError
@@ -59,7 +60,6 @@ from ftrun.store import StoreError, StoreValueError
 
 if TYPE_CHECKING:
     from ftrun.agent import Agent
-    from ftrun.endwatch import EndWatcher
     from ftrun.rendezvous import Generation, Rendezvous
 
 
@@ -117,18 +117,17 @@ class RegroupSupervisor:
         self.first_failure: local.WorkerProcess | None = None
         self.replacement_failures = 0
         self.leader = _Leader(self) if rdzv.is_leader else None
-        self.end_watcher: EndWatcher | None = None  # the job generation's end (not leader)
+        self.end_watcher: EndWatcher | ReadEnd = ReadEnd()  # the job generation's end
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def run(self) -> GenerationResult:
-        self.end_watcher = self.agent.end_watcher(self.rdzv, self.generation) \
-            if self.multi else None
+        if self.multi:
+            self.end_watcher = self.agent.end_watcher(self.rdzv, self.generation)
         try:
             return self._run()
         finally:
-            if self.end_watcher is not None:
-                self.agent.stop_end_watcher(self.end_watcher)
+            self.agent.stop_end_watcher(self.end_watcher)
 
     def _run(self) -> GenerationResult:
         for _ in range(self.config.nproc_per_node):
@@ -146,11 +145,8 @@ class RegroupSupervisor:
                 if result is not None:
                     return result
                 procs = [s.process for s in self.slots.values() if s.process.poll() is None]
-                fds = [self.agent.inbox.fd]
-                watcher = self.end_watcher
-                if watcher is not None and not watcher.fired.is_set():
-                    fds.append(watcher.fd)
-                woke = local.wait_any(procs, self.config.monitor_interval_s, fds)
+                woke = local.wait_any(procs, self.config.monitor_interval_s,
+                                      [self.agent.inbox.fd, *self.end_watcher.wake_fds()])
                 if self.agent.inbox.fd in woke:
                     self.agent.inbox.drain()
         except StoreError as error:
@@ -201,10 +197,7 @@ class RegroupSupervisor:
         if lost is not None:
             self._stop_all(signal.SIGTERM, "store lost")
             raise StoreLostError(lost)
-        watcher = self.end_watcher
-        # The key exists (verify it), or the watcher is not working: read it.
-        read_end = watcher is None or watcher.fired.is_set() or not watcher.healthy
-        cause = rdzv.ended(generation.number) if read_end else None
+        cause = rdzv.ended(generation.number) if self.end_watcher.end_may_exist else None
         if cause is None and self.leader is not None:
             cause = self.leader.watch_nodes()
         if cause is not None:

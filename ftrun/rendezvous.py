@@ -173,7 +173,8 @@ class Rendezvous:
         self.lost = lost
         self.monitor = monitor
         self.on_wait = on_wait
-        self._report: tuple[tuple[str, float], float] = (("", 0.0), 0.0)  # wait, next report
+        self._reported_wait: tuple[str, float] = ("", 0.0)  # (what, deadline) of the wait
+        self._next_report = 0.0
 
     # --- forming a generation -----------------------------------------------------------
 
@@ -278,11 +279,10 @@ class Rendezvous:
         if now >= deadline:
             detail = f" ({describe_missing()})" if describe_missing else ""
             raise RendezvousError(f"timed out waiting for {what}{detail}")
-        wait, next_report = self._report
-        if wait != (what, deadline):  # a new wait: its first report is one period away
-            self._report = ((what, deadline), now + self.WAIT_REPORT_S)
-        elif now >= next_report:
-            self._report = (wait, now + self.WAIT_REPORT_S)
+        if self._reported_wait != (what, deadline):  # a new wait: report one period on
+            self._reported_wait, self._next_report = (what, deadline), now + self.WAIT_REPORT_S
+        elif now >= self._next_report:
+            self._next_report = now + self.WAIT_REPORT_S
             detail = f" ({describe_missing()})" if describe_missing else ""
             self.on_wait(f"still waiting for {what}{detail}; giving up in "
                          f"{deadline - now:.0f} s (join_timeout)")
@@ -326,22 +326,28 @@ class StaticRendezvous(Rendezvous):
     def _offer(self, number: int, slot: NodeSlot) -> None:
         self.store.set_record(f"gen/{number}/join/{slot.node_rank}", asdict(slot))
 
+    def _joins(self, number: int, ranks: list[int]) -> dict[int, NodeSlot]:
+        """The valid join records of generation ``number`` for ``ranks`` (one bulk read)."""
+        names = [f"gen/{number}/join/{r}" for r in ranks]
+        present = self.store.present_records(names) if names else {}
+        found: dict[int, NodeSlot] = {}
+        for rank, name in zip(ranks, names, strict=True):
+            data = present.get(name)
+            if data is None:
+                continue
+            try:
+                slot = NodeSlot.from_json(data)
+            except StoreValueError:
+                continue
+            if slot.node_rank == rank:
+                found[rank] = slot
+        return found
+
     def _collect(self, number: int, own: NodeSlot, deadline: float,
                  expected: tuple[str, ...]) -> list[NodeSlot]:
         slots: dict[int, NodeSlot] = {}
         while True:
-            wanted = [r for r in range(self.nnodes) if r not in slots]
-            present = self.store.present_records([f"gen/{number}/join/{r}" for r in wanted])
-            for rank in wanted:
-                data = present.get(f"gen/{number}/join/{rank}")
-                if data is None:
-                    continue
-                try:
-                    found = NodeSlot.from_json(data)
-                except StoreValueError:
-                    continue
-                if found.node_rank == rank:
-                    slots[rank] = found
+            slots.update(self._joins(number, [r for r in range(self.nnodes) if r not in slots]))
             if len(slots) == self.nnodes:
                 return [slots[r] for r in sorted(slots)]
             missing = sorted(set(range(self.nnodes)) - set(slots))
@@ -352,18 +358,9 @@ class StaticRendezvous(Rendezvous):
                      left_out: Collection[str] = ()) -> NodeSlot | None:
         """A node that a regroup left out asks again under its own node rank (a static job
         has no other room)."""
-        gone = [n for n in generation.nodes if n.node_id in set(left_out)]
-        names = [f"gen/{generation.number + 1}/join/{n.node_rank}" for n in gone]
-        present = self.store.present_records(names) if names else {}
-        for node, name in zip(gone, names, strict=True):
-            data = present.get(name)
-            try:
-                slot = NodeSlot.from_json(data) if data is not None else None
-            except StoreValueError:
-                continue
-            if slot is not None and slot.node_rank == node.node_rank:
-                return slot
-        return None
+        gone = [n.node_rank for n in generation.nodes if n.node_id in set(left_out)]
+        joins = self._joins(generation.number + 1, gone)
+        return next(iter(joins.values()), None)
 
 
 class DynamicRendezvous(Rendezvous):

@@ -137,12 +137,18 @@ class _ConnectAttempt:
                 _bound_requests(_socket_fds() - before, op_timeout_s)
             self.store = store
         except (RuntimeError, ValueError) as error:
-            self.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+            self.error = _first_line(error)
         finally:
             _CONNECT_LOCK.release()
 
 
 _CONNECT_LOCK = threading.Lock()
+
+
+def _first_line(error: BaseException) -> str:
+    """torch's store errors carry a C++ trace after the first line."""
+    text = str(error)
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _socket_fds() -> set[int]:
@@ -214,6 +220,11 @@ class JsonStore:
         client reference: a reconnect here does not replace the parent's)."""
         return JsonStore(self.raw, prefix, signer=self.signer, reconnect=self.reconnect,
                          retry_s=self.retry_s, lost=self.lost, on_reject=self.on_reject)
+
+    def with_client(self, client: TCPStore) -> JsonStore:
+        """The same prefix and secret on another client, without reconnection: for a
+        thread with a connection of its own, which reconnects itself."""
+        return JsonStore(client, self.prefix, signer=self.signer, on_reject=self.on_reject)
 
     def set(self, name: str, value: dict[str, Any]) -> None:
         self._call("set", self.key(name), json.dumps(value, separators=(",", ":")))
@@ -321,7 +332,7 @@ class JsonStore:
         except (RuntimeError, ValueError) as error:
             if "wait timeout after" in str(error):
                 return False
-            detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+            detail = _first_line(error)
             if self.reconnect is None or self.lost():
                 raise StoreError(f"store request failed: {detail}") from None
             self.raw = self.reconnect()  # never reuse a client that may be out of step
@@ -365,7 +376,7 @@ class JsonStore:
             try:
                 return getattr(self.raw, method)(*args)
             except (RuntimeError, ValueError) as error:  # torch's DistStoreError too
-                detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+                detail = _first_line(error)
                 now = time.monotonic()
                 first_failure = first_failure if first_failure is not None else now
                 if self.reconnect is None or self.lost() or now - first_failure >= self.retry_s:
