@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import NoReturn
 
 from ftrun import __version__
-from ftrun.auth import TokenError, load_secret
 from ftrun.config import (
     DEFAULT_MASTER_PORT,
     DEFAULT_RDZV_PORT,
@@ -46,6 +45,7 @@ from ftrun.config import (
     parse_stream_spec,
     visible_gpu_count,
 )
+from ftrun.control.auth import TokenError, load_secret
 from ftrun.exitcodes import ExitCode
 
 SUBCOMMANDS = ("doctor",)

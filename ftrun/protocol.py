@@ -1,10 +1,10 @@
 """The regroup protocol between an agent and the workers that use ``import ftrun``.
 
 One table of store keys, and the records both sides read, so that the agent
-(:mod:`ftrun.regroup`) and the worker API (:mod:`ftrun.worker`) cannot drift apart. All
+(:mod:`ftrun.agent.regroup`) and the worker API (:mod:`ftrun.worker`) cannot drift apart. All
 keys live under one prefix per job generation (``FTRUN_REGROUP_PREFIX``, e.g.
 ``ftrun/<run id>/rg0``) in the control store. Every value is a record signed with the job's
-secret (:mod:`ftrun.auth`; workers inherit it), never a pickle, and every reader checks it:
+secret (:mod:`ftrun.control.auth`; workers inherit it), never a pickle, and every reader checks it:
 a process that reaches the store without the secret cannot end a generation, make a member
 leave or abort its communicators, or decide a step. Write-once keys (ends, decisions,
 ``formed``, joins) are appended and the first valid record wins; others are overwritten and
@@ -30,7 +30,7 @@ key                        written by              meaning
 Between agents (multi-node; on one node the agent is both sides). Members are named
 ``<node rank>.<n>``. The leader (the store host) alone publishes generations; every agent
 watches its own members and reports what it sees. These records are signed with the job's
-secret (:mod:`ftrun.auth`), so a process without it cannot remove or kill a member:
+secret (:mod:`ftrun.control.auth`), so a process without it cannot remove or kill a member:
 
 ==============================  ================  ========================================
 key                             written by        meaning
@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ftrun.store import StoreValueError, require
+from ftrun.control.store import StoreValueError, require
 
 COMMIT = "commit"
 COMMIT_REGROUP = "commit-regroup"

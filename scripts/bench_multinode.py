@@ -26,7 +26,7 @@
   to the moment the last agent's join returned (all clocks are this machine's), the median
   of ``--rdzv-repeats`` runs (every run is in ``rendezvous_runs``):
 
-  - ftrun: ftrun.rendezvous.DynamicRendezvous.join() for generation 0, as ftrun's agent
+  - ftrun: ftrun.control.rendezvous.DynamicRendezvous.join() for generation 0, as ftrun's agent
     sets it up (ftrun/agent.py): a client with its request timeout, HMAC-signed records,
     poll 0.05 s, a heartbeat thread per agent (1 s); agent 0 is the leader (in a real job
     the store host's agent), which also opens the generation's worker store. Returns when
@@ -196,10 +196,10 @@ _AGENT_PRELOAD = [
     "torch.distributed.elastic.rendezvous",
     "torch.distributed.elastic.rendezvous.registry",
     "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
-    "ftrun.auth",
-    "ftrun.heartbeat",
-    "ftrun.rendezvous",
-    "ftrun.store",
+    "ftrun.control.auth",
+    "ftrun.control.heartbeat",
+    "ftrun.control.rendezvous",
+    "ftrun.control.store",
 ]
 #: Agents are started this many at a time, each batch once the one before is ready: a few
 #: hundred simultaneous store connects make this sandbox's resolver stall many of them
@@ -222,10 +222,10 @@ def _ftrun_agent(index: int, n: int, port: int, run_id: str,
     """What ftrun's agent builds on a host that does not serve the store (agent 0 is the
     leader, as the store host's agent is in a real job): a client with the agent's request
     timeout, signed records, a heartbeat thread; then its join of generation 0."""
-    from ftrun.auth import Signer
-    from ftrun.heartbeat import HeartbeatSender
-    from ftrun.rendezvous import DynamicRendezvous, NodeSlot
-    from ftrun.store import JsonStore, connect_store, serve_store
+    from ftrun.control.auth import Signer
+    from ftrun.control.heartbeat import HeartbeatSender
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+    from ftrun.control.store import JsonStore, connect_store, serve_store
 
     op_timeout = max(1.0, _HB_TIMEOUT_S / 3)
 
@@ -387,7 +387,7 @@ def rendezvous_run(program: str, n: int, timeout_s: float = 120.0, quiet_cores: 
     returned within ``timeout_s``. Before the agents start, waits up to ``quiet_wait_s``
     for other work on this machine to use fewer than ``quiet_cores`` cores."""
     global _agent_mem_mb
-    from ftrun.store import serve_store
+    from ftrun.control.store import serve_store
 
     info: dict[str, object] = {"program": program, "agents": n, "s": None}
     available = _mem_available_mb()
@@ -503,8 +503,8 @@ def _median(values: list[float | None]) -> float | None:
 
 def _load_proc(port: int, agents: list[int], interval: float, poll: float, seconds: float,
                out: mp.Queue, end_wait: bool) -> None:
-    from ftrun.auth import Signer
-    from ftrun.store import JsonStore, connect_store
+    from ftrun.control.auth import Signer
+    from ftrun.control.store import JsonStore, connect_store
 
     store = JsonStore(connect_store("127.0.0.1", port, 30), "ftrun/load",
                       signer=Signer(b"bench-token"))
@@ -548,9 +548,9 @@ def store_load(n: int, interval: float, poll: float, seconds: float = 10.0,
                procs: int = 4, end_wait: bool = True) -> dict[str, float]:
     """``poll``: seconds between one agent's end checks (end_wait: between renewals of
     its wait, the EndWatcher's slice)."""
-    from ftrun.auth import Signer
-    from ftrun.heartbeat import HeartbeatMonitor
-    from ftrun.store import JsonStore, serve_store
+    from ftrun.control.auth import Signer
+    from ftrun.control.heartbeat import HeartbeatMonitor
+    from ftrun.control.store import JsonStore, serve_store
 
     server = serve_store(0, 60)
     store = JsonStore(server, "ftrun/load", signer=Signer(b"bench-token"))

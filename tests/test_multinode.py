@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.auth import Signer
 from ftrun.cli import config_from_args
 from ftrun.config import ConfigError
-from ftrun.heartbeat import HeartbeatMonitor, HeartbeatSender
-from ftrun.store import JsonStore, connect_store, serve_store
+from ftrun.control.auth import Signer
+from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
+from ftrun.control.store import JsonStore, connect_store, serve_store
 from tests.launch import REPO, Launch, copy_train_script, launcher
 
 HB = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"]
@@ -95,7 +95,7 @@ def test_heartbeat_sender_reads_failures_not_silence_as_a_lost_store() -> None:
     is silent but has not lost its store; one whose requests fail for the timeout (the
     store host SIGKILLed) has."""
     host = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom ftrun.store import serve_store\n"
+        [sys.executable, "-c", "import sys, time\nfrom ftrun.control.store import serve_store\n"
          "s = serve_store(0, 10)\nprint(s.port, flush=True)\ntime.sleep(300)"],
         stdout=subprocess.PIPE, text=True, cwd=REPO)
     senders: list[HeartbeatSender] = []
@@ -129,7 +129,7 @@ def test_end_watcher_wakes_on_the_write_and_stops_within_a_slice(store) -> None:
     stop() does not leave its thread inside torch."""
     import select
 
-    from ftrun.endwatch import EndWatcher
+    from ftrun.control.endwatch import EndWatcher
 
     signer = Signer(TOKEN.encode())
     writer = JsonStore(store, "ftrun/ew", signer=signer)
@@ -163,7 +163,7 @@ def _until(condition: Callable[[], object], timeout: float, what: str) -> None:
 def test_leader_reads_slots_in_bulk_around_holes_and_agents_wait_in_the_store(store) -> None:  # type: ignore[no-untyped-def]
     from dataclasses import asdict
 
-    from ftrun.rendezvous import DynamicRendezvous, NodeSlot
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
 
     client = _client(store.port)
     jstore = JsonStore(store, "ftrun/rd", signer=Signer(TOKEN.encode()))
@@ -194,7 +194,7 @@ def test_leader_reads_slots_in_bulk_around_holes_and_agents_wait_in_the_store(st
 def test_a_wait_that_lasts_says_who_is_missing_then_times_out(store) -> None:  # type: ignore[no-untyped-def]
     """A leader that cannot form a generation says so while it waits (who joined, how many
     more it needs, how long until it gives up), then fails with the same detail."""
-    from ftrun.rendezvous import DynamicRendezvous, NodeSlot, RendezvousError
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot, RendezvousError
 
     said: list[str] = []
     jstore = JsonStore(store, "ftrun/wait", signer=Signer(TOKEN.encode()))

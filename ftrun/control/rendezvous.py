@@ -16,12 +16,12 @@ Keys under ``ftrun/<run id>/``:
 ``gen/N/end``          the first valid cause that ended generation N
 ``gen/N/done``         counter: nodes whose workers all finished successfully
 ``latest``             the number of the newest generation record (for newcomers)
-``hb/<node id>``       an agent's heartbeat (:mod:`ftrun.heartbeat`)
+``hb/<node id>``       an agent's heartbeat (:mod:`ftrun.control.heartbeat`)
 ``shutdown``           the job is over; the first valid reason wins
 =====================  ==============================================================
 
 Records that steer the job (slots, generation records, ends, shutdown, heartbeats) are
-signed with the job's secret when there is one (:mod:`ftrun.auth`); the write-once ones
+signed with the job's secret when there is one (:mod:`ftrun.control.auth`); the write-once ones
 are *appended* and the first valid record wins, so a writer without the secret can neither
 forge nor pre-empt them. Counters are plain: their worst abuse is a denial of service.
 
@@ -50,8 +50,8 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ftrun.heartbeat import HeartbeatMonitor
-from ftrun.store import JsonStore, StoreValueError, require
+from ftrun.control.heartbeat import HeartbeatMonitor
+from ftrun.control.store import JsonStore, StoreValueError, require
 
 
 class RendezvousError(RuntimeError):

@@ -1509,6 +1509,3 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m ftrun.doctor ARGS``."""
     app(args=argv, prog_name="ftrun doctor")
 
-
-if __name__ == "__main__":
-    main()

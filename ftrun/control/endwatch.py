@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ftrun.store import JsonStore
+from ftrun.control.store import JsonStore
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore

@@ -32,16 +32,16 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from ftrun import workers as local
-from ftrun.auth import Signer, load_secret
+from ftrun.agent import processes as local
+from ftrun.agent.events import EventLog, WorkerExit, read_error_file
+from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
+from ftrun.agent.regroup import RegroupSupervisor
+from ftrun.agent.report import print_failure_summary
 from ftrun.config import LaunchConfig, Recovery, Std, parse_seconds
-from ftrun.endwatch import EndWatcher, ReadEnd
-from ftrun.events import EventLog, WorkerExit, read_error_file
-from ftrun.exitcodes import ExitCode, for_signal
-from ftrun.heartbeat import HeartbeatMonitor, HeartbeatSender
-from ftrun.outcome import GenerationResult, Outcome, describe_cause
-from ftrun.regroup import RegroupSupervisor
-from ftrun.rendezvous import (
+from ftrun.control.auth import Signer, load_secret
+from ftrun.control.endwatch import EndWatcher, ReadEnd
+from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
+from ftrun.control.rendezvous import (
     DynamicRendezvous,
     Generation,
     NodeSlot,
@@ -50,9 +50,9 @@ from ftrun.rendezvous import (
     StaticRendezvous,
     StoreLostError,
 )
-from ftrun.report import print_failure_summary
+from ftrun.control.store import JsonStore, StoreError, connect_store, serve_store
+from ftrun.exitcodes import ExitCode, for_signal
 from ftrun.shim import SURVIVOR_TORCH_ENV, ShimControl, ShimError
-from ftrun.store import JsonStore, StoreError, connect_store, serve_store
 
 
 class SignalInbox:
@@ -463,7 +463,7 @@ class Agent:
             self.stop_end_watcher(watcher)
 
     def end_watcher(self, rdzv: Rendezvous, generation: Generation) -> EndWatcher | ReadEnd:
-        """A started watcher of ``generation``'s end (see ftrun.endwatch); the leader and a
+        """A started watcher of ``generation``'s end (see ftrun.control.endwatch); the leader and a
         single node read the end directly (in-process: it costs no network)."""
         if self._open_client is None:
             return ReadEnd()

@@ -130,7 +130,7 @@ class ShimTimeoutError(ShimError, TimeoutError):
 
 
 # ---- locating the built library -------------------------------------------------------------
-_NATIVE = Path(__file__).resolve().parent / "_native"
+_NATIVE = Path(__file__).resolve().parent.parent / "_native"
 
 
 def shim_library_path() -> Path:

@@ -58,9 +58,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol as P
-from ftrun.auth import Signer, load_secret
+from ftrun.control.auth import Signer, load_secret
+from ftrun.control.store import JsonStore, StoreError, StoreValueError
 from ftrun.shim import SURVIVOR_TORCH_ENV
-from ftrun.store import JsonStore, StoreError, StoreValueError
 
 T = TypeVar("T")
 

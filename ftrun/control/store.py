@@ -3,7 +3,7 @@
 Two kinds of store exist in a job:
 
 * the **control store**, hosted by the agent on the rendezvous host for the whole job: the
-  generation records, joins, ends and shutdown of :mod:`ftrun.rendezvous`;
+  generation records, joins, ends and shutdown of :mod:`ftrun.control.rendezvous`;
 * one **worker store** per generation, hosted by the same agent on a fresh port, which the
   workers of that generation reach through ``MASTER_ADDR``/``MASTER_PORT`` with
   ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch then connects as a client and never hosts a
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ftrun.auth import AuthError, Signer
+from ftrun.control.auth import AuthError, Signer
 
 # torch's C++ store client logs every failed connect attempt and every timed-out request
 # (tens of lines while a store host is down). The agent turns those failures into one line
@@ -184,7 +184,7 @@ def _bound_requests(fds: set[int], timeout_s: float) -> None:
 class JsonStore:
     """Namespaced JSON records on a TCPStore, for the control plane.
 
-    ``signer`` (see :mod:`ftrun.auth`) authenticates the control records written with
+    ``signer`` (see :mod:`ftrun.control.auth`) authenticates the control records written with
     :meth:`put_record`/:meth:`set_record` and read with :meth:`first_record`/
     :meth:`get_record`. ``reconnect``, given to clients of a remote store, replaces the
     connection after a failed request and retries it until ``retry_s`` has passed or

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ftrun.events import WorkerExit
+from ftrun.agent.events import WorkerExit
 
 
 def _clock(ts: float) -> str:

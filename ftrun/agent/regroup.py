@@ -50,17 +50,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol as P
-from ftrun import workers as local
-from ftrun.endwatch import EndWatcher, ReadEnd
-from ftrun.events import WorkerExit, describe_returncode, read_error_file
-from ftrun.outcome import GenerationResult, Outcome, describe_cause
-from ftrun.rendezvous import StoreLostError
+from ftrun.agent import processes as local
+from ftrun.agent.events import WorkerExit, describe_returncode, read_error_file
+from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
+from ftrun.control.endwatch import EndWatcher, ReadEnd
+from ftrun.control.rendezvous import StoreLostError
+from ftrun.control.store import StoreError, StoreValueError
 from ftrun.shim import ShimError, ShimTimeoutError
-from ftrun.store import StoreError, StoreValueError
 
 if TYPE_CHECKING:
-    from ftrun.agent import Agent
-    from ftrun.rendezvous import Generation, Rendezvous
+    from ftrun.agent.loop import Agent
+    from ftrun.control.rendezvous import Generation, Rendezvous
 
 
 @dataclass

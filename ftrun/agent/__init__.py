@@ -1,0 +1,18 @@
+"""The agent: one per node (or ``srun`` task), it runs the job for its local workers.
+
+:func:`run_agent` is the whole entry point. The package is layered; each module depends only
+on those above it in this list:
+
+* :mod:`~ftrun.agent.events`, :mod:`~ftrun.agent.outcome`, :mod:`~ftrun.agent.report`:
+  what is said about a job (event names, cause records, how a generation ended, the summary);
+* :mod:`~ftrun.agent.processes`: spawning, signalling and reaping local processes;
+* :mod:`~ftrun.agent.regroup` and its leader: the in-process recovery supervisor;
+* :mod:`~ftrun.agent.loop`: the outer loop (connect, join a generation, run a supervisor,
+  then finish, restart or give up).
+"""
+
+from __future__ import annotations
+
+from ftrun.agent.loop import run_agent
+
+__all__ = ["run_agent"]
