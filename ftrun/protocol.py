@@ -57,10 +57,113 @@ reading them all after writing its own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftrun.control.store import StoreValueError, require
+from ftrun.control.errors import StoreValueError, require
+
+# --- the worker's environment -----------------------------------------------------------------
+
+# What a worker that must survive an abort needs from torch (NCCL-FACTS.md, "PyTorch's side").
+# The agent keeps torchrun's values (scripts without the worker API expect them); a member
+# switches to these in ``ftrun.init()``, except the ones the user set (``user_torch_env``).
+SURVIVOR_TORCH_ENV: dict[str, str] = {
+    # 2 = on a communicator error, abort the communicators and keep the process (torchrun
+    # injects 1, which tears the process down; the C++ default 3 tears down without abort).
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # The watchdog sleeps 4 x this before it handles an error (default 15 s -> 60 s).
+    # 250 ms is a guess that has not been checked on a GPU yet.
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250",
+}
+
+
+@dataclass(frozen=True)
+class MemberEnv:
+    """What makes a worker a regroup member (absent under ``--recovery restart``)."""
+
+    member_id: str  # ``<node rank>.<n>``: stable for the process's life, unlike its rank
+    prefix: str  # the job generation's regroup key space in the control store
+    initial: bool  # started with the job generation (holds the state) or a joiner/spare
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """ftrun's own variables in a worker's environment, written by the agent and read by the
+    worker API; torchrun's variables (``RANK``, ``MASTER_PORT``, ...) are set beside them
+    with torchrun's values. One class so that the two sides cannot drift apart.
+
+    Under torchrun (or a script run by hand) none of them exist: :meth:`from_env` returns
+    None. A malformed value raises ``ValueError`` naming the variable.
+    """
+
+    generation: int  # the job generation this worker was started in (``gen/N``)
+    agent_pid: int
+    node_rank: int
+    run_id: str
+    control_addr: str  # ``host:port`` of the control store
+    user_torch_env: frozenset[str]  # SURVIVOR_TORCH_ENV keys the user set: theirs win
+    member: MemberEnv | None = None
+
+    GENERATION = "FTRUN_GENERATION"
+    AGENT_PID = "FTRUN_AGENT_PID"
+    NODE_RANK = "FTRUN_NODE_RANK"
+    RUN_ID = "FTRUN_RUN_ID"
+    CONTROL_ADDR = "FTRUN_CONTROL_ADDR"
+    USER_TORCH_ENV = "FTRUN_USER_TORCH_ENV"
+    MEMBER_ID = "FTRUN_MEMBER_ID"
+    REGROUP_PREFIX = "FTRUN_REGROUP_PREFIX"
+    INITIAL = "FTRUN_INITIAL"
+
+    def to_env(self) -> dict[str, str]:
+        env = {
+            self.GENERATION: str(self.generation),
+            self.AGENT_PID: str(self.agent_pid),
+            self.NODE_RANK: str(self.node_rank),
+            self.RUN_ID: self.run_id,
+            self.CONTROL_ADDR: self.control_addr,
+            self.USER_TORCH_ENV: ",".join(sorted(self.user_torch_env)),
+        }
+        if self.member is not None:
+            env[self.MEMBER_ID] = self.member.member_id
+            env[self.REGROUP_PREFIX] = self.member.prefix
+            env[self.INITIAL] = "1" if self.member.initial else "0"
+        return env
+
+    @property
+    def control_endpoint(self) -> tuple[str, int]:
+        host, _, port = self.control_addr.rpartition(":")
+        return host, int(port)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerEnv | None:
+        if cls.GENERATION not in env:
+            return None
+
+        def number(name: str) -> int:
+            try:
+                return int(env.get(name, ""))
+            except ValueError:
+                raise ValueError(f"{name}={env.get(name)!r} is not an integer") from None
+
+        addr = env.get(cls.CONTROL_ADDR, "")
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{cls.CONTROL_ADDR}={addr!r} is not host:port")
+        member = None
+        if env.get(cls.MEMBER_ID) and env.get(cls.REGROUP_PREFIX):
+            member = MemberEnv(env[cls.MEMBER_ID], env[cls.REGROUP_PREFIX],
+                               env.get(cls.INITIAL) == "1")
+        return cls(
+            generation=number(cls.GENERATION),
+            agent_pid=number(cls.AGENT_PID),
+            node_rank=number(cls.NODE_RANK),
+            run_id=env.get(cls.RUN_ID, ""),
+            control_addr=addr,
+            user_torch_env=frozenset(k for k in env.get(cls.USER_TORCH_ENV, "").split(",") if k),
+            member=member,
+        )
+
 
 COMMIT = "commit"
 COMMIT_REGROUP = "commit-regroup"

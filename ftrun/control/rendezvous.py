@@ -50,8 +50,9 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ftrun.control.errors import StoreValueError, require
 from ftrun.control.heartbeat import HeartbeatMonitor
-from ftrun.control.store import JsonStore, StoreValueError, require
+from ftrun.control.store import JsonStore
 
 
 class RendezvousError(RuntimeError):

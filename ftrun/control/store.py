@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.control.auth import AuthError, Signer
+from ftrun.control.errors import StoreError, StoreValueError
 
 # torch's C++ store client logs every failed connect attempt and every timed-out request
 # (tens of lines while a store host is down). The agent turns those failures into one line
@@ -47,14 +48,6 @@ finally:
 
 # Bounds each blocking connect so that a signal to the agent is acted on promptly.
 _CONNECT_SLICE_S = 2.0
-
-
-class StoreError(RuntimeError):
-    """The store cannot be reached or served."""
-
-
-class StoreValueError(StoreError):
-    """A key holds something other than the JSON object its reader expects."""
 
 
 def serve_store(port: int, timeout_s: float) -> TCPStore:
@@ -387,13 +380,3 @@ class JsonStore:
                 self.raw = self.reconnect()
             except StoreError:
                 time.sleep(0.05)
-
-
-def require(record: dict[str, Any], field: str, kind: type | tuple[type, ...]) -> Any:
-    """Read one field of a store record, checking its type (bool is not an int here)."""
-    value = record.get(field)
-    if isinstance(value, bool) and kind is int:
-        raise StoreValueError(f"field {field!r} must be an integer")
-    if not isinstance(value, kind):
-        raise StoreValueError(f"field {field!r} must be {getattr(kind, '__name__', kind)}")
-    return value

@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftrun.protocol import SURVIVOR_TORCH_ENV
+
 __all__ = [
     "SURVIVOR_TORCH_ENV",
     "AbortEntry",
@@ -92,17 +94,6 @@ FUNCTION_NAMES = (
     "ncclReduceScatterConfig", "ncclAlltoAllConfig", "ncclGatherConfig", "ncclScatterConfig",
     "ncclCommQueryProperties", "ncclDevCommCreate", "ncclDevCommDestroy",
 )  # fmt: skip
-
-# What a worker that must survive an abort needs from torch (NCCL-FACTS.md, "PyTorch's side").
-SURVIVOR_TORCH_ENV: dict[str, str] = {
-    # 2 = on a communicator error, abort the communicators and keep the process (torchrun
-    # injects 1, which tears the process down; the C++ default 3 tears down without abort).
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-    # The watchdog sleeps 4 x this before it handles an error (default 15 s -> 60 s).
-    # 250 ms is a guess that has not been checked on a GPU yet.
-    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250",
-}
-
 
 def torch_env_for_survivors(env: Mapping[str, str]) -> dict[str, str]:
     """A copy of `env` with the torch settings a surviving worker needs (user values win)."""
