@@ -5,6 +5,12 @@ process: its collective waits for a peer that never comes, exactly as a collecti
 dead peer does. It is called the way torch calls NCCL: the library is loaded RTLD_LOCAL,
 the symbols resolve through the global scope, where the preloaded shim interposes them.
 Only the agent's abort (through the shim) can release it. Prints one line when released.
+
+    nccl_survivor.py VICTIM_RANK [--restart-first]
+
+--restart-first: in the job's first attempt (TORCHELASTIC_RESTART_COUNT=0) the victim rank
+exits non-zero before ``ftrun.init()``; a worker without the worker API failed, so the whole
+job restarts, and the scenario runs in job generation 1.
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ class UniqueId(ctypes.Structure):  # ncclUniqueId: 128 bytes, passed by value
 nccl.ncclCommInitRank.argtypes = [ctypes.c_void_p, ctypes.c_int, UniqueId, ctypes.c_int]
 nccl.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-ft = ftrun.init()
 victim = int(sys.argv[1])
+if ("--restart-first" in sys.argv[2:] and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        and int(os.environ["RANK"]) == victim):
+    print(f"failing before ftrun.init() pid={os.getpid()}", flush=True)
+    sys.exit(3)
+ft = ftrun.init()
 unique = UniqueId()
 assert nccl.ncclGetUniqueId(ctypes.byref(unique)) == 0
 comm = ctypes.c_void_p()
