@@ -1,0 +1,303 @@
+"""A worker's membership in the job: the member epochs it follows, one decision per step.
+
+The agents' leader publishes member epochs (who computes, with which ranks: ``rgen/<n>``
+in :mod:`ftrun.protocol`); the agents end one when a member fails. This module is the
+worker's side of that contract, and all of the worker's traffic with the control store:
+
+* following the member epochs: the first newer one that includes this member;
+* meeting its other members: each writes its arrival, and one ``formed`` (or
+  ``abandoned``) decision per epoch says whether they build a group together;
+* the commit vote of each step, so that a step is applied on every member or on none;
+* the heartbeat thread: this member's status (liveness and progress) for its agent, and
+  cutting this process's connections to a node the leader declared lost.
+
+It is apart from :mod:`ftrun.worker.api` because none of it touches the model, the
+optimizer or the process group: it only reads and writes signed records.
+
+Every wait here ends: for the records it waits on, for the member epoch to be ended or
+superseded (the agents' signal that a fault happened), or at ``regroup_timeout_s``
+(:class:`~ftrun.worker.errors.RegroupTimeoutError`), with one exception stated where it is:
+a worker without the job's state waits to be admitted for as long as the job runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ftrun import protocol as P
+from ftrun.control.auth import Signer, load_secret
+from ftrun.control.store import JsonStore, StoreError, StoreValueError
+from ftrun.worker.errors import RegroupError, RegroupTimeoutError
+
+POLL_S = 0.005  # between two looks at a record that a peer or the leader writes
+
+
+def shutdown_connections_to(host: str) -> int:
+    """Shut down this process's TCP connections to ``host``; returns how many.
+
+    Each socket is reached through a duplicate of its descriptor: ``shutdown`` acts on the
+    connection itself (its owner's blocked reads see end-of-file), while closing the
+    duplicate leaves the owner's descriptor as it was.
+    """
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return 0
+    addresses |= {f"::ffff:{a}" for a in addresses if ":" not in a}  # v4-mapped peers
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                continue
+            with socket.socket(fileno=os.dup(int(name))) as sock:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (
+                        socket.AF_INET, socket.AF_INET6):
+                    continue
+                if sock.getpeername()[0] in addresses:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+    return count
+
+
+def checked(record: dict[str, Any], allowed: tuple[str, ...]) -> str:
+    try:
+        return P.outcome_of(record, allowed)
+    except StoreValueError as error:  # signed, so written by a member: a bug, not a fault
+        raise RegroupError(f"invalid record in the store: {error}") from None
+
+
+class _Bound:
+    """The deadline of one wait, counted from when it is made."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+
+class Membership:
+    """This worker's side of the regroup protocol, on two connections to the control store
+    (one for the main thread, one for the heartbeat thread)."""
+
+    def __init__(self, env: P.WorkerEnv, member: P.MemberEnv, *, op_timeout: timedelta,
+                 regroup_timeout_s: float, heartbeat_s: float,
+                 progress: Callable[[], tuple[int, int]]) -> None:
+        host, port = env.control_endpoint
+        signer = Signer(load_secret())  # the job's secret, from the agent's environment
+        self.member_id = member.member_id
+        self.prefix = member.prefix
+        self.store = JsonStore(dist.TCPStore(host, port, is_master=False, timeout=op_timeout),
+                               member.prefix, signer=signer)
+        self._beat_store = JsonStore(
+            dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)),
+            member.prefix, signer=signer,
+        )
+        self.epoch = -1  # the member epoch this member computes in; -1 before the first
+        self.members: tuple[str, ...] = ()  # of the current member epoch, in rank order
+        self.synced = member.initial  # holds the job's state (a joiner once it received it)
+        self.finished = False
+        self.computing = -1  # the member epoch whose step is being computed, or -1
+        self._cut_off = -1  # the last member epoch whose connections to a lost node were cut
+        self._beats = 0
+        self._progress = progress  # (committed steps, collectives issued in this step)
+        self._heartbeat_s = heartbeat_s
+        self.regroup_timeout_s = regroup_timeout_s
+
+    # --- status and the heartbeat thread --------------------------------------------------
+
+    def report(self, store: JsonStore | None = None) -> None:
+        self._beats += 1
+        steps, collectives = self._progress()
+        status = P.Status(self._beats, steps, collectives, self.synced, self.finished)
+        (store or self.store).set_record(P.status_key(self.member_id), status.to_json())
+
+    def heartbeat(self, stop: threading.Event) -> None:
+        """Liveness and progress, off the main thread (a thread's target, until ``stop``): a
+        main thread that stops issuing collectives shows as progress that stands still while
+        the beats go on."""
+        while not stop.wait(self._heartbeat_s):
+            try:
+                self.report(self._beat_store)
+                self._release_from_lost_node()
+            except (StoreError, RuntimeError):
+                return  # the agent is gone; PDEATHSIG ends this process
+
+    def _release_from_lost_node(self) -> None:
+        """Fail a collective that waits on a node the leader declared lost.
+
+        A peer on a node that lost its link sends no reset: gloo would wait for its
+        timeout. Shutting down this process's connections to that node's address makes
+        the collective fail now (the same role the NCCL shim's abort plays on GPUs); the
+        main thread then finds the member epoch ended and regroups.
+        """
+        epoch = self.computing
+        if epoch < 0 or epoch == self._cut_off:
+            return
+        end = self.ended(epoch, self._beat_store)
+        addr = end.get("addr") if end else None
+        if not isinstance(addr, str):
+            return
+        self._cut_off = epoch
+        shutdown_connections_to(addr)
+
+    # --- faults and the vote --------------------------------------------------------------
+
+    def ended(self, number: int, store: JsonStore | None = None) -> dict[str, Any] | None:
+        """Why member epoch ``number`` ended (a valid record only), or None."""
+        return (store or self.store).first_record(P.end_key(number))
+
+    def explains_fault(self, grace_s: float) -> bool:
+        """A collective failed: did the agents end the current member epoch (or do they
+        within ``grace_s``)? Otherwise the error is the script's own."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if self.ended(self.epoch) is not None:
+                return True
+            time.sleep(POLL_S * 4)
+        return False
+
+    def decide(self, epoch: int, step: int, voted: bool) -> str:
+        """Vote on ``step`` (when ``voted``: this member's gradients are good) and return the
+        step's one decision. Past ``regroup_timeout_s`` without one, this member appends
+        ``abort`` (no member may apply a step it does not) and, unless a decision won
+        before it, raises :class:`RegroupTimeoutError`."""
+        key = P.decision_key(epoch, step)
+        votes = {m: P.vote_key(epoch, step, m) for m in self.members}
+        if voted:
+            self.store.set_record(P.vote_key(epoch, step, self.member_id), {})
+            # The counter only says when to look (anyone could bump it); the votes decide.
+            counted = self.store.add(P.votes_key(epoch, step), 1)
+            if counted >= len(self.members) and self._all_valid(list(votes.values())):
+                joiner_waits = self.store.first_record(P.join_key(epoch)) is not None
+                self.store.put_record(
+                    key, {"value": P.COMMIT_REGROUP if joiner_waits else P.COMMIT})
+        bound, late = _Bound(self.regroup_timeout_s), False
+        while True:
+            present = self.store.wait_for(key, 0.05)  # returns as soon as it is written
+            if present:
+                record = self.store.first_record(key)
+                if record is not None:
+                    decision = checked(record, P.DECISIONS)
+                    if late and decision == P.ABORT and self.ended(epoch) is None:
+                        raise self._timed_out(
+                            f"the decision on step {step} (no valid vote yet from: "
+                            f"{self._lacking(votes)})")
+                    return decision
+            if self.ended(epoch) is not None:
+                self.store.put_record(key, {"value": P.ABORT})
+                continue
+            if not late and bound.passed():
+                late = True
+                self.store.put_record(key, {"value": P.ABORT})
+                continue
+            if present:  # it holds only records without the job's secret
+                time.sleep(POLL_S)
+
+    # --- member epochs --------------------------------------------------------------------
+
+    def await_epoch(self, after: int) -> P.MemberGeneration:
+        """The first member epoch newer than ``after`` that includes this member.
+
+        Bounded by ``regroup_timeout_s`` while this worker holds the job's state (it was a
+        member: the leader publishes the next epoch seconds after a fault). A joiner or a
+        warm spare is not: it waits to be admitted for as long as the job runs, which may be
+        the whole job (its agent stops it with the job)."""
+        bound = _Bound(self.regroup_timeout_s) if self.synced else None
+        newer_than = after
+        while True:
+            latest = self.store.get_record(P.LATEST)
+            number = latest.get("number") if latest else None
+            if isinstance(number, int) and number > after:
+                record = self.store.get_record(P.generation_key(number))
+                if record is not None:
+                    epoch = P.MemberGeneration.from_json(record)
+                    if epoch.rank_of(self.member_id) is not None:
+                        return epoch
+                    after = number  # not in this one (a spare): wait for a later one
+            if bound is not None and bound.passed():
+                raise self._timed_out(
+                    "its first member epoch" if newer_than < 0 else
+                    f"a member epoch after {newer_than} with it as a member (the agents' "
+                    "leader publishes them)")
+            time.sleep(POLL_S)
+
+    def formed(self, epoch: P.MemberGeneration) -> bool:
+        """Whether ``epoch`` forms: one decision for all its members.
+
+        A member that finds every member's arrival appends ``formed``; a member that sees
+        the epoch ended, or a newer one published (the leader admitted another joiner
+        meanwhile), appends ``abandoned``. The first valid record of the one key wins, so
+        no member builds a group that another has left.
+
+        The bound counts from when every joiner and the survivor that sends the state have
+        arrived: until then the wait is on the script's own code (a joiner builds its
+        model before its first ``run_step``; survivors finish the step they are in, and
+        leave it together). Past it, this member appends ``abandoned`` and, unless
+        ``formed`` won before, raises :class:`RegroupTimeoutError`.
+        """
+        number = epoch.number
+        key = P.formed_key(number)
+        arrivals = {m.id: P.arrived_key(number, m.id) for m in epoch.members}
+        self.store.set_record(arrivals[self.member_id], {})
+        if self._all_valid(list(arrivals.values())):
+            self.store.put_record(key, {"value": P.FORMED})
+        first = [arrivals[m.id] for m in epoch.members
+                 if m.joiner or m.rank == epoch.source_rank]
+        bound: _Bound | None = None
+        late = False
+        while True:
+            record = self.store.first_record(key)
+            if record is not None:
+                outcome = checked(record, (P.FORMED, P.ABANDONED))
+                if late and outcome == P.ABANDONED and not self._superseded(number):
+                    raise self._timed_out(f"every member of member epoch {number} to arrive "
+                                          f"(missing: {self._lacking(arrivals)})")
+                return outcome == P.FORMED
+            if self._superseded(number):
+                self.store.put_record(key, {"value": P.ABANDONED})
+                continue
+            if bound is None:
+                if self._all_valid(first):
+                    bound = _Bound(self.regroup_timeout_s)
+            elif not late and bound.passed():
+                late = True
+                self.store.put_record(key, {"value": P.ABANDONED})
+                continue
+            time.sleep(POLL_S)
+
+    def _superseded(self, number: int) -> bool:
+        """Member epoch ``number`` ended, or a newer one is published."""
+        latest = self.store.get_record(P.LATEST) or {}
+        newer = isinstance(latest.get("number"), int) and latest["number"] > number
+        return newer or self.ended(number) is not None
+
+    # --- reading records ------------------------------------------------------------------
+
+    def _all_valid(self, names: list[str]) -> bool:
+        """Whether each of ``names`` holds a valid record: one ``check``, and one
+        ``multi_get`` once all exist."""
+        store = self.store
+        return store.exist_all(names) and all(r is not None for r in store.read_records(names))
+
+    def _lacking(self, keys: dict[str, str]) -> str:
+        """The members (of member id -> key) without a valid record yet: for an error."""
+        try:
+            present = self.store.present_records(list(keys.values()))
+        except StoreError as error:
+            return f"unknown ({error})"
+        return ", ".join(m for m, k in keys.items() if present.get(k) is None) or "none"
+
+    def _timed_out(self, waited_for: str) -> RegroupTimeoutError:
+        return RegroupTimeoutError(self.member_id, self.epoch, waited_for,
+                                   self.regroup_timeout_s)

@@ -1,0 +1,232 @@
+"""The worker API's waits on other members end at ``regroup_timeout_s``; none hangs.
+
+Each test runs real worker-API processes (``ftrun.init()``, ``run_step``) against a real
+control store served here, with the regroup environment an agent would give them
+(``WorkerEnv(...).to_env()``), but no agent: the test plays the leader, publishing member
+epochs itself (signed with the job's secret), or none. Before ``regroup_timeout_s`` existed
+each of these waits had no bound: the member waited for a member epoch, for the missing
+member's arrival or for the missing vote forever, and every process test here failed at
+its deadline (30 s) instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from ftrun import protocol as P
+from ftrun.control.auth import TOKEN_ENV, Signer
+from ftrun.control.store import JsonStore, serve_store
+from ftrun.worker import settings
+from ftrun.worker.errors import RegroupTimeoutError
+from ftrun.worker.membership import Membership
+
+SECRET = "worker-waits-secret"
+PREFIX = "ftrun/waits/rg0"
+BOUND_S = 2.0  # the regroup timeout the workers run with
+DEADLINE_S = 30.0  # loose: importing torch takes seconds on a loaded machine
+REPO = Path(__file__).resolve().parent.parent
+
+# A member: joins (init), then computes one step; member 0.1's compute never returns.
+# argv: [regroup_timeout_s for init(), or "env" to leave it to FTRUN_REGROUP_TIMEOUT_S]
+WORKER = """
+import sys, time
+import ftrun
+
+started = time.monotonic()
+bound = None if sys.argv[1] == "env" else float(sys.argv[1])
+try:
+    ft = ftrun.init(**({} if bound is None else {"regroup_timeout_s": bound}))
+    print(f"formed epoch={ft.epoch} rank={ft.rank} world={ft.world_size}", flush=True)
+
+    def compute():
+        while ft.member_id == "0.1":
+            time.sleep(1)
+
+    ft.run_step(compute, lambda: None)
+    print("step ended", flush=True)
+except ftrun.RegroupError as error:
+    print(f"{type(error).__name__} after {time.monotonic() - started:.1f}s: {error}",
+          flush=True)
+    sys.exit(3)
+"""
+
+
+class Worker:
+    """One worker-API process, its output in a file (read once it has exited)."""
+
+    def __init__(self, job_dir: Path, worker_env: P.WorkerEnv, timeout: str) -> None:
+        assert worker_env.member is not None
+        member = worker_env.member.member_id
+        script = job_dir / "worker.py"
+        script.write_text(WORKER)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
+        env.update(worker_env.to_env())
+        env[TOKEN_ENV] = SECRET
+        env["PYTHONPATH"] = str(REPO)
+        if timeout == "env":
+            env[settings.REGROUP_TIMEOUT_ENV] = str(BOUND_S)
+        self.log = job_dir / f"worker-{member}.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen([sys.executable, str(script), timeout], stdout=out,
+                                         stderr=subprocess.STDOUT, cwd=job_dir, env=env)
+
+    def finish(self, timeout_s: float) -> str:
+        """Wait for the exit; a worker still running at the deadline fails the test."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"the worker still waited after {timeout_s:.0f} s: its wait has no "
+                        f"bound\n{self.log.read_text()}")
+        return self.log.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+class Job:
+    """The control store served here, and the workers a test started on it."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.job_dir = job_dir
+        self.server = serve_store(0, 30.0)
+        self.store = JsonStore(self.server, PREFIX, signer=Signer(SECRET.encode()))
+        self.workers: list[Worker] = []
+
+    def env(self, member: str, *, initial: bool) -> P.WorkerEnv:
+        return P.WorkerEnv(
+            generation=0, agent_pid=os.getpid(), node_rank=0, run_id="waits",
+            control_addr=f"127.0.0.1:{self.server.port}", user_torch_env=frozenset(),
+            member=P.MemberEnv(member, PREFIX, initial=initial),
+        )
+
+    def start(self, member: str, timeout: str) -> Worker:
+        worker = Worker(self.job_dir, self.env(member, initial=True), timeout)
+        self.workers.append(worker)
+        return worker
+
+
+@pytest.fixture
+def job(job_dir: Path) -> Iterator[Job]:
+    """Every worker is gone when the test ends (and job_dir checks that none is left)."""
+    served = Job(job_dir)
+    yield served
+    for worker in served.workers:
+        worker.stop()
+
+
+def _publish(store: JsonStore, number: int, members: list[tuple[str, bool]]) -> None:
+    """Do the leader's part: publish member epoch ``number`` (member id, joiner)."""
+    epoch = P.MemberGeneration(number, tuple(
+        P.Member(member, rank, joiner) for rank, (member, joiner) in enumerate(members)))
+    store.set_record(P.generation_key(number), epoch.to_json())
+    store.set_record(P.LATEST, {"number": number})
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _raised(output: str) -> float:
+    """The seconds after which the worker raised RegroupTimeoutError (from its output)."""
+    line = next((x for x in output.splitlines() if x.startswith("RegroupTimeoutError")), None)
+    assert line is not None, output
+    return float(line.split(" after ")[1].split("s:")[0])
+
+
+def test_wait_for_a_member_epoch_ends_at_the_bound(job: Job) -> None:
+    """No leader ever publishes a member epoch: the member's ``init`` raises once the bound
+    (here from ``FTRUN_REGROUP_TIMEOUT_S``) has passed, naming the member and the wait."""
+    worker = job.start("0.0", "env")
+    output = worker.finish(DEADLINE_S)
+    assert worker.proc.returncode == 3, output
+    assert BOUND_S <= _raised(output) < DEADLINE_S
+    assert "member 0.0 (no member epoch yet)" in output
+    assert "for its first member epoch" in output
+
+
+def test_wait_for_every_member_to_arrive_ends_at_the_bound(job: Job) -> None:
+    """Member epoch 0 has two members; 0.1 never arrives. 0.0 gives up at the bound, and
+    first makes the epoch ``abandoned`` so that no member can build a group it left."""
+    _publish(job.store, 0, [("0.0", False), ("0.1", False)])
+    worker = job.start("0.0", "env")
+    output = worker.finish(DEADLINE_S)
+    assert worker.proc.returncode == 3, output
+    assert BOUND_S <= _raised(output) < DEADLINE_S
+    assert "every member of member epoch 0 to arrive (missing: 0.1)" in output
+    assert job.store.first_record(P.formed_key(0)) == {"value": P.ABANDONED}
+
+
+def test_wait_for_a_decision_ends_at_the_bound(job: Job) -> None:
+    """Both members form epoch 0; 0.1's compute never returns, so its vote never comes.
+    0.0 (whose ``init`` got the bound as its argument) appends ``abort`` for the step at
+    the bound and raises; 0.1 is still computing."""
+    store = job.store
+    _publish(store, 0, [("0.0", False), ("0.1", False)])
+    # 0.1 first: it waits for the source of the state (0.0) without a bound, so 0.0's
+    # clock starts only when both are in, and the bound falls on the vote.
+    stuck = job.start("0.1", str(BOUND_S))
+    _wait_until(lambda: store.exists(P.arrived_key(0, "0.1")), DEADLINE_S, "arrival of 0.1")
+    worker = job.start("0.0", str(BOUND_S))
+    output = worker.finish(DEADLINE_S)
+    assert worker.proc.returncode == 3, output
+    assert "formed epoch=0 rank=0 world=2" in output
+    assert BOUND_S <= _raised(output) < DEADLINE_S
+    assert "member 0.0 (member epoch 0)" in output
+    assert "the decision on step 0 (no valid vote yet from: 0.1)" in output
+    assert store.first_record(P.decision_key(0, 0)) == {"value": P.ABORT}
+    assert stuck.proc.poll() is None, stuck.log.read_text()
+
+
+def test_a_spare_waits_to_be_admitted_past_the_bound(job: Job,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker without the job's state (a warm spare) may wait for the whole job: its wait
+    for admission has no bound. Once admitted it is a member like any other."""
+    env = job.env("0.1", initial=False)
+    assert env.member is not None
+    monkeypatch.setenv(TOKEN_ENV, SECRET)
+    spare = Membership(env, env.member, op_timeout=timedelta(seconds=30),
+                       regroup_timeout_s=0.5, heartbeat_s=1.0, progress=lambda: (0, 0))
+    found: list[object] = []
+    waiter = threading.Thread(target=lambda: found.append(spare.await_epoch(-1)), daemon=True)
+    waiter.start()
+    _publish(job.store, 0, [("0.0", False)])  # an epoch without the spare: it waits on
+    waiter.join(4 * 0.5)
+    assert waiter.is_alive() and not found, "the spare stopped waiting to be admitted"
+    _publish(job.store, 1, [("0.0", False), ("0.1", True)])
+    waiter.join(DEADLINE_S)
+    assert not waiter.is_alive()
+    assert isinstance(found[0], P.MemberGeneration) and found[0].number == 1
+    spare.synced = True  # now it holds the state: its next wait is bounded
+    with pytest.raises(RegroupTimeoutError, match="a member epoch after 1"):
+        spare.await_epoch(1)
+
+
+def test_the_bound_follows_the_argument_then_the_environment_then_the_default() -> None:
+    def bound(chosen: float | None, environ: dict[str, str]) -> float:
+        return settings.regroup_timeout_s(chosen, collective_timeout_s=60.0,
+                                          fault_grace_s=10.0, environ=environ)
+
+    env = {settings.REGROUP_TIMEOUT_ENV: "42"}
+    assert bound(7.0, env) == 7.0
+    assert bound(None, env) == 42.0
+    assert bound(None, {}) == settings.REGROUP_TIMEOUT_FLOOR_S
+    assert settings.regroup_timeout_s(None, collective_timeout_s=900.0, fault_grace_s=10.0,
+                                      environ={}) == 1810.0
+    with pytest.raises(ValueError, match=settings.REGROUP_TIMEOUT_ENV):
+        bound(None, {settings.REGROUP_TIMEOUT_ENV: "soon"})
