@@ -17,7 +17,7 @@ key                        written by              meaning
 ``status/<id>``            worker thread           :class:`Status`; its presence means the
                                                    member is ready (past imports, API in use)
 ``rgen/latest``            leader                  number of the newest generation
-``rgen/<g>``               leader, once            :class:`MemberGeneration` record
+``rgen/<g>``               leader, once            :class:`MemberEpoch` record
 ``rgen/<g>/end``           agent, first wins       why generation g ended (failure or join)
 ``rgen/<g>/arrived/<id>``  worker                  the member reached generation g
 ``rgen/<g>/formed``        worker, first wins      ``formed`` (all arrived) or ``abandoned``
@@ -258,8 +258,9 @@ class Member:
 
 
 @dataclass(frozen=True)
-class MemberGeneration:
-    """Who computes in generation ``number``, with which ranks."""
+class MemberEpoch:
+    """Who computes in member epoch ``number``, with which ranks. (The store keys say
+    ``rgen``: the member epochs of one job generation.)"""
 
     number: int
     members: tuple[Member, ...]  # ordered by rank 0..world_size-1
@@ -288,7 +289,7 @@ class MemberGeneration:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> MemberGeneration:
+    def from_json(cls, data: dict[str, Any]) -> MemberEpoch:
         raw = require(data, "members", list)
         members = []
         for item in raw:
@@ -303,6 +304,9 @@ class MemberGeneration:
         if len({m.id for m in members}) != len(members):
             raise StoreValueError("generation lists a member twice")
         return cls(require(data, "number", int), tuple(members))
+
+
+MemberGeneration = MemberEpoch  # the former name, until every reader says epoch
 
 
 # --- between agents -------------------------------------------------------------------------

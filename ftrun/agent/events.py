@@ -3,8 +3,8 @@
 Two outputs share one vocabulary:
 
 * :class:`EventLog` writes one JSON object per line (``--events-file``, ``--log-dir``, or
-  stderr with ``--event-log-handler console``) for programs: spawn, exit, failure,
-  generation, restart, stop, signal, done. Keys never change meaning; new keys may appear.
+  stderr with ``--event-log-handler console``) for programs; :class:`Event` is the one table
+  of event names. Keys never change meaning; new keys may appear.
 * :class:`WorkerExit` is the cause record of one worker's end: rank, node, pid, exit code or
   signal, sub-second time, and the root-cause traceback the script left in
   ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record`` decorator writes it).
@@ -24,10 +24,30 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import IO, Any
 
 MAX_TRACEBACK_CHARS = 20_000
+
+
+class Event(str, Enum):
+    """Every event an agent writes, and what it means. ``generation`` in a record is always
+    the job generation; ``epoch`` the member epoch of an in-process regroup."""
+
+    SPAWN = "spawn"  # a local worker process started (rank, local_rank, pid; member)
+    READY = "ready"  # regroup: a member called ftrun.init() (member, pid)
+    EXIT = "exit"  # a local worker exited (rank or member, pid, returncode)
+    FAILURE = "failure"  # a worker failed or was taken out (cause, detected, rank/member)
+    GENERATION = "generation"  # this agent joined a job generation (world_size, nnodes)
+    EPOCH = "epoch"  # regroup leader: a member epoch was published (members, joiners)
+    ABORT = "abort"  # the NCCL shim aborted a member's communicators (its report)
+    NODE_LOST = "node_lost"  # leader: another node's heartbeats stopped (silent_s)
+    REJECTED = "rejected"  # a store record failed its signature check (detail)
+    REGENERATE = "regenerate"  # the job re-forms without a failure (a join, a drop)
+    RESTART = "restart"  # every worker restarts in a new job generation (restart_count)
+    STOP = "stop"  # workers are being stopped, or the job stops (reason)
+    DONE = "done"  # this node's workers all finished
 
 
 def describe_returncode(code: int) -> str:
@@ -131,10 +151,11 @@ class EventLog:
             log._sinks.append(sys.stderr)
         return log
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: Event, **fields: Any) -> None:
         if not self._sinks:
             return
-        record = {"ts": round(time.time(), 6), "event": event, "node": self._node, **fields}
+        record = {"ts": round(time.time(), 6), "event": event.value, "node": self._node,
+                  **fields}
         line = json.dumps(record, default=str, separators=(",", ":")) + "\n"
         with self._lock:
             for sink in self._sinks:

@@ -1,0 +1,294 @@
+"""The regroup leader: the one writer of member epochs for the whole job.
+
+The agent that hosts the control store (on one node, the agent itself) runs a
+:class:`RegroupLeader` beside its own :class:`~ftrun.agent.regroup.RegroupSupervisor`.
+Every tick it:
+
+* regroups when a member of the latest epoch is gone (removed, or on a lost node): it ends the
+  epoch, waits until every surviving node confirmed its NCCL abort (bounded by the abort and
+  heartbeat timeouts), then publishes the survivors topped up with ready idle members;
+* admits a replacement or spare that became ready (the survivors take it at a step boundary);
+* finds a stalled member: one whose progress stopped while others issued more collectives,
+  for max(``--stall-floor``, 20 x the median step time);
+* says the job is done when every member that holds the state left its loop.
+
+Decisions it cannot carry out in process come back as a :class:`StopJob` for the supervisor
+to act on (end the job generation: every agent restarts or gives up): fewer workers than
+``--min-workers``, fewer nodes than MIN, no survivor holding the state, a failed member that
+never called ``ftrun.init()``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun import protocol as P
+from ftrun.agent.events import Event, EventLog
+from ftrun.agent.membership import Membership
+from ftrun.agent.nodes import NodeWatch
+from ftrun.config import LaunchConfig
+from ftrun.control.errors import StoreValueError
+from ftrun.control.rendezvous import Generation, Rendezvous
+
+
+@dataclass(frozen=True)
+class StopJob:
+    """The job cannot go on in process: end the job generation."""
+
+    reason: str
+    cause: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Progress:
+    """The leader's view of one member's progress."""
+
+    value: tuple[int, int] = (-1, -1)  # (committed steps, collectives issued)
+    changed_at: float = field(default_factory=time.monotonic)
+    step_at: float = field(default_factory=time.monotonic)
+
+
+class RegroupLeader:
+    """The leader's side of in-process regroup; see the module docstring."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        generation: Generation,
+        config: LaunchConfig,
+        *,
+        events: EventLog,
+        say: Callable[..., None],
+        rdzv: Rendezvous | None = None,
+        nodes: NodeWatch | None = None,
+    ) -> None:
+        self.m = membership
+        self.generation = generation  # the job generation these member epochs belong to
+        self.config = config
+        self.events = events
+        self.say = say
+        self.rdzv = rdzv
+        self.nodes = nodes  # several nodes only
+        self.pools: dict[int, P.Pool] = {}
+        self.pools_seen = -1
+        self.progress: dict[str, Progress] = {}
+        self.step_intervals: deque[float] = deque(maxlen=64)
+        self.waiting_since: float | None = None
+        self.ready_checked: set[str] = set()  # failed members whose readiness was looked up
+        self.finishing = False
+
+    @property
+    def latest(self) -> P.MemberEpoch:
+        assert self.m.latest is not None
+        return self.m.latest
+
+    def watched(self) -> set[str]:
+        return {m.id for m in self.m.latest.members} if self.m.latest else set()
+
+    def reported(self) -> set[str]:
+        """Members whose agents say their status exists (ready or finished)."""
+        return set().union(*(pool.ready | pool.finished for pool in self.pools.values()))
+
+    def publish_initial(self) -> None:
+        members: list[P.Member] = []
+        for node in sorted(self.generation.nodes, key=lambda n: n.node_rank):
+            for number in range(node.local_world_size):
+                members.append(P.Member(P.member_id(node.node_rank, number), len(members),
+                                        False))
+        self.publish(members)
+
+    def publish(self, members: list[P.Member]) -> None:
+        number = 0 if self.m.latest is None else self.m.latest.number + 1
+        epoch = P.MemberEpoch(number, tuple(members))
+        self.m.publish(epoch)
+        self.waiting_since = None
+        now = time.monotonic()
+        for progress in self.progress.values():  # a regroup is not a stall: count from here
+            progress.changed_at = now
+        self.events.emit(
+            Event.EPOCH, epoch=number, generation=self.generation.number,
+            world_size=epoch.world_size, members=[m.id for m in members],
+            joiners=[m.id for m in members if m.joiner],
+        )
+
+    # --- each tick -----------------------------------------------------------------------
+
+    def tick(self) -> StopJob | None:
+        self._read_pools()
+        gone = [m for m in self.latest.members if self.m.gone(m.id)]
+        if gone:
+            return self._regroup(gone)
+        self._admit_ready_joiners()
+        self._watch_progress()
+        self._check_done()
+        return None
+
+    def _synced(self, member: P.Member) -> bool:
+        status = self.m.statuses.get(member.id)
+        return not member.joiner or (status is not None and status.synced)
+
+    def _regroup(self, gone: list[P.Member]) -> StopJob | None:
+        m, latest = self.m, self.latest
+        first = gone[0].id
+        cause = m.removed.get(first) or f"node {P.node_of(first)} lost"
+        m.end(latest.number, {"member": first, "cause": cause})
+        survivors = [x for x in latest.members if not m.gone(x.id)]
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        unchecked = [x for x in gone if x.id not in self.ready_checked]  # once per member
+        self.ready_checked.update(x.id for x in unchecked)
+        never_ready = [x.id for x in unchecked if not x.joiner and x.id not in m.statuses
+                       and not m.has_status(x.id)]
+        if never_ready:  # its agent saw it die before it knew the generation
+            self.say(f"member {never_ready[0]} failed before it called ftrun.init(): "
+                     "restarting all")
+            return StopJob("a worker without the worker API failed", {"member": never_ready[0]})
+        if not any(self._synced(x) for x in survivors):
+            return StopJob("no surviving member holds the job's state")
+        # Every surviving node aborts its communicators of the ended epoch first.
+        nodes = sorted({P.node_of(x.id) for x in survivors} - m.lost_nodes)
+        confirmed = m.store.present_records([P.released_key(latest.number, n) for n in nodes])
+        missing = [n for n in nodes if P.released_key(latest.number, n) not in confirmed]
+        if missing:
+            waited = time.monotonic() - self.waiting_since
+            if waited < self.config.abort_timeout_s + self.config.heartbeat_timeout_s:
+                return None
+            self.say(f"nodes {missing} did not confirm their NCCL abort in {waited:.1f} s;"
+                     " publishing the next generation anyway", style="yellow")
+        members = [P.Member(x.id, rank, not self._synced(x)) for rank, x in enumerate(survivors)]
+        members = self._top_up(members)
+        live_nodes = {P.node_of(x.id) for x in members}
+        if len(members) < self.config.min_workers:
+            return StopJob(f"{len(members)} workers left, fewer than --min-workers "
+                           f"{self.config.min_workers}")
+        if not self.config.is_single_node and len(live_nodes) < self.config.nnodes_min:
+            return StopJob(f"{len(live_nodes)} nodes left, fewer than the minimum "
+                           f"{self.config.nnodes_min}")
+        self.publish(members)
+        return None
+
+    def _read_pools(self) -> None:
+        m = self.m
+        if self.pools_seen == m.changes_seen:
+            return
+        self.pools_seen = m.changes_seen
+        nodes = [n.node_rank for n in self.generation.nodes if n.node_rank not in m.lost_nodes]
+        found = m.store.present_records([P.pool_key(n) for n in nodes])
+        for node in nodes:
+            record = found.get(P.pool_key(node))
+            if record is None:
+                continue
+            try:
+                self.pools[node] = P.Pool.from_json(record, node)
+            except StoreValueError as error:
+                self.say(f"ignored node {node}'s pool record: {error}", style="yellow")
+
+    @property
+    def target(self) -> int:
+        """The world size the job aims for: every node's share, lost nodes aside."""
+        return sum(n.local_world_size for n in self.generation.nodes
+                   if n.node_rank not in self.m.lost_nodes)
+
+    def _top_up(self, members: list[P.Member]) -> list[P.Member]:
+        """Fill free ranks with ready, idle members (spares, replacements)."""
+        self._read_pools()
+        taken = {x.id for x in members}
+        for node in sorted(self.pools):
+            if node in self.m.lost_nodes:
+                continue
+            for member in self.pools[node].members:
+                if len(members) >= self.target:
+                    return members
+                if member in self.pools[node].ready and member not in taken \
+                        and not self.m.gone(member):
+                    members.append(P.Member(member, len(members), True))
+                    taken.add(member)
+        return members
+
+    def _admit_ready_joiners(self) -> None:
+        """A replacement that became ready joins at the survivors' next step boundary."""
+        latest = self.latest
+        if latest.world_size >= self.target or self.finishing:
+            return
+        members = self._top_up(list(latest.members))
+        if len(members) == latest.world_size:
+            return
+        self.m.announce_join(latest.number, len(members))
+        self.say(f"a new member is ready: it joins at the next step ({len(members)} ranks)")
+        self.publish(members)
+
+    # --- detection -----------------------------------------------------------------------
+
+    def watch_nodes(self) -> dict[str, Any] | None:
+        """Several nodes: lost nodes become faults of all their members (the job generation
+        goes on); a newcomer ends the job generation (everyone re-forms with it). Returns
+        the job generation's end, if this ends it."""
+        assert self.nodes is not None and self.rdzv is not None
+        m, rdzv = self.m, self.rdzv
+        lost, join = self.nodes.scan(rdzv, self.generation)
+        for node, cause in lost:
+            if node.node_rank in m.lost_nodes:
+                continue
+            members = [x for x in self.latest.members if P.node_of(x.id) == node.node_rank]
+            if any(not m.has_status(x.id) for x in members):
+                self.say("the lost node's workers never called ftrun.init(): restarting all")
+                return rdzv.end(self.generation.number, cause)
+            self.nodes.drop(node.node_id)
+            m.lost_nodes.add(node.node_rank)
+            if members:
+                m.end(self.latest.number, {"node": node.node_rank, "addr": node.addr,
+                                           "cause": "node lost"})
+            m.append_fault(P.Fault(f"node lost: no heartbeat for {cause['silent_s']} s",
+                                   node=node.node_rank))
+        return rdzv.end(self.generation.number, join) if join is not None else None
+
+    def _watch_progress(self) -> None:
+        m, now = self.m, time.monotonic()
+        active: list[tuple[str, Progress]] = []
+        for member in self.latest.members:
+            status = m.statuses.get(member.id)
+            if status is None:
+                continue
+            if status.finished:
+                self.finishing = True  # a member left its loop: the job ends, admit no one
+                continue
+            if member.joiner and not status.synced:
+                continue
+            progress = self.progress.setdefault(member.id, Progress())
+            reported = (status.steps, status.collectives)
+            if reported != progress.value:
+                if progress.value[0] >= 0 and reported[0] != progress.value[0]:
+                    self.step_intervals.append(now - progress.step_at)
+                    progress.step_at = now
+                progress.value, progress.changed_at = reported, now
+            active.append((member.id, progress))
+        if len(active) < 2 or not self.step_intervals or self.finishing:
+            return
+        limit = max(self.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
+        if now - max(p.changed_at for _, p in active) < limit:
+            return
+        lowest = min(p.value for _, p in active)
+        if lowest == max(p.value for _, p in active):
+            return  # everyone waits at the same step: not attributable to one rank
+        for member, progress in active:
+            if progress.value != lowest:
+                continue
+            cause = (f"stalled: no progress for {now - progress.changed_at:.1f}s "
+                     f"(limit {limit:.1f}s) while the others issued more collectives")
+            m.end(self.latest.number, {"member": member, "cause": cause})
+            m.append_fault(P.Fault(cause, member=member, kill=True))
+            m.removed[member] = cause
+
+    def _check_done(self) -> None:
+        """Every member that holds the job's state left its loop: the job is over."""
+        if self.m.done:
+            return
+        deciding = [x for x in self.latest.members if self._synced(x)]
+        if deciding and all((s := self.m.statuses.get(x.id)) is not None and s.finished
+                            for x in deciding):
+            self.m.mark_done()

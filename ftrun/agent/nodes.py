@@ -1,0 +1,95 @@
+"""The leader's watch over the other nodes of a multi-node job.
+
+Only the agent that hosts the control store (the leader) runs a :class:`NodeWatch`. Both
+supervisors ask it the same question at their own pace: which other nodes of this job
+generation stopped beating, and does a newcomer wait to join? What to do about it is theirs:
+the restart supervisor ends the job generation, the regroup leader drops the lost node's
+members (:meth:`NodeWatch.drop`) and goes on.
+
+The sets of nodes that finished or were dropped belong to one job generation: the agent
+calls :meth:`NodeWatch.begin` for each, so a node dropped from the last one is back in this.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ftrun.agent.events import Event, EventLog
+from ftrun.control.heartbeat import HeartbeatMonitor
+from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
+
+LostNode = tuple[NodeSlot, dict[str, Any]]
+
+
+class NodeWatch:
+    """Lost nodes and newcomers, seen by the leader; see the module docstring."""
+
+    def __init__(
+        self,
+        monitor: HeartbeatMonitor,
+        *,
+        node_id: str,
+        heartbeat_interval_s: float,
+        events: EventLog,
+        say: Callable[..., None],
+    ) -> None:
+        self.monitor = monitor
+        self.node_id = node_id
+        self.node_rank = 0
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.events = events
+        self.say = say
+        self.finished: set[str] = set()  # done and gone: never lost
+        self.dropped: set[str] = set()  # lost, and left out by a regroup
+        self._next_scan = 0.0
+
+    def begin(self, node_rank: int) -> None:
+        """A new job generation: nobody is done or dropped in it yet."""
+        self.node_rank = node_rank
+        self.finished.clear()
+        self.dropped.clear()
+
+    def drop(self, node_id: str) -> None:
+        """A regroup goes on without this node: it is not watched, nor waited for at the end."""
+        self.dropped.add(node_id)
+
+    def scan(
+        self, rdzv: Rendezvous, generation: Generation
+    ) -> tuple[list[LostNode], dict[str, Any] | None]:
+        """At most every half heartbeat interval: the other nodes of ``generation`` whose
+        heartbeats stopped (and that are not done), each with the cause that would end the
+        generation for it, and a newcomer's join cause if one waits. Each is said and logged
+        once; ending anything is the caller's choice."""
+        now = time.monotonic()
+        if now < self._next_scan:
+            return [], None
+        self._next_scan = now + self.heartbeat_interval_s / 2
+        members = {n.node_id for n in generation.nodes} - {self.node_id}
+        self.monitor.watch(members - self.finished - self.dropped)
+        lost: list[LostNode] = []
+        for node_id in self.monitor.scan():
+            if rdzv.store.get_record(f"gen/{generation.number}/done/{node_id}") is not None:
+                self.finished.add(node_id)
+                continue
+            node = generation.node(node_id)
+            assert node is not None
+            silent = self.monitor.silent_s(node_id)
+            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: no heartbeat "
+                     f"for {silent:.1f} s", style="yellow")
+            self.events.emit(Event.NODE_LOST, generation=generation.number, node=node.hostname,
+                             node_rank=node.node_rank, node_id=node_id, silent_s=silent)
+            lost.append((node, {
+                "kind": "node lost", "node_id": node.node_id, "node_rank": node.node_rank,
+                "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
+                "by": self.node_rank, "time": time.time(),
+            }))
+        newcomer = rdzv.pending_join(generation, self.dropped)
+        join = None
+        if newcomer is not None:
+            self.say(f"node {newcomer.hostname} ({newcomer.addr}) asks to join: re-forming "
+                     "the job with it")
+            join = {"kind": "join", "node_id": newcomer.node_id, "node": newcomer.hostname,
+                    "addr": newcomer.addr, "by": self.node_rank, "time": time.time()}
+        return lost, join

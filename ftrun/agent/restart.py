@@ -1,0 +1,154 @@
+"""The restart supervisor: torchrun's recovery, made faster and better explained.
+
+Every local worker of the job generation runs until all succeed or one fails. A failure
+(exit non-zero or by a signal) ends the job generation at once: on several nodes the end is
+written first (so the others learn the cause), then this node's workers are stopped
+(SIGTERM, SIGKILL after the grace; a frozen worker is killed at once). The agent then starts
+the next job generation, or gives up.
+
+Watching is event driven: the loop sleeps in ``select`` on the workers' pidfds, the signal
+inbox and the end watcher, and wakes on a timer (``--monitor-interval``) only to read what
+other nodes (or, on the leader, the heartbeats) say.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from ftrun.agent import processes as local
+from ftrun.agent.events import Event, WorkerExit
+from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
+from ftrun.agent.services import AgentServices
+from ftrun.control.endwatch import EndWatcher, ReadEnd
+from ftrun.control.errors import StoreError
+from ftrun.control.rendezvous import Generation, StoreLostError
+
+
+class RestartSupervisor:
+    """Runs a job generation whose failure restarts every worker; see the module docstring."""
+
+    def __init__(self, services: AgentServices) -> None:
+        self.services = services
+
+    def run(self, generation: Generation) -> GenerationResult:
+        launcher = self.services.launcher
+        group = [launcher.spawn_worker(generation, local_rank)
+                 for local_rank in range(self.services.config.nproc_per_node)]
+        try:
+            with self.services.end_watch(generation) as watcher:
+                return self._watch(generation, group, watcher)
+        finally:
+            local.join_pumps(group)
+
+    def _watch(
+        self, generation: Generation, group: list[local.WorkerProcess],
+        watcher: EndWatcher | ReadEnd,
+    ) -> GenerationResult:
+        services = self.services
+        config, inbox = services.config, services.inbox
+        reported: set[int] = set()
+        remote = services.multi_node
+        next_poll = time.monotonic() + config.monitor_interval_s
+        while True:
+            if inbox.received is not None:
+                self._stop(group, inbox.received, "signal")
+                return GenerationResult(Outcome.SIGNALED, self._exits(generation, group, None))
+            finished = [w for w in group if w.poll() is not None and w.pid not in reported]
+            for worker in sorted(finished, key=lambda w: w.ended or 0.0):
+                reported.add(worker.pid)
+                services.events.emit(
+                    Event.EXIT,
+                    generation=generation.number,
+                    rank=worker.rank,
+                    local_rank=worker.local_rank,
+                    pid=worker.pid,
+                    returncode=worker.returncode,
+                )
+                if worker.returncode != 0:
+                    return self._local_failure(generation, group, worker)
+            if all(w.returncode is not None for w in group):
+                local.reap_leftovers(group)
+                return GenerationResult(Outcome.SUCCEEDED, self._exits(generation, group, None))
+            if remote and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + config.monitor_interval_s
+                try:
+                    cause = self._remote_cause(generation, watcher.end_may_exist)
+                except StoreError as error:
+                    self._stop(group, signal.SIGTERM, "store lost")
+                    raise StoreLostError(services.store_lost() or str(error)) from None
+                if cause is not None:
+                    services.say(f"generation {generation.number} ended by node "
+                                 f"{cause.get('by', cause.get('node_rank'))}: "
+                                 f"{describe_cause(cause)}")
+                    self._stop(group, signal.SIGTERM, "remote failure")
+                    exits = self._exits(generation, group, None)
+                    return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
+            timeout = max(0.0, next_poll - time.monotonic()) if remote else 3600.0
+            woke = local.wait_any(group, timeout, [inbox.fd, *watcher.wake_fds()])
+            if inbox.fd in woke:
+                inbox.drain()
+            if set(woke) - {inbox.fd}:
+                next_poll = time.monotonic()  # the end was written: read it now
+
+    def _remote_cause(self, generation: Generation, read_end: bool) -> dict | None:
+        """Why another node (or, on the leader, a heartbeat or a newcomer) ended this
+        generation; None while it runs. ``read_end``: whether to read the end record (an
+        EndWatcher says when it exists). Raises StoreError/StoreLostError when this agent
+        has lost the store."""
+        services = self.services
+        lost = services.store_lost()
+        if lost is not None:
+            raise StoreLostError(lost)
+        rdzv = services.rdzv
+        cause = rdzv.ended(generation.number) if read_end else None
+        if cause is not None or services.nodes is None:
+            return cause
+        lost_nodes, join = services.nodes.scan(rdzv, generation)
+        for _node, node_cause in lost_nodes:
+            return rdzv.end(generation.number, node_cause)
+        return rdzv.end(generation.number, join) if join is not None else None
+
+    def _local_failure(
+        self, generation: Generation, group: list[local.WorkerProcess],
+        failed: local.WorkerProcess,
+    ) -> GenerationResult:
+        services = self.services
+        detected = time.time()
+        cause = {
+            "kind": "worker",
+            "node_rank": services.node_rank,
+            "node_id": services.node_id,
+            "node": services.hostname,
+            "rank": failed.rank,
+            "pid": failed.pid,
+            "returncode": failed.returncode,
+            "time": failed.ended,
+        }
+        if services.multi_node:
+            try:
+                cause = services.rdzv.end(generation.number, cause)
+            except StoreError as error:
+                self._stop(group, signal.SIGTERM, "store lost")
+                raise StoreLostError(services.store_lost() or str(error)) from None
+        services.events.emit(
+            Event.FAILURE,
+            generation=generation.number,
+            rank=failed.rank,
+            local_rank=failed.local_rank,
+            pid=failed.pid,
+            returncode=failed.returncode,
+            detected=detected,
+        )
+        self._stop(group, signal.SIGTERM, f"rank {failed.rank} failed")
+        return GenerationResult(Outcome.FAILED, self._exits(generation, group, failed), cause)
+
+    def _stop(self, group: list[local.WorkerProcess], sig: int, why: str) -> None:
+        self.services.launcher.stop_workers(group, sig, why)
+
+    def _exits(
+        self, generation: Generation, group: list[local.WorkerProcess],
+        first: local.WorkerProcess | None,
+    ) -> list[WorkerExit]:
+        return [self.services.launcher.worker_exit(w, generation.number, first=w is first)
+                for w in group]

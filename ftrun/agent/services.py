@@ -1,0 +1,76 @@
+"""What a supervisor may use of its agent, and the one interface both supervisors implement.
+
+A supervisor runs one job generation on this node and says how it ended
+(:class:`Supervisor`). It does not see the agent: only these narrow services, which the
+agent builds once it has joined the store. That keeps the dependency one way (the agent
+knows its supervisors, never the reverse) and lets the supervisors' decisions be tested
+against an in-memory store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ftrun.agent.events import EventLog
+from ftrun.agent.launcher import Launcher
+from ftrun.agent.nodes import NodeWatch
+from ftrun.agent.outcome import GenerationResult
+from ftrun.agent.signals import SignalInbox
+from ftrun.config import LaunchConfig
+from ftrun.control.endwatch import EndWatcher, ReadEnd
+from ftrun.control.rendezvous import Generation, Rendezvous
+
+
+@dataclass
+class AgentServices:
+    """The agent's facilities a supervisor uses (see the module docstring)."""
+
+    config: LaunchConfig
+    hostname: str
+    node_id: str  # this agent's identity in the store (unique per process)
+    say: Callable[..., None]  # one line to the person watching: say(text, style="")
+    events: EventLog
+    inbox: SignalInbox
+    launcher: Launcher
+    rdzv: Rendezvous
+    nodes: NodeWatch | None  # the leader of a multi-node job only
+    store_lost: Callable[[], str | None]  # why this agent lost the store, or None
+    open_client: Callable[[], Any] | None  # non-leaders: a store client of a thread's own
+    op_timeout_s: float  # the bound on one store request
+
+    @property
+    def node_rank(self) -> int:
+        return self.launcher.node_rank
+
+    @property
+    def multi_node(self) -> bool:
+        return not self.config.is_single_node
+
+    @contextlib.contextmanager
+    def end_watch(self, generation: Generation) -> Iterator[EndWatcher | ReadEnd]:
+        """A started watcher of ``generation``'s end (see ftrun.control.endwatch); the leader
+        and a single node read the end directly (in-process: it costs no network)."""
+        if self.open_client is None:
+            yield ReadEnd()
+            return
+        # A wait slice under the request timeout (or the socket gives up first), and short
+        # for a prompt stop().
+        slice_s = min(1.0, self.op_timeout_s / 2)
+        watcher = EndWatcher(self.open_client, self.rdzv.store,
+                             f"gen/{generation.number}/end", slice_s).start()
+        try:
+            yield watcher
+        finally:
+            # Without a store (the agent exits at once, by os._exit) nothing is waited for.
+            watcher.stop(0.0 if self.store_lost() is not None else 5.0)
+
+
+class Supervisor(Protocol):
+    """Runs one job generation on this node: spawns its workers, watches them and the rest of
+    the job, and returns how the generation ended. It never raises for anything a job can
+    do, except ``StoreLostError`` when this agent lost the store (its workers stopped)."""
+
+    def run(self, generation: Generation) -> GenerationResult: ...
