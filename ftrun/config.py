@@ -16,6 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Literal, cast
+
+from ftrun.hostnet import port_bind_error
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_RDZV_PORT = 29400
@@ -179,25 +182,37 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return low, high
 
 
-def parse_nproc_per_node(value: str, gpu_count: int | None = None) -> int:
-    """``N``, ``cpu``, ``gpu`` or ``auto`` (GPUs if any, else CPUs), as torchrun reads it."""
+NprocSpec = int | Literal["auto", "cpu", "gpu"]
+
+
+def parse_nproc_spec(value: str) -> NprocSpec:
+    """The syntax of ``--nproc-per-node``: a count >= 1, or ``cpu``, ``gpu``, ``auto``
+    (any case), not yet resolved to a number (``ftrun doctor`` keeps it symbolic)."""
     text = value.strip().lower()
     if text.isdigit():
         count = int(text)
         if count < 1:
             raise ConfigError(f"--nproc-per-node={value!r}: must be at least 1")
         return count
-    cpus = len(os.sched_getaffinity(0))
-    if text == "cpu":
-        return cpus
-    if text in ("gpu", "auto"):
-        gpus = visible_gpu_count() if gpu_count is None else gpu_count
-        if gpus > 0:
-            return gpus
-        if text == "gpu":
-            raise ConfigError("--nproc-per-node=gpu: no GPU is visible on this node")
-        return cpus
+    if text in ("auto", "cpu", "gpu"):
+        return cast(NprocSpec, text)
     raise ConfigError(f"--nproc-per-node={value!r}: expected a number, 'cpu', 'gpu' or 'auto'")
+
+
+def parse_nproc_per_node(value: str, gpu_count: int | None = None) -> int:
+    """``N``, ``cpu``, ``gpu`` or ``auto`` (GPUs if any, else CPUs), as torchrun reads it."""
+    spec = parse_nproc_spec(value)
+    if isinstance(spec, int):
+        return spec
+    cpus = len(os.sched_getaffinity(0))
+    if spec == "cpu":
+        return cpus
+    gpus = visible_gpu_count() if gpu_count is None else gpu_count
+    if gpus > 0:
+        return gpus
+    if spec == "gpu":
+        raise ConfigError("--nproc-per-node=gpu: no GPU is visible on this node")
+    return cpus
 
 
 def visible_gpu_count() -> int:
@@ -289,18 +304,22 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
     return conf
 
 
-def parse_endpoint(value: str, default_port: int) -> tuple[str, int | None]:
-    """``host``, ``host:port`` or ``[v6]:port``; the port is None when not given."""
+def split_endpoint(value: str) -> tuple[str, str]:
+    """``host``, ``host:port`` or ``[v6]:port`` as (host, port text); the port text is ""
+    when not given, and a bare IPv6 address is all host."""
     text = value.strip()
-    if not text:
-        return "", None
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
+        return host, rest[1:] if rest.startswith(":") else ""
+    if text.count(":") == 1:
         host, _, port_text = text.partition(":")
-    else:
-        host, port_text = text, ""
+        return host, port_text
+    return text, ""
+
+
+def parse_endpoint(value: str, default_port: int) -> tuple[str, int | None]:
+    """``host``, ``host:port`` or ``[v6]:port``; the port is None when not given."""
+    host, port_text = split_endpoint(value)
     if not port_text:
         return host, None
     return host, parse_port(port_text, "--rdzv-endpoint")
@@ -338,14 +357,11 @@ def check_resolvable(host: str, flag: str) -> None:
 
 def check_port_free(port: int, flag: str) -> None:
     """Refuse early when a port the store must bind is taken (a clearer error than torch's).
-    Taken means listened on: connections of a job that just ended linger in TIME_WAIT on
-    the port for a minute, and the store binds over them (SO_REUSEADDR), as the probe does."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as error:
-            raise ConfigError(f"{flag}={port}: port is in use ({error.strerror})") from None
+    Taken means listened on, not merely lingering in TIME_WAIT after a job that just ended:
+    the rule is ``ftrun.hostnet.port_bind_error``'s, which ``ftrun doctor`` shares."""
+    error = port_bind_error(port)
+    if error is not None:
+        raise ConfigError(f"{flag}={port}: port is in use ({error.strerror})")
 
 
 def check_entrypoint(entrypoint: str, *, module: bool, no_python: bool) -> None:
