@@ -48,9 +48,9 @@ class StopJob:
 class Progress:
     """The leader's view of one member's progress."""
 
+    changed_at: float  # when ``value`` last changed
+    step_at: float  # when the committed step count last changed
     value: tuple[int, int] = (-1, -1)  # (committed steps, collectives issued)
-    changed_at: float = field(default_factory=time.monotonic)
-    step_at: float = field(default_factory=time.monotonic)
 
 
 class RegroupLeader:
@@ -66,6 +66,7 @@ class RegroupLeader:
         say: Callable[..., None],
         rdzv: Rendezvous | None = None,
         nodes: NodeWatch | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.m = membership
         self.generation = generation  # the job generation these member epochs belong to
@@ -74,6 +75,7 @@ class RegroupLeader:
         self.say = say
         self.rdzv = rdzv
         self.nodes = nodes  # several nodes only
+        self.clock = clock  # monotonic seconds (a test drives its own)
         self.pools: dict[int, P.Pool] = {}
         self.pools_seen = -1
         self.progress: dict[str, Progress] = {}
@@ -107,7 +109,7 @@ class RegroupLeader:
         epoch = P.MemberEpoch(number, tuple(members))
         self.m.publish(epoch)
         self.waiting_since = None
-        now = time.monotonic()
+        now = self.clock()
         for progress in self.progress.values():  # a regroup is not a stall: count from here
             progress.changed_at = now
         self.events.emit(
@@ -139,7 +141,7 @@ class RegroupLeader:
         m.end(latest.number, {"member": first, "cause": cause})
         survivors = [x for x in latest.members if not m.gone(x.id)]
         if self.waiting_since is None:
-            self.waiting_since = time.monotonic()
+            self.waiting_since = self.clock()
         unchecked = [x for x in gone if x.id not in self.ready_checked]  # once per member
         self.ready_checked.update(x.id for x in unchecked)
         never_ready = [x.id for x in unchecked if not x.joiner and x.id not in m.statuses
@@ -155,7 +157,7 @@ class RegroupLeader:
         confirmed = m.store.present_records([P.released_key(latest.number, n) for n in nodes])
         missing = [n for n in nodes if P.released_key(latest.number, n) not in confirmed]
         if missing:
-            waited = time.monotonic() - self.waiting_since
+            waited = self.clock() - self.waiting_since
             if waited < self.config.abort_timeout_s + self.config.heartbeat_timeout_s:
                 return None
             self.say(f"nodes {missing} did not confirm their NCCL abort in {waited:.1f} s;"
@@ -248,7 +250,7 @@ class RegroupLeader:
         return rdzv.end(self.generation.number, join) if join is not None else None
 
     def _watch_progress(self) -> None:
-        m, now = self.m, time.monotonic()
+        m, now = self.m, self.clock()
         active: list[tuple[str, Progress]] = []
         for member in self.latest.members:
             status = m.statuses.get(member.id)
@@ -259,7 +261,7 @@ class RegroupLeader:
                 continue
             if member.joiner and not status.synced:
                 continue
-            progress = self.progress.setdefault(member.id, Progress())
+            progress = self.progress.setdefault(member.id, Progress(now, now))
             reported = (status.steps, status.collectives)
             if reported != progress.value:
                 if progress.value[0] >= 0 and reported[0] != progress.value[0]:

@@ -63,6 +63,19 @@ from ftrun.shim import ShimError, ShimTimeoutError
 Step = Outcome | GenerationResult | None  # what one look at the job decided
 
 
+#: Replacements of one node that may fail before it stops replacing (a replacement that
+#: cannot start, e.g. a broken node, must not spawn processes forever).
+MAX_REPLACEMENT_FAILURES = 3
+
+
+def wants_replacement(on_failure: str, replacement_failures: int, job_done: bool) -> bool:
+    """Whether a member taken out gets a new process: under ``--on-failure replace``, while
+    the job is not done and its replacements have not failed too often (``shrink`` goes on
+    with fewer ranks)."""
+    return (on_failure == "replace" and replacement_failures <= MAX_REPLACEMENT_FAILURES
+            and not job_done)
+
+
 class RegroupSupervisor:
     """Runs each job generation with in-process regroup; see the module docstring."""
 
@@ -329,9 +342,8 @@ class _RegroupRun:
         return None
 
     def _replace(self) -> None:
-        if self.config.on_failure != "replace" or self.replacement_failures > 3 or self.m.done:
-            return
-        self._spawn(initial=False)
+        if wants_replacement(self.config.on_failure, self.replacement_failures, self.m.done):
+            self._spawn(initial=False)
 
     def _abort_communicators(self, epoch: int) -> None:
         """Release this node's survivors stuck in an NCCL collective of member epoch

@@ -1,0 +1,301 @@
+"""The regroup supervisors' decisions, in seconds, against an in-memory store.
+
+The end-to-end tests (tests/test_regroup.py, tests/test_multinode.py) show these decisions in
+real jobs; here each one is reached directly: the leader (:class:`RegroupLeader`) reads and
+writes real signed records through :class:`Membership` on torch's in-memory ``HashStore``,
+with a clock the test drives, and each test also shows the case that must *not* decide.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable
+from dataclasses import replace
+
+import pytest
+import torch.distributed as dist
+
+from ftrun import protocol as P
+from ftrun.agent.events import Event, EventLog
+from ftrun.agent.leader import RegroupLeader, StopJob
+from ftrun.agent.members import TRANSITIONS, LocalMember, MemberState
+from ftrun.agent.membership import Membership
+from ftrun.agent.regroup import MAX_REPLACEMENT_FAILURES, wants_replacement
+from ftrun.config import LaunchConfig
+from ftrun.control.auth import Signer
+from ftrun.control.rendezvous import Generation, NodeSlot
+from ftrun.control.store import JsonStore
+
+SECRET = b"s" * 32
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Job:
+    """A leader over ``nodes`` x ``per_node`` members, its records in a HashStore."""
+
+    def __init__(self, *, nodes: int = 1, per_node: int = 4, **config: object) -> None:
+        base = LaunchConfig(entrypoint="train.py", args=(), nproc_per_node=per_node,
+                            nnodes_min=nodes, nnodes_max=nodes)
+        self.config = replace(base, **config)  # type: ignore[arg-type]
+        self.store = JsonStore(dist.HashStore(), "ftrun/test/rg0", signer=Signer(SECRET))
+        self.said: list[str] = []
+        self.m = Membership(self.store, self._say)
+        self.generation = Generation(
+            number=0, restart_count=0,
+            nodes=tuple(NodeSlot(node_rank=n, local_world_size=per_node, addr=f"10.0.0.{n}",
+                                 hostname=f"h{n}", pid=100 + n, node_id=f"h{n}-id")
+                        for n in range(nodes)),
+            worker_store_host="127.0.0.1", worker_store_port=29500,
+        )
+        self.events = io.StringIO()
+        self.clock = Clock()
+        self.leader = RegroupLeader(self.m, self.generation, self.config,
+                                    events=EventLog("h0", [self.events]), say=self._say,
+                                    clock=self.clock)
+        self.leader.publish_initial()
+        for member in self.m.latest.members:  # every initial member called ftrun.init()
+            self.status(member.id, steps=0)
+
+    def _say(self, text: str, style: str = "") -> None:
+        self.said.append(text)
+
+    def tick(self) -> StopJob | None:
+        """One supervisor tick on the leader: follow what changed, then the leader's part."""
+        self.m.follow(lambda fault: None)
+        return self.leader.tick()
+
+    def status(self, member: str, *, steps: int, collectives: int = 0, synced: bool = True,
+               finished: bool = False) -> None:
+        """What the member's heartbeat thread would report (and the supervisor read)."""
+        status = P.Status(1, steps, collectives, synced, finished)
+        self.store.set_record(P.status_key(member), status.to_json())
+        self.m.statuses[member] = status
+
+    def remove(self, member: str, cause: str = "exit code 1") -> None:
+        """What the member's agent does when it takes it out."""
+        self.m.end(self.m.latest.number, {"member": member, "cause": cause})
+        self.m.removed[member] = cause
+        self.m.append_fault(P.Fault(cause, member=member))
+
+    def release(self, *nodes: int) -> None:
+        for node in nodes:
+            self.m.confirm_released(self.m.latest.number, node)
+
+    def pool(self, node: int, members: Iterable[str], ready: Iterable[str]) -> None:
+        self.m.send_pool(node, P.Pool(tuple(members), frozenset(ready)))
+
+    def steps(self, members: Iterable[str], upto: int, every_s: float) -> None:
+        """Members commit steps 1..upto, one every ``every_s``, the leader ticking each."""
+        members = list(members)
+        for step in range(1, upto + 1):
+            self.clock.now += every_s
+            for member in members:
+                self.status(member, steps=step)
+            assert self.tick() is None
+
+    @property
+    def world(self) -> list[str]:
+        return [m.id for m in self.m.latest.members]
+
+    def emitted(self, event: Event) -> list[dict[str, object]]:
+        lines = [json.loads(x) for x in self.events.getvalue().splitlines()]
+        return [x for x in lines if x["event"] == event.value]
+
+
+ALL = ["0.0", "0.1", "0.2", "0.3"]
+
+
+# --- the stall rule ---------------------------------------------------------------------------
+
+def test_a_rank_behind_the_others_is_stalled_after_the_limit_and_not_before() -> None:
+    job = Job(stall_floor_s=5.0)
+    job.steps(ALL, upto=5, every_s=1.0)  # median step 1 s: the limit is max(5, 20 x 1) = 20 s
+    for member in ["0.0", "0.1", "0.2"]:  # three ranks issue more collectives; 0.3 does not
+        job.status(member, steps=5, collectives=3)
+    assert job.tick() is None
+    job.clock.now += 19.0
+    assert job.tick() is None and not job.m.removed  # under the limit
+    job.clock.now += 2.0
+    assert job.tick() is None
+    assert list(job.m.removed) == ["0.3"] and "stalled" in job.m.removed["0.3"]
+    fault = P.Fault.from_json(job.store.first_record(P.fault_key(0)))
+    assert fault.member == "0.3" and fault.kill  # its agent must kill it
+    assert job.store.first_record(P.end_key(0))["member"] == "0.3"
+
+
+def test_every_rank_waiting_at_the_same_point_is_no_one_s_stall() -> None:
+    job = Job(stall_floor_s=5.0)
+    job.steps(ALL, upto=5, every_s=1.0)
+    job.clock.now += 600.0  # a hang every rank shares: left to the collective timeout / shim
+    assert job.tick() is None and not job.m.removed
+
+
+def test_a_slow_but_healthy_job_is_never_stalled_by_the_floor() -> None:
+    job = Job(stall_floor_s=5.0)
+    job.steps(ALL, upto=4, every_s=30.0)  # 30 s steps: the limit is 600 s, not the floor
+    for member in ["0.0", "0.1", "0.2"]:
+        job.status(member, steps=4, collectives=1)
+    assert job.tick() is None
+    job.clock.now += 500.0
+    assert job.tick() is None and not job.m.removed
+
+
+# --- replace vs shrink ------------------------------------------------------------------------
+
+def test_replace_the_survivors_regroup_then_a_ready_replacement_joins() -> None:
+    job = Job(on_failure="replace")
+    job.remove("0.1")
+    assert job.tick() is None and job.m.latest.number == 0  # waits for the abort
+    job.release(0)
+    assert job.tick() is None
+    assert job.world == ["0.0", "0.2", "0.3"] and job.m.latest.number == 1
+    job.pool(0, ["0.0", "0.2", "0.3", "0.4"], ready=["0.0", "0.2", "0.3", "0.4"])
+    job.status("0.4", steps=0, synced=False)
+    assert job.tick() is None
+    assert job.world == ["0.0", "0.2", "0.3", "0.4"]
+    assert [m.joiner for m in job.m.latest.members] == [False, False, False, True]
+    assert job.store.first_record(P.join_key(1)) == {"members": 4}  # survivors take it
+    assert job.emitted(Event.EPOCH)[-1]["joiners"] == ["0.4"]
+
+
+def test_shrink_goes_on_with_fewer_ranks_and_admits_no_one() -> None:
+    job = Job(on_failure="shrink")
+    job.remove("0.2")
+    job.release(0)
+    assert job.tick() is None
+    assert job.world == ["0.0", "0.1", "0.3"]
+    assert [m.rank for m in job.m.latest.members] == [0, 1, 2]
+    assert job.tick() is None and job.m.latest.number == 1  # nobody to admit
+
+
+def test_the_node_side_replaces_until_replacements_keep_failing() -> None:
+    assert wants_replacement("replace", 0, job_done=False)
+    assert wants_replacement("replace", MAX_REPLACEMENT_FAILURES, job_done=False)
+    assert not wants_replacement("replace", MAX_REPLACEMENT_FAILURES + 1, job_done=False)
+    assert not wants_replacement("shrink", 0, job_done=False)
+    assert not wants_replacement("replace", 0, job_done=True)
+
+
+# --- min workers, min nodes -------------------------------------------------------------------
+
+def test_below_min_workers_the_job_stops_and_at_min_it_goes_on() -> None:
+    job = Job(min_workers=3, on_failure="shrink")
+    job.remove("0.0")
+    job.release(0)
+    assert job.tick() is None and len(job.world) == 3  # at the minimum: goes on
+    job.remove("0.1")
+    job.release(0)
+    verdict = job.tick()
+    assert isinstance(verdict, StopJob)
+    assert verdict.reason == "2 workers left, fewer than --min-workers 3"
+    assert job.m.latest.number == 1  # nothing published
+
+
+def test_a_lost_node_below_min_nodes_stops_the_job() -> None:
+    job = Job(nodes=2, per_node=2)  # MIN = MAX = 2 nodes
+    job.m.lost_nodes.add(1)  # what watch_nodes records for a node whose heartbeats stopped
+    job.release(0)
+    verdict = job.tick()
+    assert isinstance(verdict, StopJob) and verdict.reason == \
+        "1 nodes left, fewer than the minimum 2"
+
+
+def test_a_lost_node_at_or_above_min_nodes_is_dropped_and_the_job_goes_on() -> None:
+    job = Job(nodes=3, per_node=2, nnodes_min=2)
+    job.m.lost_nodes.add(2)
+    job.release(0, 1)
+    assert job.tick() is None
+    assert job.world == ["0.0", "0.1", "1.0", "1.1"]
+    assert job.leader.target == 4  # the lost node's ranks are not waited for
+
+
+# --- faults during a recovery -----------------------------------------------------------------
+
+def test_a_fault_during_a_recovery_is_folded_into_the_same_regroup() -> None:
+    job = Job(on_failure="shrink")
+    job.remove("0.1")
+    assert job.tick() is None  # epoch 0 ended; waiting for node 0's abort
+    job.remove("0.3")  # a second member fails before the next epoch exists
+    job.release(0)
+    assert job.tick() is None
+    assert job.world == ["0.0", "0.2"] and job.m.latest.number == 1
+
+
+def test_a_fault_right_after_a_recovery_starts_the_next_one() -> None:
+    job = Job(on_failure="shrink")
+    job.remove("0.1")
+    job.release(0)
+    job.tick()
+    job.remove("0.0")  # the new epoch's rank 0 fails at once
+    assert job.tick() is None and job.m.latest.number == 1
+    job.release(0)
+    assert job.tick() is None
+    assert job.world == ["0.2", "0.3"] and job.m.latest.number == 2
+
+
+def test_a_node_that_never_confirms_its_abort_is_waited_for_only_so_long() -> None:
+    job = Job(nodes=2, per_node=2, abort_timeout_s=2.0, heartbeat_timeout_s=3.0,
+              on_failure="shrink")
+    job.remove("1.0")
+    job.release(0)  # node 1 never confirms
+    assert job.tick() is None and job.m.latest.number == 0
+    job.clock.now += 4.9
+    assert job.tick() is None and job.m.latest.number == 0
+    job.clock.now += 0.2  # past abort + heartbeat timeout
+    assert job.tick() is None and job.world == ["0.0", "0.1", "1.1"]
+    assert any("did not confirm their NCCL abort" in x for x in job.said)
+
+
+def test_a_failed_member_that_never_called_init_restarts_the_job() -> None:
+    job = Job()
+    job.store.raw.delete_key(job.store.key(P.status_key("0.2")))
+    del job.m.statuses["0.2"]
+    job.remove("0.2")
+    verdict = job.tick()
+    assert isinstance(verdict, StopJob) and verdict.cause == {"member": "0.2"}
+
+
+def test_no_survivor_with_the_state_stops_the_job() -> None:
+    job = Job(per_node=2, on_failure="shrink")
+    job.remove("0.0")
+    job.release(0)
+    job.pool(0, ["0.1", "0.2"], ready=["0.1", "0.2"])
+    job.status("0.2", steps=0, synced=False)
+    job.tick()  # epoch 1: 0.1 and the joiner 0.2
+    assert job.world == ["0.1", "0.2"]
+    job.remove("0.1")  # the only member holding the state fails before 0.2 received it
+    verdict = job.tick()
+    assert isinstance(verdict, StopJob) and "holds the job's state" in verdict.reason
+
+
+def test_the_job_is_done_when_every_member_with_the_state_finished() -> None:
+    job = Job(per_node=2)
+    job.status("0.0", steps=9, finished=True)
+    assert job.tick() is None and not job.m.done
+    job.status("0.1", steps=9, finished=True)
+    assert job.tick() is None and job.m.done
+    assert job.store.first_record(P.DONE) == {"generation": 0}
+
+
+# --- member states ----------------------------------------------------------------------------
+
+def test_member_states_move_only_along_the_documented_transitions() -> None:
+    member = LocalMember("0.0", process=None, initial=True)  # type: ignore[arg-type]
+    assert member.state is MemberState.STARTING and member.live and not member.has_status
+    member.advance(MemberState.READY)
+    assert member.has_status
+    member.advance(MemberState.REMOVED, "heartbeat lost")
+    assert member.removed_cause == "heartbeat lost" and not member.live
+    for state in MemberState:
+        with pytest.raises(RuntimeError, match="not a member transition"):
+            member.advance(state)  # REMOVED is final
+    assert TRANSITIONS[MemberState.FINISHED] == frozenset()
+    assert MemberState.READY not in TRANSITIONS[MemberState.READY]
