@@ -27,7 +27,7 @@
   of ``--rdzv-repeats`` runs (every run is in ``rendezvous_runs``):
 
   - ftrun: ftrun.control.rendezvous.DynamicRendezvous.join() for generation 0, as ftrun's agent
-    sets it up (ftrun/agent.py): a client with its request timeout, HMAC-signed records,
+    sets it up (ftrun/agent/loop.py): a client with its request timeout, HMAC-signed records,
     poll 0.05 s, a heartbeat thread per agent (1 s); agent 0 is the leader (in a real job
     the store host's agent), which also opens the generation's worker store. Returns when
     the agent holds the generation record (its rank and the worker store's address).
@@ -209,7 +209,7 @@ _START_BATCH = 32
 #: its own timer for that instant, so none starts late because others are still waking.
 _START_LEAD_S = 0.5
 #: ftrun's defaults for an agent: heartbeat interval and timeout, and its rendezvous poll,
-#: min(--monitor-interval 0.1, 0.05) (ftrun/agent.py).
+#: min(--monitor-interval 0.1, 0.05) (ftrun/agent/loop.py).
 _HB_INTERVAL_S, _HB_TIMEOUT_S, _FTRUN_POLL_S = 1.0, 5.0, 0.05
 #: Private memory of one forked agent process: about 10 MB measured here for either
 #: launcher, 25 with headroom; raised to the largest a run measures. A run whose agents
