@@ -7,12 +7,13 @@
  *  - keeps the registry of communicators in the shared control page (ftshim_abi.h), keyed by
  *    handle address, with a state and a creation serial;
  *  - runs one native thread that bumps a liveness counter, watches the agent process, and on
- *    command stops every communicator made before a generation (ncclCommRevoke when the
+ *    command stops every communicator made before a comm epoch (ncclCommRevoke when the
  *    loaded NCCL has it, else one group of ncclCommAbort), then writes a report;
  *  - answers later calls on stopped handles itself, so that nothing touches freed memory.
  *
  * All process state is in the one struct `g` below (documented field by field) plus a
- * per-thread group record `t_grp`. The per-call path takes no lock and allocates nothing:
+ * per-thread group record `t_grp`; every other static is constant (the tables generated from
+ * ftshim_table.h and ftshim_abi.h). The per-call path takes no lock and allocates nothing:
  * a hash probe over the page's table, two atomic increments and a decrement.
  */
 #define _GNU_SOURCE
@@ -96,26 +97,40 @@ static const int ftshim_since[FTSHIM_FN_COUNT] = {
 };
 
 /* ---- the process state ---------------------------------------------------------------- */
-enum { MODE_INERT = 0, MODE_CANDIDATE = 1, MODE_ACTIVE = 2, MODE_DETACHED = 3 };
 #define FTSHIM_MISSING ((void*)1)
 #define HELD_MAX 32
 
+/* One communicator picked by an abort sweep. */
+typedef struct {
+  ftshim_comm_slot* slot;
+  ftshim_report_entry* entry;
+  int use_abort; /* revoke failed or unavailable: free it with abort */
+} victim_t;
+
+/* Everything the shim keeps in this process. Shared with other processes: only the page it
+ * points to (ftshim_abi.h). Locks: `claim_lock` orders claims (a first NCCL call racing the
+ * control thread); `reg_lock` orders registry inserts and abort sweeps, never a plain call. */
 static struct {
-  int mode;                      /* MODE_*; read on every call (relaxed) */
+  int mode;                      /* enum ftshim_mode; read on every call (relaxed) */
   const char* inert_reason;      /* why the shim does nothing here (static string) */
   ftshim_page* page;             /* the mapped control page, NULL when inert */
   void* nccl;                    /* dlopen(RTLD_NOLOAD) handle of libnccl, NULL until seen */
   void* real[FTSHIM_FN_COUNT];   /* resolved pnccl pointers; NULL unresolved, MISSING absent */
   int warned[FTSHIM_FN_COUNT];   /* the one-time "missing symbol" message was printed */
+  pthread_mutex_t claim_lock;    /* try_claim() from a call and from the control thread */
   pthread_mutex_t reg_lock;      /* registry inserts and the abort sweep (never per call) */
-  int resweep;                   /* a stale-generation comm was registered during an abort */
+  int resweep;                   /* a comm of an aborted epoch was registered during an abort */
   int debug;                     /* FTRUN_SHIM_DEBUG */
-  int agent_fd;                  /* pidfd of the agent, -1 when unavailable */
-  uint64_t last_request;         /* abort_request served last */
+  int agent_fd;                  /* pidfd of the agent, -1 unavailable, -2 already gone */
+  uint64_t last_request;         /* abort_request served last (control thread) */
   int thread_started;            /* the control thread runs (or is starting) */
   int exiting;                   /* exit() began: the control thread stops touching the loader */
-} g = {.mode = MODE_INERT,
+  unsigned nccl_probes;          /* ticks that asked whether libnccl is loaded (control thread) */
+  victim_t victims[FTSHIM_MAX_COMMS]; /* the sweep's communicators (under reg_lock) */
+  victim_t freeing[FTSHIM_MAX_COMMS]; /* those of them freed with abort (under reg_lock) */
+} g = {.mode = FTSHIM_MODE_INERT,
        .inert_reason = "not initialised",
+       .claim_lock = PTHREAD_MUTEX_INITIALIZER,
        .reg_lock = PTHREAD_MUTEX_INITIALIZER,
        .agent_fd = -1};
 
@@ -269,10 +284,10 @@ static void start_thread(void);
 /* The registry entry for `comm`, or NULL when untracked (shim inert, comm unknown). */
 static inline ftshim_comm_slot* track(const void* comm) {
   int m = A_LOAD(&g.mode, RELAXED);
-  if (LIKELY(m >= MODE_ACTIVE)) return slot_lookup(g.page, comm);
-  if (m == MODE_CANDIDATE) {
+  if (LIKELY(m >= FTSHIM_MODE_ACTIVE)) return slot_lookup(g.page, comm);
+  if (m == FTSHIM_MODE_CANDIDATE) {
     claim_from_call();
-    if (A_LOAD(&g.mode, ACQUIRE) >= MODE_ACTIVE) return slot_lookup(g.page, comm);
+    if (A_LOAD(&g.mode, ACQUIRE) >= FTSHIM_MODE_ACTIVE) return slot_lookup(g.page, comm);
   }
   return NULL;
 }
@@ -324,7 +339,7 @@ static void wake_thread(ftshim_page* p) {
 /* Record a new communicator. A dead entry (stopped, or released) at the same address is
  * replaced: NCCL hands a freed address to the next communicator, the serial tells them apart. */
 static void slot_register(void* comm, int creator, int rank, int size, uint64_t parent_addr,
-                          uint64_t parent_serial, uint64_t generation) {
+                          uint64_t parent_serial, uint64_t epoch) {
   ftshim_page* p = g.page;
   uint64_t a = (uint64_t)(uintptr_t)comm;
   if (!a || !p) return;
@@ -356,7 +371,7 @@ static void slot_register(void* comm, int creator, int rank, int size, uint64_t 
   A_STORE(&target->seq, 0ull, RELAXED);
   A_STORE(&target->last_op, (uint32_t)creator, RELAXED);
   target->serial = A_ADD(&p->next_serial, 1u, RELAXED) + 1;
-  target->generation = generation;
+  target->epoch = epoch;
   target->rank = rank;
   target->size = size;
   target->device = -1;
@@ -368,20 +383,20 @@ static void slot_register(void* comm, int creator, int rank, int size, uint64_t 
   A_STORE(&target->addr, a, RELEASE);
   A_STORE(&target->state, (uint32_t)FTSHIM_SLOT_LIVE, RELEASE);
   A_ADD(&target->change, 1u, SEQ_CST); /* even: stable */
-  int stale = generation < A_LOAD(&p->abort_generation, ACQUIRE);
+  int stale = epoch < A_LOAD(&p->abort_epoch, ACQUIRE);
   pthread_mutex_unlock(&g.reg_lock);
-  DEBUG("registered %p serial %llu gen %llu by %s rank %d size %d", comm,
-        (unsigned long long)target->serial, (unsigned long long)generation,
+  DEBUG("registered %p serial %llu epoch %llu by %s rank %d size %d", comm,
+        (unsigned long long)target->serial, (unsigned long long)epoch,
         ftshim_names[creator], rank, size);
-  if (stale) { /* created by a call that raced an abort of its generation: sweep again */
+  if (stale) { /* created by a call that raced an abort of its epoch: sweep again */
     A_STORE(&g.resweep, 1, RELEASE);
     wake_thread(p);
   }
 }
 
-static inline uint64_t cur_generation(void) {
+static inline uint64_t cur_epoch(void) {
   ftshim_page* p = g.page;
-  return p ? A_LOAD(&p->current_generation, ACQUIRE) : 0;
+  return p ? A_LOAD(&p->current_epoch, ACQUIRE) : 0;
 }
 
 /* ---- interposer templates (one per kind) ---------------------------------------------- */
@@ -429,10 +444,10 @@ static inline uint64_t cur_generation(void) {
     ftshim_pfn_##name real = GET_REAL(name);                                \
     if (UNLIKELY(!real)) return ftshim_missing(FTSHIM_ID_##name);           \
     int on = active_for_create();                                           \
-    uint64_t gen = cur_generation();                                        \
+    uint64_t epoch = cur_epoch();                                           \
     ncclResult_t r = real args;                                             \
     if (on && (r == ncclSuccess || r == ncclInProgress) && (c) && *(c))      \
-      slot_register(*(c), FTSHIM_ID_##name, (a2), (a1), 0, 0, gen);         \
+      slot_register(*(c), FTSHIM_ID_##name, (a2), (a1), 0, 0, epoch);       \
     return r;                                                               \
   }
 
@@ -441,11 +456,11 @@ static inline uint64_t cur_generation(void) {
     ftshim_pfn_##name real = GET_REAL(name);                                \
     if (UNLIKELY(!real)) return ftshim_missing(FTSHIM_ID_##name);           \
     int on = active_for_create();                                           \
-    uint64_t gen = cur_generation();                                        \
+    uint64_t epoch = cur_epoch();                                           \
     ncclResult_t r = real args;                                             \
     if (on && (r == ncclSuccess || r == ncclInProgress) && (c))              \
       for (int i_ = 0; i_ < (a1); i_++)                                     \
-        if ((c)[i_]) slot_register((c)[i_], FTSHIM_ID_##name, i_, (a1), 0, 0, gen); \
+        if ((c)[i_]) slot_register((c)[i_], FTSHIM_ID_##name, i_, (a1), 0, 0, epoch); \
     return r;                                                               \
   }
 
@@ -462,11 +477,11 @@ static inline uint64_t cur_generation(void) {
       pa = s->addr; ps = s->serial;                                         \
       A_STORE(&s->last_op, (uint32_t)FTSHIM_ID_##name, RELAXED);            \
     }                                                                       \
-    uint64_t gen = cur_generation();                                        \
+    uint64_t epoch = cur_epoch();                                           \
     ncclResult_t r = real args;                                             \
     if (s) slot_leave(s);                                                   \
     if (on && (r == ncclSuccess || r == ncclInProgress) && (a1) && *(a1))    \
-      slot_register(*(a1), FTSHIM_ID_##name, -1, -1, pa, ps, gen);          \
+      slot_register(*(a1), FTSHIM_ID_##name, -1, -1, pa, ps, epoch);        \
     return r;                                                               \
   }
 
@@ -624,17 +639,17 @@ static inline uint64_t cur_generation(void) {
 static void group_release(void) {
   int n = t_grp.n;
   t_grp.n = 0;
-  if (A_LOAD(&g.mode, RELAXED) < MODE_ACTIVE) return; /* fork child: the page is not ours */
+  if (A_LOAD(&g.mode, RELAXED) < FTSHIM_MODE_ACTIVE) return; /* fork child: the page is not ours */
   for (int i = 0; i < n; i++) A_SUB(&t_grp.held[i]->inflight, 1u, RELEASE);
 }
 
 static int active_for_create(void) {
   int m = A_LOAD(&g.mode, RELAXED);
-  if (m == MODE_CANDIDATE) {
+  if (m == FTSHIM_MODE_CANDIDATE) {
     claim_from_call();
     m = A_LOAD(&g.mode, ACQUIRE);
   }
-  return m >= MODE_ACTIVE;
+  return m >= FTSHIM_MODE_ACTIVE;
 }
 
 static void slot_set_state(ftshim_comm_slot* s, uint32_t st) {
@@ -693,12 +708,6 @@ FTSHIM_NCCL_TABLE(X)
 #undef X
 
 /* ---- abort sweep ---------------------------------------------------------------------- */
-typedef struct {
-  ftshim_comm_slot* slot;
-  ftshim_report_entry* entry;
-  int use_abort; /* revoke failed or unavailable: free it with abort */
-} victim_t;
-
 static void drain(victim_t* v, uint32_t n, uint32_t ms) {
   uint64_t deadline = now_ns() + (uint64_t)ms * 1000000ull;
   for (;;) {
@@ -709,12 +718,12 @@ static void drain(victim_t* v, uint32_t n, uint32_t ms) {
   }
 }
 
-/* Stop every LIVE communicator whose generation is < gen. Runs on the control thread (or on
+/* Stop every LIVE communicator whose epoch is < `epoch`. Runs on the control thread (or on
  * the thread that noticed the agent died). Writes the report into the page as it goes, so
  * that an agent that times out still sees how far it got. */
-static void abort_sweep(uint64_t gen, uint64_t request) {
+static void abort_sweep(uint64_t epoch, uint64_t request) {
   ftshim_page* p = g.page;
-  static victim_t victims[FTSHIM_MAX_COMMS]; /* only the sweeping thread uses it (reg_lock) */
+  victim_t* victims = g.victims;
   pthread_mutex_lock(&g.reg_lock);
   probe_nccl(p);
   ftshim_report* rep = &p->report;
@@ -727,8 +736,8 @@ static void abort_sweep(uint64_t gen, uint64_t request) {
   uint32_t drain_ms = A_LOAD(&p->drain_ms, RELAXED);
   if (drain_ms > 10000) drain_ms = 10000;
 
-  A_STORE(&rep->phase, 1u, RELEASE);
-  rep->generation = gen;
+  A_STORE(&rep->phase, (uint32_t)FTSHIM_PHASE_SELECTING, RELEASE);
+  rep->epoch = epoch;
   rep->request = request;
   rep->started_ns = now_ns();
   rep->finished_ns = 0;
@@ -741,7 +750,7 @@ static void abort_sweep(uint64_t gen, uint64_t request) {
   uint32_t n = 0, ne = 0;
   for (uint32_t i = 0; i < FTSHIM_MAX_COMMS; i++) {
     ftshim_comm_slot* s = &p->comms[i];
-    if (!A_LOAD(&s->addr, ACQUIRE) || s->generation >= gen) continue;
+    if (!A_LOAD(&s->addr, ACQUIRE) || s->epoch >= epoch) continue;
     uint32_t e = FTSHIM_SLOT_LIVE;
     uint32_t st = A_LOAD(&s->state, ACQUIRE);
     if (st != FTSHIM_SLOT_LIVE && st != FTSHIM_SLOT_RELEASING) continue;
@@ -749,7 +758,7 @@ static void abort_sweep(uint64_t gen, uint64_t request) {
     memset(re, 0, sizeof *re);
     re->addr = s->addr;
     re->serial = s->serial;
-    re->generation = s->generation;
+    re->epoch = s->epoch;
     re->rank = s->rank;
     re->state_before = st;
     if (st == FTSHIM_SLOT_RELEASING || !A_CAS(&s->state, &e, (uint32_t)FTSHIM_SLOT_ABORTING)) {
@@ -771,7 +780,7 @@ static void abort_sweep(uint64_t gen, uint64_t request) {
   }
   A_STORE(&rep->n_entries, ne, RELEASE);
   rep->mechanism = n ? mech : FTSHIM_MECH_NONE;
-  A_STORE(&rep->phase, 2u, RELEASE);
+  A_STORE(&rep->phase, (uint32_t)FTSHIM_PHASE_STOPPING, RELEASE);
 
   ftshim_pfn_CommRevoke revoke = GET_REAL(CommRevoke);
   ftshim_pfn_CommAbort abort_fn = GET_REAL(CommAbort);
@@ -809,7 +818,7 @@ static void abort_sweep(uint64_t gen, uint64_t request) {
   uint32_t na = 0;
   for (uint32_t i = 0; i < n; i++) na += victims[i].use_abort;
   if (na) {
-    static victim_t av[FTSHIM_MAX_COMMS];
+    victim_t* av = g.freeing;
     uint32_t k = 0;
     for (uint32_t i = 0; i < n; i++)
       if (victims[i].use_abort) av[k++] = victims[i];
@@ -855,15 +864,15 @@ static void abort_sweep(uint64_t gen, uint64_t request) {
   }
 
   rep->finished_ns = now_ns();
-  A_STORE(&rep->phase, 3u, RELEASE);
-  if (gen != FTSHIM_GEN_ALL || request) {
-    A_STORE(&p->ack_generation, gen, RELEASE);
+  A_STORE(&rep->phase, (uint32_t)FTSHIM_PHASE_DONE, RELEASE);
+  if (epoch != FTSHIM_EPOCH_ALL || request) {
+    A_STORE(&p->ack_epoch, epoch, RELEASE);
     A_STORE(&p->ack_request, request, RELEASE);
   }
   A_ADD(&p->report_seq, 1u, SEQ_CST);
   futex_wake(&p->report_seq);
   pthread_mutex_unlock(&g.reg_lock);
-  DEBUG("abort gen %llu: %u comms, mechanism %u, %u unsafe, %.3f ms", (unsigned long long)gen, n,
+  DEBUG("abort epoch %llu: %u comms, mechanism %u, %u unsafe, %.3f ms", (unsigned long long)epoch, n,
         mech, rep->n_unsafe, (double)(rep->finished_ns - rep->started_ns) / 1e6);
 }
 
@@ -930,27 +939,26 @@ static int try_claim(int have_nccl) {
   A_ADD(&p->attach_count, 1u, RELAXED);
   A_STORE(&p->shim_state, (uint32_t)FTSHIM_STATE_ACTIVE, RELEASE);
   pthread_mutex_unlock(&g.reg_lock);
-  A_STORE(&g.mode, MODE_ACTIVE, RELEASE);
+  A_STORE(&g.mode, FTSHIM_MODE_ACTIVE, RELEASE);
   DEBUG("claimed control page (nccl %s)", have_nccl ? "loaded" : "not loaded yet");
   return CLAIM_OK;
 }
 
 static void go_inert(const char* why) {
   A_STORE(&g.inert_reason, why, RELAXED);
-  A_STORE(&g.mode, MODE_INERT, RELEASE);
+  A_STORE(&g.mode, FTSHIM_MODE_INERT, RELEASE);
   DEBUG("inert: %s", why);
 }
 
-static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER;
 static void claim_from_call(void) {
   /* The application is calling NCCL: NCCL is loaded in this process. */
-  pthread_mutex_lock(&claim_lock);
-  if (A_LOAD(&g.mode, ACQUIRE) == MODE_CANDIDATE) {
+  pthread_mutex_lock(&g.claim_lock);
+  if (A_LOAD(&g.mode, ACQUIRE) == FTSHIM_MODE_CANDIDATE) {
     int r = try_claim(1);
     if (r == CLAIM_NEVER) go_inert("another process owns the control page");
     if (r == CLAIM_OK) start_thread();
   }
-  pthread_mutex_unlock(&claim_lock);
+  pthread_mutex_unlock(&g.claim_lock);
 }
 
 static int nccl_loaded(void) { return nccl_handle() != NULL; }
@@ -960,10 +968,9 @@ static int nccl_loaded(void) { return nccl_handle() != NULL; }
  * too, and a program that never loads NCCL (a CPU-only worker) would otherwise ask for ever,
  * every tick. */
 static int nccl_loaded_throttled(void) {
-  static unsigned probes;
   if (A_LOAD(&g.nccl, ACQUIRE)) return 1;
   if (A_LOAD(&g.exiting, ACQUIRE)) return 0;
-  return (probes++ % 100u == 0u) && nccl_loaded();
+  return (g.nccl_probes++ % 100u == 0u) && nccl_loaded();
 }
 
 static int agent_alive(pid_t agent) {
@@ -979,7 +986,7 @@ static void agent_lost(void) {
   ftshim_page* p = g.page;
   ftshim_log("agent pid %d is gone: aborting every NCCL communicator and exiting (status %d)",
              (int)p->agent_pid, FTSHIM_EXIT_AGENT_LOST);
-  abort_sweep(FTSHIM_GEN_ALL, 0);
+  abort_sweep(FTSHIM_EPOCH_ALL, 0);
   A_STORE(&p->shim_state, (uint32_t)FTSHIM_STATE_AGENT_LOST, RELEASE);
   _exit(FTSHIM_EXIT_AGENT_LOST); /* not exit(): atexit handlers could wait on wedged threads */
 }
@@ -1003,12 +1010,12 @@ static void* control_thread(void* arg) {
     uint32_t tick = A_LOAD(&p->tick_ms, RELAXED);
     if (tick < 1 || tick > 1000) tick = 10;
     int mode = A_LOAD(&g.mode, ACQUIRE);
-    if (mode == MODE_CANDIDATE) {
-      pthread_mutex_lock(&claim_lock);
-      int r = A_LOAD(&g.mode, ACQUIRE) == MODE_CANDIDATE ? try_claim(nccl_loaded_throttled())
+    if (mode == FTSHIM_MODE_CANDIDATE) {
+      pthread_mutex_lock(&g.claim_lock);
+      int r = A_LOAD(&g.mode, ACQUIRE) == FTSHIM_MODE_CANDIDATE ? try_claim(nccl_loaded_throttled())
                                                          : CLAIM_OK;
       if (r == CLAIM_NEVER) go_inert("another process owns the control page");
-      pthread_mutex_unlock(&claim_lock);
+      pthread_mutex_unlock(&g.claim_lock);
       if (r == CLAIM_NEVER) return NULL;
       if (r == CLAIM_WAIT) {
         int32_t bound = A_LOAD(&p->bound_pid, ACQUIRE);
@@ -1024,7 +1031,7 @@ static void* control_thread(void* arg) {
         continue;
       }
     }
-    if (A_LOAD(&g.mode, ACQUIRE) != MODE_ACTIVE) return NULL;
+    if (A_LOAD(&g.mode, ACQUIRE) != FTSHIM_MODE_ACTIVE) return NULL;
     if (A_LOAD(&p->owner_pid, ACQUIRE) != getpid()) { /* taken over by a process with NCCL */
       go_inert("ownership taken over by another process");
       return NULL;
@@ -1036,7 +1043,7 @@ static void* control_thread(void* arg) {
     if (A_LOAD(&p->agent_flags, ACQUIRE) & FTSHIM_AGENT_CLOSED) {
       /* The registry stays in use so stopped handles are still answered safely. */
       A_STORE(&p->shim_state, (uint32_t)FTSHIM_STATE_DETACHED, RELEASE);
-      A_STORE(&g.mode, MODE_DETACHED, RELEASE);
+      A_STORE(&g.mode, FTSHIM_MODE_DETACHED, RELEASE);
       DEBUG("agent closed the channel: detached");
       return NULL;
     }
@@ -1044,7 +1051,7 @@ static void* control_thread(void* arg) {
     int resweep = __atomic_exchange_n(&g.resweep, 0, __ATOMIC_ACQ_REL);
     if (req != g.last_request || resweep) {
       g.last_request = req;
-      abort_sweep(A_LOAD(&p->abort_generation, ACQUIRE), req);
+      abort_sweep(A_LOAD(&p->abort_epoch, ACQUIRE), req);
       continue;
     }
     futex_wait_ms(&p->doorbell, bell, tick);
@@ -1116,7 +1123,7 @@ __attribute__((constructor)) static void ftshim_init(void) {
     return;
   }
   g.page = p;
-  A_STORE(&g.mode, MODE_CANDIDATE, RELEASE);
+  A_STORE(&g.mode, FTSHIM_MODE_CANDIDATE, RELEASE);
   int r = try_claim(nccl_loaded());
   if (r == CLAIM_NEVER) {
     go_inert("another process owns the control page");
@@ -1133,12 +1140,32 @@ __attribute__((constructor)) static void ftshim_init(void) {
 /* ---- introspection (tests, doctor) ---------------------------------------------------- */
 FTSHIM_API int ftshim_status(void) { return A_LOAD(&g.mode, ACQUIRE); }
 FTSHIM_API const char* ftshim_inert_reason(void) {
-  return A_LOAD(&g.mode, ACQUIRE) >= MODE_CANDIDATE ? "" : g.inert_reason;
+  return A_LOAD(&g.mode, ACQUIRE) >= FTSHIM_MODE_CANDIDATE ? "" : g.inert_reason;
 }
 FTSHIM_API uint32_t ftshim_function_count(void) { return FTSHIM_FN_COUNT; }
 FTSHIM_API const char* ftshim_function_name(uint32_t id) {
   return id < FTSHIM_FN_COUNT ? ftshim_names[id] : NULL;
 }
+
+/* ftshim_<family>_name(value) and ftshim_enum_values, from the lists in ftshim_abi.h. */
+#define NAME_CASE(family, sym, value, name) case sym: return name;
+#define NAME_FN(list, family)                                          \
+  FTSHIM_API const char* ftshim_##family##_name(uint32_t value) {      \
+    switch (value) {                                                   \
+      list(NAME_CASE)                                                  \
+      default: return NULL;                                            \
+    }                                                                  \
+  }
+FTSHIM_ENUM_FAMILIES(NAME_FN)
+#undef NAME_FN
+#undef NAME_CASE
+
+#define ENUM_ROW(family, sym, value, name) {#family, (uint32_t)(sym), name},
+#define ENUM_ROWS(list, family) list(ENUM_ROW)
+FTSHIM_API const ftshim_enum_value ftshim_enum_values[] = {
+    FTSHIM_ENUM_FAMILIES(ENUM_ROWS) {NULL, 0, NULL}};
+#undef ENUM_ROWS
+#undef ENUM_ROW
 
 #define F(type, field) {#type "." #field, (uint32_t)offsetof(type, field), \
                         (uint32_t)sizeof(((type*)0)->field)}
@@ -1150,26 +1177,26 @@ FTSHIM_API const ftshim_field_info ftshim_layout_fields[] = {
     F(ftshim_page, magic), F(ftshim_page, version), F(ftshim_page, size),
     F(ftshim_page, max_comms), F(ftshim_page, agent_pid), F(ftshim_page, bound_pid),
     F(ftshim_page, tick_ms), F(ftshim_page, drain_ms), F(ftshim_page, agent_flags),
-    F(ftshim_page, current_generation), F(ftshim_page, abort_generation),
+    F(ftshim_page, current_epoch), F(ftshim_page, abort_epoch),
     F(ftshim_page, abort_request), F(ftshim_page, doorbell), F(ftshim_page, report_seq),
     F(ftshim_page, owner_pid), F(ftshim_page, shim_state), F(ftshim_page, liveness),
-    F(ftshim_page, ack_generation), F(ftshim_page, ack_request), F(ftshim_page, nccl_version),
+    F(ftshim_page, ack_epoch), F(ftshim_page, ack_request), F(ftshim_page, nccl_version),
     F(ftshim_page, caps), F(ftshim_page, attach_count), F(ftshim_page, next_serial),
     F(ftshim_page, overflow), F(ftshim_page, owner_has_nccl), F(ftshim_page, abi_shim_version),
     F(ftshim_page, report), F(ftshim_page, comms),
-    F(ftshim_report, generation), F(ftshim_report, request), F(ftshim_report, started_ns),
+    F(ftshim_report, epoch), F(ftshim_report, request), F(ftshim_report, started_ns),
     F(ftshim_report, finished_ns), F(ftshim_report, mechanism), F(ftshim_report, group_result),
     F(ftshim_report, n_entries), F(ftshim_report, n_unsafe), F(ftshim_report, nccl_version),
     F(ftshim_report, phase), F(ftshim_report, current_index), F(ftshim_report, entries),
     F(ftshim_report_entry, addr), F(ftshim_report_entry, serial),
-    F(ftshim_report_entry, generation), F(ftshim_report_entry, state_before),
+    F(ftshim_report_entry, epoch), F(ftshim_report_entry, state_before),
     F(ftshim_report_entry, state_after), F(ftshim_report_entry, mechanism),
     F(ftshim_report_entry, result), F(ftshim_report_entry, inflight_before),
     F(ftshim_report_entry, inflight_after), F(ftshim_report_entry, elapsed_ns),
     F(ftshim_report_entry, flags), F(ftshim_report_entry, rank),
     F(ftshim_comm_slot, addr), F(ftshim_comm_slot, state), F(ftshim_comm_slot, inflight),
     F(ftshim_comm_slot, seq), F(ftshim_comm_slot, last_op), F(ftshim_comm_slot, change),
-    F(ftshim_comm_slot, serial), F(ftshim_comm_slot, generation), F(ftshim_comm_slot, rank),
+    F(ftshim_comm_slot, serial), F(ftshim_comm_slot, epoch), F(ftshim_comm_slot, rank),
     F(ftshim_comm_slot, size), F(ftshim_comm_slot, device), F(ftshim_comm_slot, creator),
     F(ftshim_comm_slot, parent_serial), F(ftshim_comm_slot, parent_addr),
     F(ftshim_comm_slot, created_ns), F(ftshim_comm_slot, ended_ns),

@@ -162,7 +162,7 @@ try:
         summary["communicators"] = [c.__dict__ for c in comms]
         try:
             t0 = time.monotonic()
-            rep = ctl.abort(1, timeout_s=30)
+            rep = ctl.abort_all(timeout_s=30)
             check("abort_report", rep.attached and rep.entries and not rep.unsafe,
                   f"{rep.mechanism} {len(rep.entries)} comms in {rep.elapsed_s * 1e3:.2f} ms "
                   f"(round trip {rep.round_trip_s * 1e3:.2f} ms)")

@@ -89,5 +89,7 @@ def test_survivor_blocked_in_nccl_is_released_after_the_job_re_formed(job_dir: P
     assert [r["restart_count"] for r in records if r["event"] == "restart"] == [1], records
     at = next((i for i, r in enumerate(records) if r["event"] == "abort"), None)
     assert at is not None and records[at]["report"]["entries"], records
-    job_generation = [r["generation"] for r in records[:at] if r["event"] == "generation"]
+    # the agent's own "generation" records (a job generation: they carry its restart count)
+    job_generation = [r["generation"] for r in records[:at]
+                      if r["event"] == "generation" and "restart_count" in r]
     assert job_generation[-1:] == [1], records  # the abort happened in job generation 1

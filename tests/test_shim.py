@@ -9,6 +9,7 @@ AddressSanitizer, into a temporary directory.
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 import signal
 import subprocess
@@ -86,6 +87,21 @@ def test_layout_mirror_matches_library(builds: dict[str, Build]) -> None:
     dll.ftshim_function_name.restype = ctypes.c_char_p
     names = tuple(dll.ftshim_function_name(i).decode() for i in range(dll.ftshim_function_count()))
     assert names == shim.FUNCTION_NAMES
+
+
+def test_enum_mirror_matches_library(builds: dict[str, Build]) -> None:
+    """Every integer state of the page, report and process: the Python enums have exactly the
+    library's values, under the names its ftshim_<family>_name functions give."""
+    path = builds["plain"].shim
+    assert shim.library_enums(path) == shim.mirror_enums()
+    dll = ctypes.CDLL(str(path))
+    for family, mirror in shim.ENUMS.items():
+        for member in mirror:
+            assert shim.library_enum_name(dll, family, member.value) == member.name.lower()
+        known = {m.value for m in mirror}
+        probes = [1 << b for b in range(32)] if issubclass(mirror, enum.IntFlag) else range(256)
+        unknown = [v for v in probes if v not in known and shim.library_enum_name(dll, family, v)]
+        assert not unknown, f"{family}: the library has values the mirror lacks: {unknown}"
 
 
 # ---- abort releases a blocked worker, and torch-like clean-up is safe ------------------------
@@ -192,23 +208,23 @@ def test_abort_racing_call_in_flight(builds: dict[str, Build], procs: list[Proc]
         assert rc == 0 and "AddressSanitizer" not in err, err[-3000:]
 
 
-# ---- generations and parents ---------------------------------------------------------------
+# ---- comm epochs and parents ---------------------------------------------------------------
 @pytest.mark.parametrize("revoke", [True, False], ids=["nccl-revoke", "nccl-old"])
-def test_abort_spares_current_generation(
+def test_abort_spares_current_epoch(
     builds: dict[str, Build], procs: list[Proc], revoke: bool
 ) -> None:
     build = builds["asan"]
     with control(build) as ctl:
         p = start(procs, build, ctl, "split", revoke=revoke, stdin=True)
         (parent_addr,) = (int(a) for a in p.expect("PARENT"))
-        ctl.set_generation(1)
+        ctl.set_epoch(1)
         p.send("\n")
         rc, child_addr = (int(a) for a in p.expect("CHILD"))
         assert rc == 0
         parent, child = ctl.communicators()
-        assert (parent.address, parent.generation, parent.creator) == (
+        assert (parent.address, parent.epoch, parent.creator) == (
             parent_addr, 0, "ncclCommInitRank")  # fmt: skip
-        assert (child.address, child.generation, child.creator) == (
+        assert (child.address, child.epoch, child.creator) == (
             child_addr, 1, "ncclCommSplit")  # fmt: skip
         assert (child.parent_serial, child.parent_address) == (parent.serial, parent_addr)
         assert parent.size == 1 and parent.rank == 0
@@ -220,6 +236,25 @@ def test_abort_spares_current_generation(
         assert p.expect("RELEASE") == ["0", "0"]
         code, _, err = p.finish()
         assert code == 0 and "AddressSanitizer" not in err, err[-2000:]
+
+
+def test_abort_all_needs_no_epoch(builds: dict[str, Build], procs: list[Proc]) -> None:
+    """Whatever comm epoch the page was seeded with, abort_all stops every communicator made
+    so far (abort(1) stops none of them here), and spares those made afterwards."""
+    build = builds["plain"]
+    with control(build, epoch=3) as ctl:
+        p = start(procs, build, ctl, "block", "2")
+        addrs = [int(a) for a in p.expect("COMMS")]
+        p.expect("BLOCKED")
+        assert ctl.abort(1, timeout_s=5).entries == ()
+        report = ctl.abort_all(timeout_s=5)
+        assert report.epoch == 4 and ctl.epoch == 4 and ctl.status()["current_epoch"] == 4
+        assert sorted(e.address for e in report.entries) == sorted(addrs)
+        assert {e.epoch for e in report.entries} == {3}
+        assert p.expect("RELEASED")[1] == "1"
+        assert p.expect("NEWCOMM") == ["0", "0", "0", "0"]  # made in epoch 4: it works
+        assert p.finish()[0] == 0
+        assert ctl.communicators()[-1].epoch == 4  # the newest (sorted by serial)
 
 
 # ---- address reuse --------------------------------------------------------------------------
@@ -244,7 +279,7 @@ def test_address_reuse_does_not_confuse_registry(builds: dict[str, Build], procs
         at_addr = [c for c in ctl.communicators() if c.address == addr_a]
         assert len(at_addr) == 1
         new = at_addr[0]
-        assert new.serial > old.serial and new.state == "live" and new.generation == 1
+        assert new.serial > old.serial and new.state == "live" and new.epoch == 1
         assert new.seq == 1
         p.send("\n")
         assert p.expect("DESTROY") == ["0"]
@@ -351,7 +386,7 @@ def test_agent_death_aborts_and_exits(builds: dict[str, Build]) -> None:
         page = shim.read_page(page_path)
         assert shim.SHIM_STATES[page.shim_state] == "agent_lost"
         assert page.report.n_entries == 2
-        assert all(page.report.entries[i].state_after == 3 for i in range(2))  # revoked
+        assert all(page.report.entries[i].state_after == shim.CommState.REVOKED for i in range(2))
     finally:
         _set_subreaper(False)
         if agent.poll() is None:
@@ -480,15 +515,15 @@ def test_destroy_after_peer_abort(builds: dict[str, Build], procs: list[Proc]) -
 
 # ---- the Python side on its own -------------------------------------------------------------
 def test_shim_control_api(builds: dict[str, Build], tmp_path: Path) -> None:
-    ctl = ShimControl(label="a/b c", generation=3, directory=tmp_path, library=builds["plain"].shim)
+    ctl = ShimControl(label="a/b c", epoch=3, directory=tmp_path, library=builds["plain"].shim)
     assert ctl.path.parent == tmp_path and "/" not in ctl.path.name[len("ftrun-shim-") :]
     assert ctl.path.stat().st_mode & 0o777 == 0o600
     env = ctl.worker_env({"LD_PRELOAD": "/x/liba.so", "PATH": "/bin"})
     assert env["LD_PRELOAD"] == f"/x/liba.so:{builds['plain'].shim}"
     assert env[shim.ENV_CONTROL] == str(ctl.path) and env["PATH"] == "/bin"
     assert ctl.worker_env(env)["LD_PRELOAD"] == env["LD_PRELOAD"]  # not appended twice
-    assert shim.read_page(ctl.path).current_generation == 3
-    ctl.set_generation(4)
+    assert shim.read_page(ctl.path).current_epoch == 3
+    ctl.set_epoch(4)
     # no worker attached: answered at once, nothing to abort
     report = ctl.abort(5, timeout_s=1)
     assert not report.attached and report.entries == () and report.round_trip_s < 0.5
@@ -528,7 +563,7 @@ def test_per_call_overhead(builds: dict[str, Build]) -> None:
 
 
 def test_not_built_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(shim, "_NATIVE", tmp_path)
+    monkeypatch.setattr(shim.control, "_NATIVE", tmp_path)
     with pytest.raises(shim.ShimNotBuiltError, match="pip install") as exc:
         shim.shim_library_path()
     assert isinstance(exc.value, RuntimeError) and "\n" not in str(exc.value)

@@ -250,8 +250,8 @@ static int cmd_peer_destroy(int argc, char** argv) {
   return 0;
 }
 
-/* split: a parent made in generation 0, a child split from it after the agent moved to
- * generation 1; the agent aborts generation 1: only the parent stops. */
+/* split: a parent made in comm epoch 0, a child split from it after the agent moved to
+ * epoch 1; the agent aborts epoch 1: only the parent stops. */
 static int cmd_split(void) {
   char line[16];
   ncclComm_t parent = new_comm(1, 0), child = NULL;
