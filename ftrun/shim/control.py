@@ -12,7 +12,6 @@ import re
 import secrets
 import tempfile
 import time
-import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -219,22 +218,14 @@ class ShimControl:
         tick_ms: int = 10,
         drain_ms: int = 20,
         library: Path | None = None,
-        generation: int | None = None,
     ) -> None:
         """Create the control page (a file in /dev/shm by default, mode 0600).
 
         epoch: the comm epoch of the worker's first communicators;
         tick_ms: the shim's liveness period; drain_ms: how long an abort waits for NCCL calls in
         flight to come back before freeing their communicator (see docs/shim.md);
-        library: another build of the shim (tests use an AddressSanitizer build);
-        generation: the former name of `epoch`, kept for callers not yet moved (deprecated).
+        library: another build of the shim (tests use an AddressSanitizer build).
         """
-        if generation is not None:
-            if epoch:
-                raise TypeError("ShimControl: pass epoch, not both epoch and generation")
-            warnings.warn("ShimControl(generation=...) is now ShimControl(epoch=...)",
-                          DeprecationWarning, stacklevel=2)  # fmt: skip
-            epoch = generation
         self._lib = Path(library) if library is not None else shim_library_path()
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:64] or "worker"
         directory = Path(directory) if directory is not None else _default_directory()
