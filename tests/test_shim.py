@@ -563,7 +563,7 @@ def test_per_call_overhead(builds: dict[str, Build]) -> None:
 
 
 def test_not_built_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(shim.control, "_NATIVE", tmp_path)
+    monkeypatch.setattr(shim.native, "_NATIVE", tmp_path)
     with pytest.raises(shim.ShimNotBuiltError, match="pip install") as exc:
         shim.shim_library_path()
     assert isinstance(exc.value, RuntimeError) and "\n" not in str(exc.value)

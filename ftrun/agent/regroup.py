@@ -358,7 +358,7 @@ class _RegroupRun:
             if shim is None or member.process.poll() is not None:
                 continue
             try:
-                report = shim.abort(epoch + 1, timeout_s=self.config.abort_timeout_s)
+                report = shim.abort_all(timeout_s=self.config.abort_timeout_s)
             except ShimTimeoutError:
                 self.services.say(f"member {entry.id}: NCCL abort timed out; killing it")
                 member.process.signal_group(signal.SIGKILL)

@@ -65,17 +65,14 @@ from ftrun.shim.control import (
     AbortReport,
     CommunicatorInfo,
     ShimControl,
-    ShimError,
-    ShimNotBuiltError,
     ShimTimeoutError,
-    fake_nccl_dir,
     read_page,
-    shim_library_path,
     torch_env_for_survivors,
 )
 from ftrun.shim.control import (
     _version_str as _version_str,  # tests/test_shim_nccl_real.py
 )
+from ftrun.shim.native import ShimError, ShimNotBuiltError, fake_nccl_dir, shim_library_path
 from ftrun.shim.selftest import SelfTestResult, self_test
 
 __all__ = [

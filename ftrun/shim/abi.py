@@ -15,6 +15,8 @@ import ctypes
 import enum
 from pathlib import Path
 
+from ftrun.shim.native import shim_library_path
+
 # ---- constants ------------------------------------------------------------------------------
 MAGIC = 0x314D494853544655
 ABI_VERSION = 2
@@ -261,8 +263,6 @@ MIRRORS: dict[str, type[ctypes.Structure]] = {
 # ---- the mirror against the built library ---------------------------------------------------
 def _library(lib_path: Path | None) -> ctypes.CDLL:
     if lib_path is None:
-        from ftrun.shim.control import shim_library_path  # control imports this module
-
         lib_path = shim_library_path()
     return ctypes.CDLL(str(lib_path))
 

@@ -37,6 +37,10 @@ from ftrun.shim.abi import (
     flag_names,
     function_name,
 )
+from ftrun.shim.native import (
+    ShimError,
+    shim_library_path,
+)
 
 
 def torch_env_for_survivors(env: Mapping[str, str]) -> dict[str, str]:
@@ -48,45 +52,12 @@ def torch_env_for_survivors(env: Mapping[str, str]) -> dict[str, str]:
 
 
 # ---- errors ---------------------------------------------------------------------------------
-class ShimError(RuntimeError):
-    """The shim or its control page is not usable."""
-
-
-class ShimNotBuiltError(ShimError):
-    """The native library was not built (package installed without its build step)."""
-
-
 class ShimTimeoutError(ShimError, TimeoutError):
     """The shim did not finish an abort in time; `report` holds how far it got."""
 
     def __init__(self, message: str, report: AbortReport | None = None) -> None:
         super().__init__(message)
         self.report = report
-
-
-# ---- locating the built library -------------------------------------------------------------
-_NATIVE = Path(__file__).resolve().parent.parent / "_native"  # ftrun/_native
-
-
-def shim_library_path() -> Path:
-    """Path of the built ``libftrun_shim.so``."""
-    path = _NATIVE / "libftrun_shim.so"
-    if not path.is_file():
-        raise ShimNotBuiltError(
-            f"the ftrun NCCL shim is not built ({path} is missing): reinstall with "
-            "`pip install -e .` or `pip install .` (needs a C compiler: apt-get install gcc)"
-        )
-    return path
-
-
-def fake_nccl_dir(revoke: bool = True) -> Path:
-    """Directory holding the shipped NCCL test double ``libnccl.so.2`` (new: has revoke)."""
-    path = _NATIVE / "fake_nccl" / ("new" if revoke else "old")
-    if not (path / "libnccl.so.2").is_file():
-        raise ShimNotBuiltError(
-            f"the NCCL test double is not built ({path}): reinstall with `pip install -e .`"
-        )
-    return path
 
 
 def _version_str(code: int) -> str:

@@ -11,7 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ftrun.shim.control import ShimControl, ShimError, fake_nccl_dir
+from ftrun.shim.control import ShimControl
+from ftrun.shim.native import ShimError, fake_nccl_dir
 
 
 @dataclass
