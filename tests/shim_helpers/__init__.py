@@ -8,9 +8,11 @@ Everything is compiled from the source tree with `cc` into a caller-given direct
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterable
@@ -91,6 +93,7 @@ class Proc:
         self.popen = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            start_new_session=True,  # kill() reaches what it forks (a wrapper shell's worker)
         )  # fmt: skip
         self.pid = self.popen.pid
         self.lines: list[str] = []
@@ -161,8 +164,9 @@ class Proc:
         return self.popen.returncode, text, err.decode(errors="replace")
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
+        """Kill the process and everything it started (its own process group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait(timeout=10)
         for f in (self.popen.stdout, self.popen.stderr, self.popen.stdin):
             if f:
