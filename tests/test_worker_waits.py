@@ -128,7 +128,7 @@ def job(job_dir: Path) -> Iterator[Job]:
 
 def _publish(store: JsonStore, number: int, members: list[tuple[str, bool]]) -> None:
     """Do the leader's part: publish member epoch ``number`` (member id, joiner)."""
-    epoch = P.MemberGeneration(number, tuple(
+    epoch = P.MemberEpoch(number, tuple(
         P.Member(member, rank, joiner) for rank, (member, joiner) in enumerate(members)))
     store.set_record(P.generation_key(number), epoch.to_json())
     store.set_record(P.LATEST, {"number": number})
@@ -211,7 +211,7 @@ def test_a_spare_waits_to_be_admitted_past_the_bound(job: Job,
     _publish(job.store, 1, [("0.0", False), ("0.1", True)])
     waiter.join(DEADLINE_S)
     assert not waiter.is_alive()
-    assert isinstance(found[0], P.MemberGeneration) and found[0].number == 1
+    assert isinstance(found[0], P.MemberEpoch) and found[0].number == 1
     spare.synced = True  # now it holds the state: its next wait is bounded
     with pytest.raises(RegroupTimeoutError, match="a member epoch after 1"):
         spare.await_epoch(1)

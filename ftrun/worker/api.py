@@ -336,7 +336,7 @@ class FaultTolerance:
             if isinstance(obj, DistributedDataParallel):
                 group.renew_reducer(obj)
 
-    def _enter(self, epoch: P.MemberGeneration) -> bool:
+    def _enter(self, epoch: P.MemberEpoch) -> bool:
         """Meet the other members of ``epoch``, build its backend, share state.
         False when the member epoch ended before it formed."""
         assert self._membership is not None

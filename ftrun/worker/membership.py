@@ -206,7 +206,7 @@ class Membership:
 
     # --- member epochs --------------------------------------------------------------------
 
-    def await_epoch(self, after: int) -> P.MemberGeneration:
+    def await_epoch(self, after: int) -> P.MemberEpoch:
         """The first member epoch newer than ``after`` that includes this member.
 
         Bounded by ``regroup_timeout_s`` while this worker holds the job's state (it was a
@@ -221,7 +221,7 @@ class Membership:
             if isinstance(number, int) and number > after:
                 record = self.store.get_record(P.generation_key(number))
                 if record is not None:
-                    epoch = P.MemberGeneration.from_json(record)
+                    epoch = P.MemberEpoch.from_json(record)
                     if epoch.rank_of(self.member_id) is not None:
                         return epoch
                     after = number  # not in this one (a spare): wait for a later one
@@ -232,7 +232,7 @@ class Membership:
                     "leader publishes them)")
             time.sleep(POLL_S)
 
-    def formed(self, epoch: P.MemberGeneration) -> bool:
+    def formed(self, epoch: P.MemberEpoch) -> bool:
         """Whether ``epoch`` forms: one decision for all its members.
 
         A member that finds every member's arrival appends ``formed``; a member that sees
@@ -255,7 +255,7 @@ class Membership:
         first = [arrivals[m.id] for m in epoch.members
                  if m.joiner or m.rank == epoch.source_rank]
         bound: _Bound | None = None
-        late = False
+        late, look_at = False, 0.0
         while True:
             record = self.store.first_record(key)
             if record is not None:
@@ -268,8 +268,10 @@ class Membership:
                 self.store.put_record(key, {"value": P.ABANDONED})
                 continue
             if bound is None:
-                if self._all_valid(first):
-                    bound = _Bound(self.regroup_timeout_s)
+                if time.monotonic() >= look_at:  # a tenth of a second is precise enough
+                    look_at = time.monotonic() + POLL_S * 20
+                    if self._all_valid(first):
+                        bound = _Bound(self.regroup_timeout_s)
             elif not late and bound.passed():
                 late = True
                 self.store.put_record(key, {"value": P.ABANDONED})

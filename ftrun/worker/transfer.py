@@ -20,7 +20,7 @@ from ftrun import protocol as P
 from ftrun.worker.errors import RegroupError
 
 
-def share_state(backend: dist.ProcessGroup, epoch: P.MemberGeneration, rank: int,
+def share_state(backend: dist.ProcessGroup, epoch: P.MemberEpoch, rank: int,
                 state: Callable[[], dict[str, Any]],
                 load: Callable[[dict[str, Any]], None]) -> None:
     """Send ``state()`` from the epoch's source rank to every member of ``backend``; a
