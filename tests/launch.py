@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,10 +20,11 @@ from pathlib import Path
 
 import psutil
 
+from tests.lines import Step, find, parse_line
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = REPO / "scripts" / "train_ddp.py"
 BIN = Path(sys.executable).parent
-STEP = re.compile(r"step=(\d+) loss=([\d.]+) rank=(\d+) pid=(\d+) t=([\d.]+)")
 
 
 def launcher(name: str = "ftrun") -> str:
@@ -93,11 +93,13 @@ class Launch:
                     )
                 self._cond.wait(min(left, 0.5))
 
-    def wait_step(self, step: int, timeout_s: float, rank: int | None = None) -> StepLine:
-        def seen(lines: list[str]) -> StepLine | None:
+    def wait_step(self, step: int, timeout_s: float, rank: int | None = None) -> Step:
+        """The first committed step at or past ``step`` (of ``rank``, if given)."""
+        def seen(lines: list[str]) -> Step | None:
             for line in lines:
-                parsed = parse_step(line)
-                if parsed and parsed.step >= step and (rank is None or parsed.rank == rank):
+                parsed = parse_line(line)
+                if (isinstance(parsed, Step) and parsed.step >= step
+                        and (rank is None or parsed.rank == rank)):
                     return parsed
             return None
 
@@ -119,24 +121,10 @@ class Launch:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def steps(self) -> list[StepLine]:
-        return [s for s in (parse_step(line) for line in list(self.lines)) if s]
-
-
-class StepLine:
-    __slots__ = ("loss", "pid", "rank", "step", "t")
-
-    def __init__(self, step: int, loss: float, rank: int, pid: int, t: float) -> None:
-        self.step, self.loss, self.rank, self.pid, self.t = step, loss, rank, pid, t
-
-
-def parse_step(line: str) -> StepLine | None:
-    match = STEP.search(line)
-    if not match:
-        return None
-    return StepLine(
-        int(match[1]), float(match[2]), int(match[3]), int(match[4]), float(match[5])
-    )
+    def steps(self) -> list[Step]:
+        """Every committed step printed so far (tests/lines.py reads the other lines)."""
+        with self._cond:
+            return find(self.lines, Step)
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import Launch, copy_train_script, launcher, processes_mentioning
+from tests.lines import Done, Resumed, Start, Step, find
 
 ENV_DUMP = """
 import json, os
@@ -78,9 +79,9 @@ def test_ddp_training_completes_with_identical_parameters(job_dir: Path) -> None
         cwd=job_dir,
     )
     assert run.wait(180) == 0, run.output
-    sums = {line.split("param_sum=")[1] for line in run.lines if "param_sum=" in line}
-    assert len(sums) == 1, run.output  # every rank ended with the same parameters
-    assert sum("done rank=" in line for line in run.lines) == 4
+    done = find(run.lines, Done)
+    assert len({d.param_sum for d in done}) == 1, run.output  # the same parameters everywhere
+    assert len(done) == 4
     kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
     assert kinds.count("spawn") == 4 and kinds.count("exit") == 4 and kinds[-1] == "done"
 
@@ -96,9 +97,9 @@ def test_killed_worker_restarts_and_resumes_from_checkpoint(job_dir: Path) -> No
     )
     victim = run.wait_step(25, 120, rank=2)
     os.kill(victim.pid, signal.SIGKILL)
-    run.wait_for(lambda lines: any("resumed step=" in x for x in lines), 120, "a resume")
+    run.wait_for(lambda lines: find(lines, Resumed), 120, "a resume")
     assert run.wait(180) == 0, run.output
-    resumed = [int(x.split("resumed step=")[1].split()[0]) for x in run.lines if "resumed" in x]
+    resumed = [r.step for r in find(run.lines, Resumed)]
     assert resumed and all(step >= 20 for step in resumed), resumed  # from its checkpoint
     records = [json.loads(line) for line in events.read_text().splitlines()]
     failure = next(r for r in records if r["event"] == "failure")
@@ -119,26 +120,24 @@ def test_many_consecutive_restarts_always_recover(job_dir: Path) -> None:
         cwd=job_dir,
     )
     for restart in range(kills):
-        line = run.wait_for(
+        start: Start = run.wait_for(
             lambda lines, r=restart: next(
-                (x for x in lines if f"restart={r} " in x and "start rank=1" in x), None
+                (s for s in find(lines, Start) if s.restart == r and s.rank == 1), None
             ),
             120,
             f"rank 1 of restart {restart}",
         )
-        pid = int(line.split("pid=")[1].split()[0])
         first = len(run.lines)
         run.wait_for(
-            lambda lines, f=first: any("rank=1" in x and "step=" in x for x in lines[f:]),
+            lambda lines, f=first: any(s.rank == 1 for s in find(lines[f:], Step)),
             120, f"a step of restart {restart}",
         )
-        os.kill(pid, signal.SIGKILL)
+        os.kill(start.pid, signal.SIGKILL)
     run.wait_for(
-        lambda lines: any(f"restart={kills} " in x for x in lines), 120, "the last restart"
+        lambda lines: any(s.restart == kills for s in find(lines, Start)), 120,
+        "the last restart",
     )
-    run.wait_for(
-        lambda lines: sum(1 for x in lines if "step=" in x and "rank=0" in x) > 0, 60, "progress"
-    )
+    run.wait_for(lambda lines: any(s.rank == 0 for s in find(lines, Step)), 60, "progress")
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(60) == 128 + signal.SIGTERM
 
@@ -221,7 +220,8 @@ def test_frozen_worker_does_not_cost_the_grace_period(job_dir: Path) -> None:
     os.kill(frozen.pid, signal.SIGSTOP)
     killed_at = time.monotonic()
     os.kill(doomed.pid, signal.SIGKILL)
-    run.wait_for(lambda lines: any("restart=1" in x for x in lines), 60, "the restart")
+    run.wait_for(lambda lines: any(s.restart == 1 for s in find(lines, Start)), 60,
+                 "the restart")
     assert time.monotonic() - killed_at < 30  # far inside the 60 s grace
     assert "was frozen; killed it at once" in run.output
     run.proc.send_signal(signal.SIGTERM)
@@ -265,9 +265,10 @@ def test_static_multi_node_on_localhost_restarts_both_nodes(job_dir: Path) -> No
     os.kill(victim.pid, signal.SIGKILL)
     for node in nodes:
         assert node.wait(180) == 0, node.output
-    assert any("restart=1" in x for x in nodes[0].lines)  # node 0 restarted because of node 1
+    # node 0 restarted because of node 1
+    assert any(s.restart == 1 for s in find(nodes[0].lines, Start))
     assert "ended by node 1" in nodes[0].output
-    sums = {x.split("param_sum=")[1] for n in nodes for x in n.lines if "param_sum=" in x}
+    sums = {d.param_sum for n in nodes for d in find(n.lines, Done)}
     assert len(sums) == 1
 
 

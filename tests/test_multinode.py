@@ -10,7 +10,6 @@ deadline; the machine these run on has two cores.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +26,16 @@ from ftrun.control.auth import Signer
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.control.store import JsonStore, connect_store, serve_store
 from tests.launch import REPO, Launch, copy_train_script, launcher
+from tests.lines import (
+    Done,
+    ElasticStep,
+    Start,
+    Step,
+    check_regroup_invariants,
+    find,
+    parse,
+    parse_line,
+)
 
 HB = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"]
 TOKEN = "s3cret-token-for-tests"
@@ -331,18 +340,25 @@ def _job(net, job_dir: Path, nnodes: str, steps: int, *extra: str, token: str | 
             for host in (hosts or list(net))]
 
 
-def _wait_line(node: Launch, text: str, after: int, timeout: float, what: str) -> None:
-    """Wait for a line containing ``text`` after line ``after``; on a timeout, show the
-    agent's own lines (step lines would hide them)."""
+def _wait_line(node: Launch, seen: str | Callable[[str], object], after: int, timeout: float,
+               what: str) -> None:
+    """Wait for a line after line ``after`` that contains ``seen`` (a text) or satisfies it
+    (a predicate); on a timeout, show the agent's own lines (step lines would hide them)."""
+    test = (lambda x: seen in x) if isinstance(seen, str) else seen
     try:
-        node.wait_for(lambda lines: any(text in x for x in lines[after:]), timeout, what)
+        node.wait_for(lambda lines: any(test(x) for x in lines[after:]), timeout, what)
     except AssertionError:
         own = [x for x in node.lines if "step=" not in x and "[W" not in x][-40:]
         raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(own)) from None
 
 
+def _started_in_world(world: int) -> Callable[[str], bool]:
+    """A predicate: the line is a worker's start line in a world of ``world`` ranks."""
+    return lambda line: isinstance(r := parse_line(line), Start) and r.world == world
+
+
 def _node_step(node: Launch, after: int, timeout: float, what: str) -> None:
-    node.wait_for(lambda lines: any("step=" in x for x in lines[after:]), timeout, what)
+    node.wait_for(lambda lines: bool(find(lines[after:], Step)), timeout, what)
 
 
 def _wait_all_succeed(nodes: list[Launch], timeout: float) -> None:
@@ -391,14 +407,16 @@ def test_netns_node_cut_off_is_declared_lost_then_rejoins(job_dir: Path, net) ->
     assert cut.wait(40) == 3, cut.output
     assert "lost the rendezvous store" in cut.output
     for node, start in zip(nodes[:2], mark, strict=False):
-        _wait_line(node, "world=2", start, 90, "the survivors re-formed with two nodes")
+        _wait_line(node, _started_in_world(2), start, 90,
+                   "the survivors re-formed with two nodes")
         _node_step(node, len(node.lines), 90, "a step without h3")
     print(f"link cut to loss declared: {detected:.2f}s")
     assert detected < 3 + 8, detected  # heartbeat timeout + scan; margin for a loaded 2-core box
     net.restore_link(net["h3"])
     (newcomer,) = _job(net, job_dir, "2:3", 100000, hosts=[net["h3"]])
     nodes.append(newcomer)
-    newcomer.wait_for(lambda lines: any("world=3" in x for x in lines), 120, "h3 rejoined")
+    newcomer.wait_for(lambda lines: any(s.world == 3 for s in find(lines, Start)), 120,
+                      "h3 rejoined")
     _node_step(newcomer, 0, 90, "a step on the rejoined h3")
     assert any("asks to join" in x for x in leader.lines), leader.output
     assert any("not counted as a restart" in x for x in leader.lines)
@@ -413,15 +431,10 @@ def test_netns_agent_sigkilled_survivors_regroup(job_dir: Path, net) -> None:  #
     victim.kill()  # the agent and (by its death signal) its workers
     marks = [len(node.lines) for node in nodes]
     for node, mark in zip(nodes[:2], marks, strict=False):
-        _wait_line(node, "world=2", mark, 120, "the survivors re-formed with two nodes")
+        _wait_line(node, _started_in_world(2), mark, 120,
+                   "the survivors re-formed with two nodes")
         _node_step(node, len(node.lines), 90, "a step after the loss")
     _stop_all(nodes[:2])
-
-
-ELASTIC_STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=\S+ gen=(\d+) "
-                          r"world=(\d+)")
-ELASTIC_REGROUP = re.compile(r"regroup gen=(\d+) rank=\d+ world=(\d+) step=(\d+) "
-                             r"checksum=(\S+)")
 
 
 def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2,  # type: ignore[no-untyped-def]
@@ -439,30 +452,22 @@ def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2,  # type: ignor
             for host in (hosts or list(net))]
 
 
-def _elastic_steps(node: Launch) -> list[tuple[int, int, int, int, int]]:
-    """(step, rank, pid, generation, world) of every committed step this node printed."""
-    return [tuple(map(int, m.groups())) for m in map(ELASTIC_STEP.search, node.lines) if m]
+def _elastic_steps(node: Launch) -> list[ElasticStep]:
+    """Every committed step this node printed."""
+    return find(node.lines, ElasticStep)
 
 
 def _check_regroup_across_nodes(survivors: list[Launch], before: dict[int, int],
                                 world: int) -> None:
     """The survivors' processes kept running and regrouped in place: same pids, steps
-    without a gap or a repeat, one checksum per member generation across the nodes."""
+    without a gap or a repeat (each past the one reached before the fault), one checksum
+    per member generation across the nodes, a generation of ``world`` ranks
+    (tests/lines.py's invariants), and no restart."""
     out = "\n".join(n.output for n in survivors)
     assert "restarting" not in out, out[-3000:]
-    per_pid: dict[int, list[int]] = {}
-    for node in survivors:
-        for step, _rank, pid, _gen, _world in _elastic_steps(node):
-            per_pid.setdefault(pid, []).append(step)
-    for pid in before:
-        steps = per_pid[pid]
-        assert steps == list(range(steps[0], steps[0] + len(steps))), (pid, steps)
-        assert steps[-1] > before[pid], (pid, "no step after the regroup")
-    sums: dict[int, set[str]] = {}
-    for match in ELASTIC_REGROUP.finditer(out):
-        sums.setdefault(int(match[1]), set()).add(match[4])
-    assert sums and all(len(v) == 1 for v in sums.values()), sums
-    assert any(int(m[2]) == world for m in ELASTIC_REGROUP.finditer(out)), out[-3000:]
+    records = [r for i, node in enumerate(survivors)
+               for r in parse(node.lines, origin=f"survivor node {i}")]
+    check_regroup_invariants(records, survivors=before, world=world)
 
 
 def test_netns_node_lost_survivors_regroup_in_process(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
@@ -470,9 +475,10 @@ def test_netns_node_lost_survivors_regroup_in_process(job_dir: Path, net) -> Non
     and the four workers on h1 and h2 go on in the same processes with world size 4."""
     nodes = _elastic_job(net, job_dir)
     for node in nodes:
-        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+        node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
+                      "steps everywhere")
     survivors, victim = nodes[:2], nodes[2]
-    before = {pid: step for node in survivors for step, _r, pid, _g, _w in _elastic_steps(node)}
+    before = {s.pid: s.step for node in survivors for s in _elastic_steps(node)}
     victim.kill()
     killed = time.time()
     _wait_survivors_in_world(survivors, 4)
@@ -483,8 +489,8 @@ def test_netns_node_lost_survivors_regroup_in_process(job_dir: Path, net) -> Non
     (newcomer,) = _elastic_job(net, job_dir, hosts=[net["h3"]])
     marks = [len(node.lines) for node in survivors]
     for node, mark in [*zip(survivors, marks, strict=True), (newcomer, 0)]:
-        node.wait_for(lambda lines, mark=mark: any(s[4] == 6 for s in
-                                                   _elastic_steps_of(lines[mark:])), 180,
+        node.wait_for(lambda lines, mark=mark: any(s.world == 6 for s in
+                                                   find(lines[mark:], ElasticStep)), 180,
                       "the job re-formed with the new h3: six ranks again")
     assert "asks to join" in survivors[0].output
     _stop_all([*survivors, newcomer])
@@ -497,14 +503,15 @@ def test_netns_regroup_job_that_lost_a_node_finishes_and_every_agent_exits_0(  #
     it never will be, until join_timeout)."""
     nodes = _elastic_job(net, job_dir, steps=250)
     for node in nodes:
-        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+        node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
+                      "steps everywhere")
     survivors = nodes[:2]
     nodes[2].kill()
     _wait_survivors_in_world(survivors, 4)
     last = [0.0]
 
     def finished(lines: list[str]) -> bool:
-        done = sum("done rank=" in x for x in lines) >= 2
+        done = len(find(lines, Done)) >= 2
         if done and not last[0]:
             last[0] = time.monotonic()
         return done
@@ -514,7 +521,7 @@ def test_netns_regroup_job_that_lost_a_node_finishes_and_every_agent_exits_0(  #
     _wait_all_succeed(survivors, 60)
     print(f"last member done to every agent exited: {time.monotonic() - last[0]:.2f}s")
     assert time.monotonic() - last[0] < 30, "an agent lingered after the job finished"
-    sums = {x.split("param_sum=")[1] for n in survivors for x in n.lines if "param_sum=" in x}
+    sums = {d.param_sum for n in survivors for d in find(n.lines, Done)}
     assert len(sums) == 1, sums
 
 
@@ -524,9 +531,10 @@ def test_netns_node_cut_off_survivors_regroup_in_process(job_dir: Path, net) -> 
     shut down their connections to it) and go on in place; h3's agent exits 3."""
     nodes = _elastic_job(net, job_dir)
     for node in nodes:
-        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+        node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
+                      "steps everywhere")
     survivors, cut = nodes[:2], nodes[2]
-    before = {pid: step for node in survivors for step, _r, pid, _g, _w in _elastic_steps(node)}
+    before = {s.pid: s.step for node in survivors for s in _elastic_steps(node)}
     net.cut_link(net["h3"])
     t_cut = time.time()
     _wait_survivors_in_world(survivors, 4)
@@ -549,9 +557,10 @@ def test_netns_agent_frozen_past_heartbeat_timeout_is_dropped_then_rejoins(  # t
     side counts a restart: with the default --max-restarts 0 the job goes on."""
     nodes = _elastic_job(net, job_dir)
     for node in nodes:
-        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
+        node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
+                      "steps everywhere")
     survivors, frozen = nodes[:2], nodes[2]
-    before = {pid: step for node in survivors for step, _r, pid, _g, _w in _elastic_steps(node)}
+    before = {s.pid: s.step for node in survivors for s in _elastic_steps(node)}
     os.kill(frozen.proc.pid, signal.SIGSTOP)
     try:
         _wait_survivors_in_world(survivors, 4)
@@ -561,8 +570,8 @@ def test_netns_agent_frozen_past_heartbeat_timeout_is_dropped_then_rejoins(  # t
     _wait_line(frozen, "declared this node lost", 0, 60, "h3's agent learning it was dropped")
     marks = [len(node.lines) for node in nodes]
     for node, mark in zip(nodes, marks, strict=True):
-        node.wait_for(lambda lines, mark=mark: any(s[4] == 6 for s in
-                                                   _elastic_steps_of(lines[mark:])), 180,
+        node.wait_for(lambda lines, mark=mark: any(s.world == 6 for s in
+                                                   find(lines[mark:], ElasticStep)), 180,
                       "the job re-formed with h3: six ranks again")
     out = "\n".join(n.output for n in nodes)
     assert "lost the rendezvous store" not in frozen.output, frozen.output[-3000:]
@@ -578,15 +587,15 @@ def test_netns_worker_killed_on_one_node_is_replaced_in_place(job_dir: Path, net
     process but the victim is restarted."""
     nodes = _elastic_job(net, job_dir)
     for node in nodes:
-        node.wait_for(lambda lines: len(_elastic_steps_of(lines)) >= 10, 180, "steps everywhere")
-    victim = _elastic_steps(nodes[1])[-1][2]
-    before = {pid: step for node in nodes for step, _r, pid, _g, _w in _elastic_steps(node)
-              if pid != victim}
+        node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
+                      "steps everywhere")
+    victim = _elastic_steps(nodes[1])[-1].pid
+    before = {s.pid: s.step for node in nodes for s in _elastic_steps(node) if s.pid != victim}
     os.kill(victim, signal.SIGKILL)
     _wait_survivors_in_world([nodes[0], nodes[2]], 5)
     for node in nodes:  # generation 0 had 6, 1 has 5: a later one with 6 has the joiner
-        node.wait_for(lambda lines: any(s[3] >= 2 and s[4] == 6
-                                        for s in _elastic_steps_of(lines)), 180,
+        node.wait_for(lambda lines: any(s.gen >= 2 and s.world == 6
+                                        for s in find(lines, ElasticStep)), 180,
                       "the replacement joined: 6 ranks again")
     out = "\n".join(n.output for n in nodes)
     assert "a new member is ready" in nodes[0].output, nodes[0].output[-3000:]
@@ -601,18 +610,13 @@ def _wait_survivors_in_world(survivors: list[Launch], world: int) -> None:
     marks = [len(node.lines) for node in survivors]
     for node, mark in zip(survivors, marks, strict=True):
         node.wait_for(lambda lines, mark=mark: {
-            s[2] for s in _elastic_steps_of(lines) if s[4] == world} >= {
-            s[2] for s in _elastic_steps_of(lines[:mark])},
+            s.pid for s in find(lines, ElasticStep) if s.world == world} >= {
+            s.pid for s in find(lines[:mark], ElasticStep)},
             90, f"a committed step with world size {world} on every survivor")
 
 
-def _elastic_steps_of(lines: list[str]) -> list[tuple[int, ...]]:
-    return [tuple(map(int, m.groups())) for m in map(ELASTIC_STEP.search, lines) if m]
-
-
 def _step_times(node: Launch, world: int) -> list[float]:
-    return [float(m[1]) for line in node.lines
-            if (m := re.search(r" t=([\d.]+) gen=\d+ world=(\d+)", line)) and int(m[2]) == world]
+    return [s.t for s in _elastic_steps(node) if s.world == world]
 
 
 def test_netns_packet_loss_on_one_link_job_completes(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
@@ -628,7 +632,7 @@ def test_netns_packet_loss_on_one_link_job_completes(job_dir: Path, net) -> None
     out = "\n".join(n.output for n in nodes)
     assert "lost: no heartbeat" not in out and "lost the rendezvous store" not in out
     assert "restarting (" not in out, out[-3000:]
-    sums = {x.split("param_sum=")[1] for n in nodes for x in n.lines if "param_sum=" in x}
+    sums = {d.param_sum for n in nodes for d in find(n.lines, Done)}
     assert len(sums) == 1, out
 
 
@@ -647,7 +651,7 @@ def test_netns_link_flap_shorter_than_heartbeat_timeout_changes_nothing(  # type
     out = "\n".join(n.output for n in nodes)
     assert "lost: no heartbeat" not in out and "lost the rendezvous store" not in out, out
     assert "restarting (" not in out, out[-3000:]
-    sums = {x.split("param_sum=")[1] for n in nodes for x in n.lines if "param_sum=" in x}
+    sums = {d.param_sum for n in nodes for d in find(n.lines, Done)}
     assert len(sums) == 1, out[-3000:]
 
 
@@ -698,7 +702,7 @@ def test_netns_forged_records_are_ignored_and_no_token_cannot_join(job_dir: Path
         assert node.wait(180) == 0, node.output
     leader_out = nodes[0].output
     assert "ignored a control record" in leader_out
-    assert not any("restart=1" in x for n in nodes for x in n.lines)
+    assert not any(s.restart >= 1 for n in nodes for s in find(n.lines, Start))
     assert "asks to join" not in leader_out
 
 

@@ -11,23 +11,27 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from tests.launch import REPO, Launch
+from tests.lines import (
+    Done,
+    ElasticStep,
+    Regroup,
+    assert_steps_consecutive,
+    check_regroup_invariants,
+    find,
+    parse,
+)
 
 ELASTIC = REPO / "scripts" / "train_elastic.py"
-STEP = re.compile(r"step=(\d+) loss=([\d.]+) rank=(\d+) pid=(\d+) t=([\d.]+) gen=(\d+) world=(\d+)")
-REGROUP = re.compile(r"regroup gen=(\d+) rank=(\d+) world=(\d+) step=(\d+) checksum=(\S+)")
-DONE = re.compile(r"done rank=(\d+) steps=(\d+) param_sum=(\S+)")
 TOLERANCE = 1e-5  # relative: the reduction order changes with the world size
 
 
@@ -47,68 +51,31 @@ def _launch(job_dir: Path, *flags: str, steps: int = 120, extra: tuple[str, ...]
     )
 
 
-def _steps(run: Launch) -> list[tuple[int, float, int, int, float, int, int]]:
-    found = []
-    for line in run.lines:
-        match = STEP.search(line)
-        if match:
-            step, loss, rank, pid, t, gen, world = match.groups()
-            found.append((int(step), float(loss), int(rank), int(pid), float(t), int(gen),
-                          int(world)))
-    return found
+def _steps(run: Launch) -> list[ElasticStep]:
+    return find(run.lines, ElasticStep)
 
 
 def _pid_at_step(run: Launch, step: int, rank: int, timeout: float = 120) -> int:
     def seen(lines: list[str]) -> int | None:
-        for line in lines:
-            match = STEP.search(line)
-            if match and int(match[1]) >= step and int(match[3]) == rank:
-                return int(match[4])
-        return None
+        return next((s.pid for s in find(lines, ElasticStep)
+                     if s.step >= step and s.rank == rank), None)
 
     return run.wait_for(seen, timeout, f"rank {rank} at step {step}")
 
 
 def _check_invariants(run: Launch, *, survivors: set[int], finished: int | None = None) -> None:
-    """Checks that hold for any run, finished (``finished`` = steps) or stopped by the test."""
-    output = run.output
-    # Every regroup: all members of a generation report the same checksum.
-    by_generation: dict[int, set[str]] = defaultdict(set)
-    for match in REGROUP.finditer(output):
-        by_generation[int(match[1])].add(match[5])
-    assert by_generation, "no regroup happened"
-    for generation, sums in by_generation.items():
-        assert len(sums) == 1, (generation, sums)
-    # No survivor applied a step twice or skipped one: its committed steps go up by one.
-    per_pid: dict[int, list[int]] = defaultdict(list)
-    for step, _loss, _rank, pid, *_ in _steps(run):
-        per_pid[pid].append(step)
-    for pid in survivors:
-        sequence = per_pid[pid]
-        assert sequence == list(range(sequence[0], sequence[0] + len(sequence))), (pid, sequence)
-    # A joiner starts exactly where the survivors are: the step after the last committed one.
-    for match in REGROUP.finditer(output):
-        generation, step = int(match[1]), int(match[4])
-        later = [s for s in _steps(run) if s[5] == generation]
-        if later:
-            assert min(s[0] for s in later) == step + 1, (generation, step)
-    losses = [loss for _s, loss, *_ in _steps(run)]
-    assert sum(losses[-8:]) / 8 < sum(losses[:8]) / 8  # the loss keeps falling
-    if finished is not None:
-        done = [m for m in map(DONE.search, run.lines) if m]
-        final_world = _steps(run)[-1][6]
-        assert len(done) == final_world, output[-3000:]
-        assert len({m[3] for m in done}) == 1 and all(int(m[2]) == finished for m in done)
+    """Checks that hold for any run, finished (``finished`` = steps) or stopped by the test:
+    tests/lines.py's regroup invariants, and the loss keeps falling."""
+    check_regroup_invariants(parse(run.lines), survivors=survivors, finished=finished,
+                             loss_falls=True)
 
 
 def _wait_world(run: Launch, world: int, after_generation: int, timeout: float = 180) -> int:
     """Wait until a generation newer than ``after_generation`` commits steps with ``world``
     ranks; return its number."""
     def seen(lines: list[str]) -> int | None:
-        for match in map(STEP.search, lines):
-            if match and int(match[6]) > after_generation and int(match[7]) == world:
-                return int(match[6])
-        return None
+        return next((s.gen for s in find(lines, ElasticStep)
+                     if s.gen > after_generation and s.world == world), None)
 
     return run.wait_for(seen, timeout, f"steps with {world} ranks after gen {after_generation}")
 
@@ -127,7 +94,7 @@ def _fault_free_checksum(tmp_path_factory: pytest.TempPathFactory, steps: int) -
     directory = tmp_path_factory.mktemp("faultfree")
     run = _launch(directory, steps=steps)
     assert run.wait(240) == 0, run.output
-    return next(m[3] for m in map(DONE.search, run.lines) if m)
+    return find(run.lines, Done)[0].param_sum
 
 
 def test_kill_inside_allreduce_survivors_continue_and_match_fault_free(
@@ -143,14 +110,14 @@ def test_kill_inside_allreduce_survivors_continue_and_match_fault_free(
     os.kill(victim, signal.SIGKILL)
     assert run.wait(240) == 0, run.output
     _check_invariants(run, survivors=survivors, finished=steps)
-    after = [s for s in _steps(run) if s[4] > killed]
-    assert {s[3] for s in after} >= survivors  # the same processes carried on: no restart
-    print(f"kill to next committed step: {min(s[4] for s in after) - killed:.3f}s")
+    after = [s for s in _steps(run) if s.t > killed]
+    assert {s.pid for s in after} >= survivors  # the same processes carried on: no restart
+    print(f"kill to next committed step: {min(s.t for s in after) - killed:.3f}s")
     events = _events(job_dir)
     failure = next(e for e in events if e["event"] == "failure")
     assert failure["pid"] == victim and failure["rank"] == 1
-    assert any(e["event"] == "generation" and e.get("joiners") for e in events)  # replaced
-    final = next(m[3] for m in map(DONE.search, run.lines) if m)
+    assert any(e["event"] == "epoch" and e.get("joiners") for e in events)  # replaced
+    final = find(run.lines, Done)[0].param_sum
     reference = _fault_free_checksum(tmp_path_factory, steps)
     assert abs(float(final) - float(reference)) <= TOLERANCE * abs(float(reference))
 
@@ -162,10 +129,10 @@ def test_frozen_worker_is_detected_killed_and_replaced(job_dir: Path) -> None:
     os.kill(frozen, signal.SIGSTOP)
     run.wait_for(lambda lines: "frozen" in "\n".join(lines), 60, "the frozen verdict")
     progress = run.wait_for(  # a step committed by the survivors' new generation
-        lambda lines: next((s for s in map(STEP.search, lines) if s and int(s[6]) >= 1),
-                           None), 60, "progress after the freeze")
-    print(f"SIGSTOP to progress: {float(progress[5]) - stopped:.3f}s")
-    assert float(progress[5]) - stopped < 15
+        lambda lines: next((s for s in find(lines, ElasticStep) if s.gen >= 1), None), 60,
+        "progress after the freeze")
+    print(f"SIGSTOP to progress: {progress.t - stopped:.3f}s")
+    assert progress.t - stopped < 15
     _wait_world(run, 4, after_generation=1)  # the replacement joined
     _stop(run)
     _check_invariants(run, survivors=set())
@@ -200,8 +167,8 @@ def test_rank_zero_failing_and_two_faults_in_a_row(job_dir: Path) -> None:
     os.kill(first, signal.SIGKILL)
     # The second fault hits as soon as the job has regrouped.
     second = run.wait_for(
-        lambda lines: next((int(m[4]) for m in map(STEP.search, lines)
-                            if m and int(m[6]) == 1 and int(m[3]) == 0), None),
+        lambda lines: next((s.pid for s in find(lines, ElasticStep)
+                            if s.gen == 1 and s.rank == 0), None),
         120, "rank 0 of the first new generation")
     os.kill(second, signal.SIGKILL)
     _wait_world(run, 4, after_generation=2)
@@ -244,9 +211,9 @@ def test_warm_spare_restores_the_world_size_at_once(job_dir: Path) -> None:
     victim = _pid_at_step(run, 20, rank=1)
     os.kill(victim, signal.SIGKILL)
     generation = run.wait_for(
-        lambda lines: next((m for m in map(REGROUP.search, lines) if m and int(m[1]) == 1),
-                           None), 120, "generation 1")
-    assert int(generation[3]) == 4  # the spare took the place at once: no shrink
+        lambda lines: next((r for r in find(lines, Regroup) if r.gen == 1), None), 120,
+        "generation 1")
+    assert generation.world == 4  # the spare took the place at once: no shrink
     _wait_world(run, 4, after_generation=0)
     _stop(run)
     _check_invariants(run, survivors=set())
@@ -256,7 +223,7 @@ def test_shrink_continues_with_fewer_then_stops_below_minimum(job_dir: Path) -> 
     run = _launch(job_dir, "--on-failure", "shrink", "--min-workers", "3", steps=100000,
                   extra=("--step-sleep", "0.01"))
     os.kill(_pid_at_step(run, 10, rank=3), signal.SIGKILL)
-    run.wait_for(lambda lines: any(m and int(m[7]) == 3 for m in map(STEP.search, lines)),
+    run.wait_for(lambda lines: any(s.world == 3 for s in find(lines, ElasticStep)),
                  120, "steps with 3 workers")
     os.kill(_pid_at_step(run, 1, rank=0), signal.SIGKILL)
     assert run.wait(120) == 1
@@ -301,23 +268,21 @@ def test_forged_regroup_records_change_nothing(job_dir: Path) -> None:
     environ = dict(item.split("=", 1) for item in
                    Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
     host, _, port = environ["FTRUN_CONTROL_ADDR"].rpartition(":")
-    step = max(s[0] for s in _steps(run))
+    step = max(s.step for s in _steps(run))
     forger = subprocess.run(
         [sys.executable, "-c", FORGER, host, port, environ["FTRUN_REGROUP_PREFIX"],
          str(step)], capture_output=True, text=True, timeout=60, env={
             k: v for k, v in os.environ.items() if k != "FTRUN_JOB_TOKEN"})
     assert forger.stdout.strip() == "forged", forger.stderr
-    pids = {s[3] for s in _steps(run)}
-    run.wait_for(lambda lines: sum(1 for x in map(STEP.search, lines)
-                                   if x and int(x[1]) >= step + 60) >= 4, 120,
+    pids = {s.pid for s in _steps(run)}
+    run.wait_for(lambda lines: sum(1 for s in find(lines, ElasticStep)
+                                   if s.step >= step + 60) >= 4, 120,
                  "60 more steps on every rank")
     assert "ignored a control record" in run.output
-    after = [s for s in _steps(run) if s[0] > step]
-    assert {s[3] for s in after} == pids and {s[5] for s in after} == {0}, "a regroup happened"
-    assert all(s[6] == 4 for s in after)
-    per_pid: dict[int, list[int]] = defaultdict(list)
-    for s in _steps(run):
-        per_pid[s[3]].append(s[0])
-    for sequence in per_pid.values():
-        assert sequence == list(range(sequence[0], sequence[0] + len(sequence)))
+    records = parse(run.lines)
+    steps = [s for s in records if isinstance(s, ElasticStep)]
+    after = [s for s in steps if s.step > step]
+    assert {s.pid for s in after} == pids and {s.gen for s in after} == {0}, "a regroup happened"
+    assert all(s.world == 4 for s in after)
+    assert_steps_consecutive(records, {s.pid for s in steps})
     _stop(run)

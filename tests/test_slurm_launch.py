@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ftrun.cli import config_from_args
 from tests.launch import copy_train_script, launcher
+from tests.lines import Done, find
 
 SRUN_TASK_ENV = {
     "SLURM_JOB_ID": "812", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
@@ -45,7 +46,6 @@ def test_srun_two_agents_form_one_job(slurm_cluster, job_dir: Path) -> None:  # 
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    done = [line for line in result.stdout.splitlines() if "done rank=" in line]
-    ranks = sorted(int(line.split("done rank=")[1].split()[0]) for line in done)
-    assert ranks == [0, 1, 2, 3], result.stdout
-    assert len({line.split("param_sum=")[1] for line in done}) == 1
+    done = find(result.stdout.splitlines(), Done)
+    assert sorted(d.rank for d in done) == [0, 1, 2, 3], result.stdout
+    assert len({d.param_sum for d in done}) == 1
