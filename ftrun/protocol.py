@@ -5,7 +5,7 @@ One table of store keys, and the records both sides read, so that the agent
 keys live under one prefix per job generation (``FTRUN_REGROUP_PREFIX``, e.g.
 ``ftrun/<run id>/rg0``) in the control store. Every value is a record signed with the job's
 secret (:mod:`ftrun.control.auth`; workers inherit it), never a pickle, and every reader checks it:
-a process that reaches the store without the secret cannot end a generation, make a member
+a process that reaches the store without the secret cannot end a member epoch, make a member
 leave or abort its communicators, or decide a step. Write-once keys (ends, decisions,
 ``formed``, joins) are appended and the first valid record wins; others are overwritten and
 checked on read. No decision rests on a counter, which anyone could bump; counters
@@ -16,10 +16,10 @@ key                        written by              meaning
 =========================  ======================  ==========================================
 ``status/<id>``            worker thread           :class:`Status`; its presence means the
                                                    member is ready (past imports, API in use)
-``rgen/latest``            leader                  number of the newest generation
+``rgen/latest``            leader                  number of the newest member epoch
 ``rgen/<g>``               leader, once            :class:`MemberEpoch` record
-``rgen/<g>/end``           agent, first wins       why generation g ended (failure or join)
-``rgen/<g>/arrived/<id>``  worker                  the member reached generation g
+``rgen/<g>/end``           agent, first wins       why member epoch g ended (failure, join)
+``rgen/<g>/arrived/<id>``  worker                  the member reached member epoch g
 ``rgen/<g>/formed``        worker, first wins      ``formed`` (all arrived) or ``abandoned``
 ``rgen/<g>/vote/<s>/<id>`` worker                  the member's step s gradients are good
 ``rgen/<g>/votes/<s>``     workers (counter)       votes written so far: when to read them
@@ -28,7 +28,7 @@ key                        written by              meaning
 =========================  ======================  ==========================================
 
 Between agents (multi-node; on one node the agent is both sides). Members are named
-``<node rank>.<n>``. The leader (the store host) alone publishes generations; every agent
+``<node rank>.<n>``. The leader (the store host) alone publishes member epochs; every agent
 watches its own members and reports what it sees. These records are signed with the job's
 secret (:mod:`ftrun.control.auth`), so a process without it cannot remove or kill a member:
 
@@ -48,7 +48,7 @@ key                             written by        meaning
 The commit rule. After its gradient collective a member writes its vote and adds one to
 ``votes/<s>``; a member whose addition reaches the world size reads every member's vote
 (one ``check`` and one ``multi_get``). A member that finds all of them valid appends
-``commit`` (or ``commit-regroup`` when a joiner waits); a member that finds the generation
+``commit`` (or ``commit-regroup`` when a joiner waits); a member that finds the member epoch
 ended before that appends ``abort``. The first valid record of the one decision key wins,
 so exactly one decision exists per step and every survivor applies it: the update is
 applied everywhere or nowhere. ``formed`` is decided from the arrivals, each member
@@ -304,9 +304,6 @@ class MemberEpoch:
         if len({m.id for m in members}) != len(members):
             raise StoreValueError("generation lists a member twice")
         return cls(require(data, "number", int), tuple(members))
-
-
-MemberGeneration = MemberEpoch  # the former name, until every reader says epoch
 
 
 # --- between agents -------------------------------------------------------------------------
