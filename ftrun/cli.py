@@ -138,6 +138,9 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "Regroup: seconds without a worker heartbeat before it is declared hung."),
     ("--stall-floor", "stall_floor", "FTRUN_STALL_FLOOR", "5.0",
      "Regroup: least seconds without a step before a lagging worker is declared stalled."),
+    ("--hang-timeout", "hang_timeout", "FTRUN_HANG_TIMEOUT", "auto",
+     "Restart: seconds every worker may sit idle before their stacks are read for a hang "
+     "(auto: at least 5 s, more after slow steps; 0: off)."),
 )
 
 
@@ -334,6 +337,8 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         min_workers=min_workers,
         liveness_timeout_s=parse_seconds(ns.liveness_timeout, "--liveness-timeout"),
         stall_floor_s=parse_seconds(ns.stall_floor, "--stall-floor"),
+        hang_timeout_s=None if ns.hang_timeout == "auto" else parse_seconds(
+            ns.hang_timeout, "--hang-timeout", allow_zero=True),
         heartbeat_interval_s=heartbeat_interval,
         heartbeat_timeout_s=heartbeat_timeout,
         join_timeout_s=parse_seconds(rdzv_conf.get("join_timeout", "600"), "join_timeout"),

@@ -107,6 +107,7 @@ class LaunchConfig:
     min_workers: int = 1  # regroup: below this many workers the job stops
     liveness_timeout_s: float = 5.0  # regroup: silence of a worker's heartbeat
     stall_floor_s: float = 5.0  # regroup: least time without a step before a stall
+    hang_timeout_s: float | None = None  # restart: all workers idle this long; None: auto
     abort_timeout_s: float = 5.0  # the shim's deadline to abort a worker's communicators
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0

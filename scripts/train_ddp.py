@@ -37,6 +37,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, default=0)
     parser.add_argument("--fail-once-marker", type=Path, default=None,
                         help="fail only if this file does not exist yet (then create it)")
+    parser.add_argument("--fail-mode", choices=("raise", "hang"), default="raise",
+                        help="hang: --fail-rank sleeps forever at --fail-at-step (a wedged "
+                        "rank; its peers block in the next collective)")
+    parser.add_argument("--slow-step-at", type=int, default=-1,
+                        help="every rank sleeps --slow-step-s before this step (slow, healthy)")
+    parser.add_argument("--slow-step-s", type=float, default=0.0)
+    parser.add_argument("--write-at", type=int, default=-1,
+                        help="rank 0 writes to --write-dir for --write-s seconds before this "
+                        "step (a long checkpoint write: busy in I/O, its peers wait)")
+    parser.add_argument("--write-s", type=float, default=0.0)
+    parser.add_argument("--write-dir", type=Path, default=None)
     return parser.parse_args()
 
 
@@ -79,7 +90,22 @@ def main() -> None:
             if marker is None or not marker.exists():
                 if marker is not None:
                     marker.touch()
+                if args.fail_mode == "hang":
+                    print(f"hanging at step={step} rank={rank} pid={os.getpid()}", flush=True)
+                    while True:
+                        time.sleep(3600)
                 raise RuntimeError(f"injected failure at step {step} on rank {rank}")
+        if step == args.slow_step_at:
+            time.sleep(args.slow_step_s)
+        if step == args.write_at and rank == 0 and args.write_dir is not None:
+            block, until = os.urandom(1 << 20), time.monotonic() + args.write_s
+            with open(args.write_dir / "large.bin", "wb") as out:
+                while time.monotonic() < until:
+                    out.write(block)
+                    out.flush()
+                    os.fsync(out.fileno())
+                    if out.tell() > 2 << 30:  # keep the file under 2 GiB
+                        out.seek(0)
         inputs, target = batch_for(step, rank, args.batch)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(inputs), target)

@@ -34,6 +34,8 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
                 f"{cause.get('silent_s')} s")
     if cause.get("kind") == "join":
         return f"node {cause.get('node')} ({cause.get('addr')}) joins"
+    if cause.get("kind") in ("hang", "frozen"):
+        return str(cause.get("detail", "a worker hung"))
     if cause.get("kind") in ("regroup", "dropped"):
         return str(cause.get("reason", "the job could not regroup"))
     code = cause.get("returncode")  # from the store: checked before use

@@ -50,6 +50,7 @@ from typing import Any
 from ftrun import protocol as P
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, WorkerExit, describe_returncode
+from ftrun.agent.hangs import HangWatch, announce_hang
 from ftrun.agent.leader import RegroupLeader, StopJob
 from ftrun.agent.members import LocalMember, MemberState
 from ftrun.agent.membership import Membership
@@ -106,6 +107,9 @@ class _RegroupRun:
         self.next_member = 0
         self.first_failure: local.WorkerProcess | None = None
         self.replacement_failures = 0
+        # Scripts without the worker API fall back to a restart: they get its hang watch.
+        self.hangs = None if self.config.hang_timeout_s == 0 else HangWatch(
+            timeout_s=self.config.hang_timeout_s, multi_node=self.multi)
         self.leader = RegroupLeader(
             self.m, generation, self.config, events=services.events, say=services.say,
             rdzv=services.rdzv, nodes=services.nodes,
@@ -151,6 +155,8 @@ class _RegroupRun:
         outcome = self.m.follow(self._apply_fault)
         if outcome is None:
             outcome = self._watch_members()
+        if outcome is None:
+            outcome = self._watch_hangs()
         if outcome is not None:
             return self._result(outcome)
         self._release_ended()
@@ -274,6 +280,23 @@ class _RegroupRun:
             if outcome is not None:
                 return outcome
         return None
+
+    def _watch_hangs(self) -> Step:
+        """A script without the worker API (no member ever became ready) that hangs: the
+        restart path's verdict (see ftrun.agent.hangs), then the restart fallback."""
+        if self.hangs is None or any(x.has_status for x in self.members.values()):
+            return None
+        initial = {x.process.pid: x for x in self.members.values() if x.live and x.initial}
+        hang = self.hangs.sample([x.process for x in initial.values()])
+        if hang is None:
+            return None
+        announce_hang(self.services, self.generation, hang,
+                      [x.process for x in initial.values()], time.time(),
+                      emit=not hang.culprits)  # _fault records a named culprit
+        if hang.culprits:  # never ready and initial: _fault ends the job generation
+            return self._fault(initial[hang.culprits[0].pid], f"hung: {hang.describe()}",
+                               kill=True)
+        return self._stop_job(StopJob(f"hung: {hang.describe()}"))
 
     def _said_finished(self, member: LocalMember) -> bool:
         """The member left its training loop (``close()``): its process is only exiting."""

@@ -8,16 +8,22 @@ the next job generation, or gives up.
 
 Watching is event driven: the loop sleeps in ``select`` on the workers' pidfds, the signal
 inbox and the end watcher, and wakes on a timer (``--monitor-interval``) only to read what
-other nodes (or, on the leader, the heartbeats) say.
+other nodes (or, on the leader, the heartbeats) say, and every half second to ask the
+:class:`~ftrun.agent.hangs.HangWatch` whether a worker froze or every worker hangs. A hang
+is a failure like an exit: its culprit is named with its stack, the workers' NCCL
+communicators are aborted through the shim (so none stays blocked in a collective), and
+the job restarts.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from dataclasses import replace
 
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, WorkerExit
+from ftrun.agent.hangs import Hang, HangWatch, announce_hang
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
 from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
@@ -50,6 +56,8 @@ class RestartSupervisor:
         reported: set[int] = set()
         remote = services.multi_node
         next_poll = time.monotonic() + config.monitor_interval_s
+        hangs = None if config.hang_timeout_s == 0 else HangWatch(
+            timeout_s=config.hang_timeout_s, multi_node=remote)
         while True:
             if inbox.received is not None:
                 self._stop(group, inbox.received, "signal")
@@ -84,7 +92,12 @@ class RestartSupervisor:
                     self._stop(group, signal.SIGTERM, "remote failure")
                     exits = self._exits(generation, group, None)
                     return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
+            hang = hangs.sample(group) if hangs is not None else None
+            if hang is not None:
+                return self._hung(generation, group, hang)
             timeout = max(0.0, next_poll - time.monotonic()) if remote else 3600.0
+            if hangs is not None:
+                timeout = min(timeout, hangs.due_in())
             woke = local.wait_any(group, timeout, [inbox.fd, *watcher.wake_fds()])
             if inbox.fd in woke:
                 inbox.drain()
@@ -142,6 +155,42 @@ class RestartSupervisor:
         )
         self._stop(group, signal.SIGTERM, f"rank {failed.rank} failed")
         return GenerationResult(Outcome.FAILED, self._exits(generation, group, failed), cause)
+
+    def _hung(self, generation: Generation, group: list[local.WorkerProcess],
+              hang: Hang) -> GenerationResult:
+        """A frozen or hung worker: end the generation like a failure, naming the culprit
+        with its stack, after releasing every worker blocked in NCCL."""
+        services = self.services
+        detected = time.time()
+        first = hang.culprits[0] if hang.culprits else None
+        detail = hang.describe()
+        cause = {
+            "kind": "hang" if hang.kind == "hung" else "frozen",
+            "node_rank": services.node_rank,
+            "node_id": services.node_id,
+            "node": services.hostname,
+            "rank": first.rank if first else None,
+            "pid": first.pid if first else None,
+            "culprits": [w.rank for w in hang.culprits],
+            "waiting": [w.rank for w in hang.waiting],
+            "detail": detail,
+            "time": detected,
+        }
+        if services.multi_node:
+            try:
+                cause = services.rdzv.end(generation.number, cause)
+            except StoreError as error:
+                self._stop(group, signal.SIGTERM, "store lost")
+                raise StoreLostError(services.store_lost() or str(error)) from None
+        announce_hang(services, generation, hang, group, detected)
+        self._stop(group, signal.SIGTERM, f"rank {first.rank} hung" if first else "hang")
+        exits = self._exits(generation, group, first)
+        if first is not None:  # the cause record names the hang, not the SIGTERM
+            stack = hang.stacks.get(first.pid)
+            exits = [replace(e, message=f"hung: {detail}",
+                             traceback=stack.text() if stack else e.traceback)
+                     if e.first else e for e in exits]
+        return GenerationResult(Outcome.FAILED, exits, cause)
 
     def _stop(self, group: list[local.WorkerProcess], sig: int, why: str) -> None:
         self.services.launcher.stop_workers(group, sig, why)

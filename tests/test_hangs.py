@@ -1,0 +1,234 @@
+"""Hangs of scripts written for torchrun (no ``import ftrun``): found in seconds, named,
+restarted; and what must not count as a hang.
+
+End to end, an unmodified DDP script (scripts/train_ddp.py) under ``--recovery restart``
+(the restart supervisor) and the default ``auto`` (the regroup supervisor's restart
+fallback): one rank sleeps forever while its peer blocks in DDP's backward. torchrun waits
+for the collective timeout (10 minutes by default). The rules themselves
+(:class:`ftrun.agent.hangs.HangWatch`) are tested on real idle and busy processes with
+stacks the test supplies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch
+from ftrun.agent.stacks import Frame, Stack
+from tests.launch import Launch, copy_train_script
+from tests.lines import Start, find
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recovery", ["restart", "auto"])
+def test_a_hung_rank_is_named_and_the_job_restarts_in_seconds(
+    job_dir: Path, recovery: str
+) -> None:
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "2", "--recovery", recovery, "--max-restarts", "1",
+         str(script), "--steps", "60", "--step-sleep", "0.02", "--fail-at-step", "20",
+         "--fail-rank", "1", "--fail-mode", "hang", "--fail-once-marker",
+         str(job_dir / "hung-once")],
+        cwd=job_dir,
+    )
+    hung = run.wait_for(lambda lines: next((x for x in lines if "hanging at step" in x), None),
+                        120, "the hang")
+    hung_at = time.monotonic()
+    victim = hung.split("pid=")[1].split()[0]
+    run.wait_for(lambda lines: any(s.restart == 1 for s in find(lines, Start)), 90,
+                 "the restart")
+    restarted_s = time.monotonic() - hung_at
+    print(f"hang to restarted workers: {restarted_s:.1f}s ({recovery})")
+    assert run.wait(120) == 0, run.output
+    out = run.output
+    assert f"rank 1 (pid {victim}) stuck in train_ddp.py:" in out, out
+    assert "rank 0 waiting in backward (train_ddp.py:" in out, out
+    assert "stack (most recent call last)" in out
+    assert "restarting (1/1)" in out
+    # The floor is 5 s and a restart ~3 s here; torchrun needs the 10-minute timeout.
+    assert restarted_s < 60, f"hang to restart took {restarted_s:.1f}s"
+
+
+def test_a_hang_with_no_restart_left_names_the_culprit_in_the_summary(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "2", "--recovery", "restart", str(script), "--steps", "100000",
+         "--step-sleep", "0.02", "--fail-at-step", "10", "--fail-rank", "0",
+         "--fail-mode", "hang"],
+        cwd=job_dir,
+    )
+    assert run.wait(120) == 1, run.output
+    assert "hung: rank 0 (pid" in run.output and "stuck in train_ddp.py:" in run.output
+
+
+def test_a_slow_step_is_not_a_hang(job_dir: Path) -> None:
+    """Every rank sleeps three hang timeouts in one step: nobody waits for anybody."""
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "2", "--recovery", "restart", "--hang-timeout", "2",
+         str(script), "--steps", "20", "--slow-step-at", "10", "--slow-step-s", "6"],
+        cwd=job_dir,
+    )
+    assert run.wait(120) == 0, run.output
+    assert "stuck" not in run.output and "restarting" not in run.output
+
+
+def test_a_long_checkpoint_write_is_not_a_hang(job_dir: Path) -> None:
+    """Rank 0 writes (and fsyncs) for three hang timeouts while rank 1 waits for it in the
+    next collective: the writer's CPU and I/O count as work."""
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "2", "--recovery", "restart", "--hang-timeout", "2",
+         str(script), "--steps", "20", "--write-at", "10", "--write-s", "6",
+         "--write-dir", str(job_dir)],
+        cwd=job_dir,
+    )
+    assert run.wait(120) == 0, run.output
+    assert "stuck" not in run.output and "restarting" not in run.output
+
+
+def test_a_frozen_worker_restarts_the_job_at_once(job_dir: Path) -> None:
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
+         "--shutdown-timeout", "60", str(script), "--steps", "100000", "--step-sleep", "0.02"],
+        cwd=job_dir,
+    )
+    victim = run.wait_step(5, 120, rank=1)
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    run.wait_for(lambda lines: any(s.restart == 1 for s in find(lines, Start)), 60,
+                 "the restart")
+    waited = time.monotonic() - stopped_at
+    print(f"SIGSTOP to restarted workers: {waited:.1f}s")
+    assert f"rank 1 (pid {victim.pid}) frozen" in run.output
+    assert waited < 30  # detection within a sample (0.5 s); far inside the 60 s grace
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM
+
+
+# --- the rules, on real processes ---------------------------------------------------------
+
+@dataclass
+class Proc:
+    """What HangWatch reads of a worker, backed by a real process."""
+
+    popen: subprocess.Popen[bytes]
+    rank: int
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def is_frozen(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def procs() -> Iterator[dict[str, Proc]]:
+    idle = "import time; time.sleep(600)"
+    busy = "while True: pass"
+    made = {
+        "idle0": Proc(subprocess.Popen([sys.executable, "-c", idle]), 0),
+        "idle1": Proc(subprocess.Popen([sys.executable, "-c", idle]), 1),
+        "busy": Proc(subprocess.Popen([sys.executable, "-c", busy]), 2),
+    }
+    yield made
+    for proc in made.values():
+        proc.popen.kill()
+        proc.popen.wait(10)
+
+
+def waiting_stack(pid: int) -> Stack:
+    return Stack(pid, (Frame("all_reduce", f"{TORCH}/distributed/distributed_c10d.py",
+                             "torch/distributed/distributed_c10d.py", 3252),
+                       Frame("main", "/job/train.py", "train.py", 88)))
+
+
+def user_stack(pid: int) -> Stack:
+    return Stack(pid, (Frame("main", "/job/train.py", "train.py", 95),))
+
+
+def forming_stack(pid: int) -> Stack:
+    return Stack(pid, (Frame("_store_based_barrier", f"{TORCH}/distributed/c10d.py", "c", 1),
+                       Frame("init_process_group", f"{TORCH}/distributed/c10d.py", "c", 2),
+                       Frame("main", "/job/train.py", "train.py", 20)))
+
+
+def run_watch(watch: HangWatch, group: list[Proc], seconds: float) -> object:
+    """Sample like the supervisor does (real time: CPU is measured), until a verdict."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        verdict = watch.sample(group)  # type: ignore[arg-type]
+        if verdict is not None:
+            return verdict
+        time.sleep(min(watch.due_in(), 0.5) + 0.01)
+    return None
+
+
+def test_idle_ranks_waiting_on_one_elsewhere_name_it(procs: dict[str, Proc]) -> None:
+    stacks = {procs["idle0"].pid: waiting_stack, procs["idle1"].pid: user_stack}
+    watch = HangWatch(timeout_s=1.0, multi_node=False,
+                      stack_of=lambda pid: stacks[pid](pid))
+    hang = run_watch(watch, [procs["idle0"], procs["idle1"]], 10)
+    assert hang is not None and hang.kind == "hung"  # type: ignore[attr-defined]
+    assert [w.rank for w in hang.culprits] == [1]  # type: ignore[attr-defined]
+    assert [w.rank for w in hang.waiting] == [0]  # type: ignore[attr-defined]
+    assert "rank 1" in hang.describe() and "stuck in train.py:95 main" in hang.describe()
+
+
+def test_a_busy_rank_means_no_hang(procs: dict[str, Proc]) -> None:
+    watch = HangWatch(timeout_s=1.0, multi_node=False, stack_of=waiting_stack)
+    assert run_watch(watch, [procs["idle0"], procs["busy"]], 4) is None
+
+
+def test_nobody_waiting_is_a_slow_step_and_the_timeout_grows(procs: dict[str, Proc]) -> None:
+    watch = HangWatch(timeout_s=None, multi_node=False, stack_of=user_stack)
+    assert watch.timeout_s == HANG_FLOOR_S
+    watch.longest_spell_s = 9.0  # what an ended slow spell leaves behind
+    assert watch.timeout_s == 18.0
+    fixed = HangWatch(timeout_s=1.0, multi_node=False, stack_of=user_stack)
+    assert run_watch(fixed, [procs["idle0"], procs["idle1"]], 4) is None
+
+
+def test_everyone_waiting_is_a_hang_only_on_one_node_and_only_later(
+    procs: dict[str, Proc]
+) -> None:
+    group = [procs["idle0"], procs["idle1"]]
+    multi = HangWatch(timeout_s=0.5, multi_node=True, stack_of=waiting_stack)
+    assert run_watch(multi, group, 3) is None  # the culprit's own node names it
+    single = HangWatch(timeout_s=0.5, multi_node=False, stack_of=waiting_stack)
+    started = time.monotonic()
+    hang = run_watch(single, group, 10)
+    assert hang is not None and not hang.culprits  # type: ignore[attr-defined]
+    assert time.monotonic() - started >= 1.5  # three timeouts: nobody to name
+
+
+def test_ranks_forming_their_group_are_left_to_torch(procs: dict[str, Proc]) -> None:
+    stacks = {procs["idle0"].pid: forming_stack, procs["idle1"].pid: user_stack}
+    watch = HangWatch(timeout_s=0.5, multi_node=False, stack_of=lambda pid: stacks[pid](pid))
+    assert run_watch(watch, [procs["idle0"], procs["idle1"]], 3) is None
+
+
+def test_unreadable_stacks_decide_only_after_three_timeouts(procs: dict[str, Proc]) -> None:
+    watch = HangWatch(timeout_s=0.5, multi_node=False, stack_of=lambda pid: None)
+    started = time.monotonic()
+    hang = run_watch(watch, [procs["idle0"], procs["idle1"]], 10)
+    assert hang is not None and not hang.culprits  # type: ignore[attr-defined]
+    assert time.monotonic() - started >= 1.5
