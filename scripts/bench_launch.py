@@ -4,7 +4,13 @@ For each repeat and launcher, one run of ``scripts/train_ddp.py`` on N workers m
 
 * ``first_step_s``: from starting the launcher command to the first completed step;
 * ``restart_s``: from SIGKILL of one worker (after step K) to the first step completed by
-  the restarted job.
+  the restarted job;
+* ``hang_s``: from one rank hanging (it sleeps forever after step ``--hang-at-step``,
+  printing ``hanging``; its peer blocks in DDP's next all-reduce) to the first step
+  completed by the restarted job. Both launchers run the same script with a process-group
+  timeout of ``--hang-pg-timeout`` seconds (torch's default is 10 minutes or more): torchrun
+  learns of the hang only when that timeout fails the collective; ftrun sees every worker
+  idle, reads their stacks and restarts (``--hang-timeout`` auto). ``--no-hang`` skips it.
 
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it its restarted
 workers read the dead generation's addresses from the shared store and do not recover on
@@ -14,9 +20,10 @@ counts as a failure to recover and gives no figure.
     python scripts/bench_launch.py --repeats 5            # table
     python scripts/bench_launch.py --repeats 5 --json     # one JSON object
 
-JSON: {"torchrun": {"first_step_s": [...], "restart_s": [...], "failed_to_recover": n},
-"ftrun": {...}, "config": {...}}. Note: on this sandbox about 3-8% of TCPStore connects
-stall exactly 5 s in a reverse-DNS lookup inside torch; an outlier of ~5 s is that quirk.
+JSON: {"torchrun": {"first_step_s": [...], "restart_s": [...], "hang_s": [...],
+"failed_to_recover": n, "hang_failed_to_recover": n}, "ftrun": {...}, "config": {...}}.
+Note: on this sandbox about 3-8% of TCPStore connects stall exactly 5 s in a reverse-DNS
+lookup inside torch; an outlier of ~5 s is that quirk.
 """
 
 from __future__ import annotations
@@ -120,6 +127,38 @@ def measure(name: str, nproc: int, kill_after: int, timeout: float) -> dict[str,
             run.stop()
 
 
+def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
+                 timeout: float) -> float | None:
+    """Seconds from a rank's hang to the restarted job's first step, or None."""
+    env = dict(os.environ)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    with tempfile.TemporaryDirectory(prefix="bench_hang_") as scratch:
+        argv = [launcher_path(name), "--nproc-per-node", str(nproc), "--max-restarts", "1",
+                str(TRAIN), "--steps", "1000000", "--step-sleep", "0.01",
+                "--fail-at-step", str(hang_at), "--fail-rank", "1", "--fail-mode", "hang",
+                "--fail-once-marker", str(Path(scratch) / "hung-once"),
+                "--pg-timeout", str(pg_timeout)]
+        run = Run(argv, env)
+        try:
+            deadline = time.monotonic() + timeout
+            hung_at = None
+            while hung_at is None and time.monotonic() < deadline and run.proc.poll() is None:
+                with run.cond:
+                    hung_at = next((t for t, line in run.lines if "hanging at step" in line),
+                                   None)
+                    if hung_at is None:
+                        run.cond.wait(0.2)
+            if hung_at is None:
+                return None
+            with run.cond:
+                old_pids = frozenset(int(m[3]) for _, line in run.lines
+                                     if (m := STEP.search(line)))
+            after = run.wait_step(hung_at, timeout + pg_timeout, exclude_pids=old_pids)
+            return None if after is None else after[0] - hung_at
+        finally:
+            run.stop()
+
+
 def summarize(values: list[float]) -> str:
     if not values:
         return "-"
@@ -134,11 +173,16 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--kill-after-step", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=90.0)
+    parser.add_argument("--hang-at-step", type=int, default=20)
+    parser.add_argument("--hang-pg-timeout", type=float, default=60.0,
+                        help="the job's process-group timeout in the hang case (seconds)")
+    parser.add_argument("--no-hang", action="store_true", help="skip the hang case")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
     results: dict[str, dict[str, list[float] | int]] = {
-        name: {"first_step_s": [], "restart_s": [], "failed_to_recover": 0} for name in LAUNCHERS
+        name: {"first_step_s": [], "restart_s": [], "hang_s": [], "failed_to_recover": 0,
+               "hang_failed_to_recover": 0} for name in LAUNCHERS
     }
     for repeat in range(args.repeats):
         order = LAUNCHERS if repeat % 2 == 0 else tuple(reversed(LAUNCHERS))
@@ -152,10 +196,21 @@ def main() -> int:
             else:
                 entry["restart_s"].append(round(figures["restart_s"], 3))  # type: ignore[union-attr]
             print(f"# repeat {repeat + 1}/{args.repeats} {name}: {figures}", file=sys.stderr)
+            if args.no_hang:
+                continue
+            hang = measure_hang(name, args.nproc, args.hang_at_step, args.hang_pg_timeout,
+                                args.timeout)
+            if hang is None:
+                entry["hang_failed_to_recover"] += 1  # type: ignore[operator]
+            else:
+                entry["hang_s"].append(round(hang, 3))  # type: ignore[union-attr]
+            print(f"# repeat {repeat + 1}/{args.repeats} {name}: hang_s={hang}", file=sys.stderr)
 
     results["config"] = {  # type: ignore[assignment]
         "nproc": args.nproc, "repeats": args.repeats, "kill_after_step": args.kill_after_step,
         "timeout_s": args.timeout, "torch_disable_share_rdzv_tcp_store": True,
+        "hang_at_step": None if args.no_hang else args.hang_at_step,
+        "hang_pg_timeout_s": None if args.no_hang else args.hang_pg_timeout,
         "cpus": os.cpu_count(),
     }
     if args.json:
@@ -166,13 +221,15 @@ def main() -> int:
 
     table = Table(title=f"launch and restart latency, {args.nproc} gloo workers, seconds")
     for column in ("launcher", "first step: median (min, max)", "restart: median (min, max)",
-                   "failed to recover"):
+                   "hang to training: median (min, max)", "failed to recover"):
         table.add_column(column)
     for name in LAUNCHERS:
         entry = results[name]
         table.add_row(name, summarize(entry["first_step_s"]),  # type: ignore[arg-type]
                       summarize(entry["restart_s"]),  # type: ignore[arg-type]
-                      f"{entry['failed_to_recover']}/{args.repeats}")
+                      summarize(entry["hang_s"]),  # type: ignore[arg-type]
+                      f"{entry['failed_to_recover']}/{args.repeats} "
+                      f"(hang {entry['hang_failed_to_recover']}/{args.repeats})")
     Console().print(table)
     print(json.dumps(results))
     return 0

@@ -13,6 +13,7 @@ benchmarks parse. ``--fail-at-step`` makes one rank raise (to exercise error fil
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ def parse_args() -> argparse.Namespace:
                         help="rank 0 writes to --write-dir for --write-s seconds before this "
                         "step (a long checkpoint write: busy in I/O, its peers wait)")
     parser.add_argument("--write-s", type=float, default=0.0)
+    parser.add_argument("--pg-timeout", type=float, default=None,
+                        help="seconds before a collective times out (torch's default if unset)")
     parser.add_argument("--write-dir", type=Path, default=None)
     return parser.parse_args()
 
@@ -69,7 +72,8 @@ def batch_for(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tens
 @record
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    timeout = None if args.pg_timeout is None else datetime.timedelta(seconds=args.pg_timeout)
+    dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(make_model(args.hidden))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
