@@ -77,6 +77,7 @@ class WorkerExit:
     first: bool = False
     message: str | None = None  # from the error file
     traceback: str | None = None
+    error_at: float | None = None  # when the error file was written (its mtime)
 
     @property
     def ok(self) -> bool:

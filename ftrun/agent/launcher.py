@@ -178,7 +178,12 @@ class Launcher:
     ) -> WorkerExit:
         """The cause record of one ended worker: its error file's message, or the
         supervisor's ``verdict`` for one it took out."""
-        message, traceback = read_error_file(Path(worker.launch.env["TORCHELASTIC_ERROR_FILE"]))
+        error_file = Path(worker.launch.env["TORCHELASTIC_ERROR_FILE"])
+        message, traceback = read_error_file(error_file)
+        try:
+            error_at: float | None = error_file.stat().st_mtime
+        except OSError:
+            error_at = None
         return WorkerExit(
             rank=worker.rank,
             local_rank=worker.local_rank,
@@ -191,4 +196,5 @@ class Launcher:
             first=first,
             message=verdict or message,
             traceback=traceback,
+            error_at=error_at,
         )

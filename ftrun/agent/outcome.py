@@ -4,7 +4,7 @@ leader) wrote into the store, which is read back as untrusted JSON and only desc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -41,3 +41,19 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
     code = cause.get("returncode")  # from the store: checked before use
     what = describe_returncode(code) if isinstance(code, int) else f"exit code {code}"
     return f"rank {cause.get('rank')} on {cause.get('node')} ({what})"
+
+
+def mark_root_cause(exits: list[WorkerExit]) -> list[WorkerExit]:
+    """Mark as ``first`` the failed worker that recorded its error earliest (its error
+    file's time), when that is earlier than the exit the agent saw first: a rank that raises
+    can take longer to exit than the peer its exception broke (seen: the raising rank still
+    tearing down gloo while its peer, whose collective failed, crashed at exit first)."""
+    failed = [e for e in exits if not e.ok and e.error_at is not None]
+    if not failed:
+        return exits
+    root = min(failed, key=lambda e: e.error_at or 0.0)
+    first = next((e for e in exits if e.first), None)
+    if first is root or (first is not None and first.error_at is not None
+                         and first.error_at <= (root.error_at or 0.0)):
+        return exits
+    return [replace(e, first=e is root) for e in exits]

@@ -54,7 +54,7 @@ from ftrun.agent.hangs import HangWatch, announce_hang
 from ftrun.agent.leader import RegroupLeader, StopJob
 from ftrun.agent.members import LocalMember, MemberState
 from ftrun.agent.membership import Membership
-from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
+from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause, mark_root_cause
 from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError
@@ -463,4 +463,4 @@ class _RegroupRun:
                 else None
             exits.append(self.services.launcher.worker_exit(
                 proc, epoch, first=proc is self.first_failure, verdict=verdict))
-        return exits
+        return mark_root_cause(exits)

@@ -24,7 +24,7 @@ from dataclasses import replace
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, WorkerExit
 from ftrun.agent.hangs import Hang, HangWatch, announce_hang
-from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
+from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause, mark_root_cause
 from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError
@@ -154,7 +154,8 @@ class RestartSupervisor:
             detected=detected,
         )
         self._stop(group, signal.SIGTERM, f"rank {failed.rank} failed")
-        return GenerationResult(Outcome.FAILED, self._exits(generation, group, failed), cause)
+        exits = mark_root_cause(self._exits(generation, group, failed))
+        return GenerationResult(Outcome.FAILED, exits, cause)
 
     def _hung(self, generation: Generation, group: list[local.WorkerProcess],
               hang: Hang) -> GenerationResult:

@@ -1,0 +1,35 @@
+"""Which failure the summary names first: the earliest recorded error, not the first exit."""
+
+from __future__ import annotations
+
+from ftrun.agent.events import WorkerExit
+from ftrun.agent.outcome import mark_root_cause
+
+
+def _exit(rank: int, returncode: int, *, first: bool = False, stopped: bool = False,
+          error_at: float | None = None) -> WorkerExit:
+    return WorkerExit(rank=rank, local_rank=rank, node="n", pid=100 + rank, generation=0,
+                      returncode=returncode, time=10.0 + rank, stopped_by_agent=stopped,
+                      first=first, message=f"error of rank {rank}", error_at=error_at)
+
+
+def test_the_rank_that_raised_first_is_the_root_cause_even_if_it_exited_later() -> None:
+    # rank 0's collective broke because rank 1 raised; rank 0 crashed at exit first.
+    exits = [_exit(0, -11, first=True, error_at=2.0), _exit(1, -15, stopped=True, error_at=1.0)]
+    marked = mark_root_cause(exits)
+    assert [e.rank for e in marked if e.first] == [1]
+
+
+def test_the_first_exit_stays_first_when_its_error_is_the_earliest() -> None:
+    exits = [_exit(0, 1, first=True, error_at=1.0), _exit(1, -15, stopped=True, error_at=2.0)]
+    assert mark_root_cause(exits) == exits
+
+
+def test_without_error_files_the_first_exit_stays_first() -> None:
+    exits = [_exit(0, -9, first=True), _exit(1, -15, stopped=True)]
+    assert mark_root_cause(exits) == exits
+
+
+def test_a_worker_that_succeeded_is_never_the_root_cause() -> None:
+    exits = [_exit(0, 0, error_at=0.5), _exit(1, 1, first=True, error_at=3.0)]
+    assert [e.rank for e in mark_root_cause(exits) if e.first] == [1]
