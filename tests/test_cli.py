@@ -6,10 +6,14 @@ Parsing is checked in-process on the real parser; bad input is checked on the re
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -138,20 +142,30 @@ def test_bad_input_is_one_line_and_exit_2(
     _assert_usage_error(_run_ftrun(*filled), needle)
 
 
-def test_unreadable_script(script: Path) -> None:
-    if sys.platform != "linux":
-        pytest.skip("permission semantics checked on Linux")
-    directory = script.parent / "locked"
-    directory.mkdir()
-    target = directory / "x.py"
-    target.write_text("print('ran')\n")
-    target.chmod(0)
-    result = _run_ftrun(str(target))
-    target.chmod(0o644)
-    if result.returncode == 0:  # root reads anything: then it must simply run
-        assert "ran" in result.stdout
-    else:
-        _assert_usage_error(result, "not readable")
+def _as_unprivileged() -> list[str]:
+    """A command prefix that runs a program as ``nobody``: root reads any file, so the
+    "not readable" path is only reached without root's privileges."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is needed to run a check as nobody when root"
+    return [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def test_unreadable_script() -> None:
+    # Outside pytest's tmp_path, whose parent is private to the user running the tests:
+    # nobody must reach the file to find it unreadable (else it is "no such file").
+    directory = Path(tempfile.mkdtemp(prefix="ftrun-unreadable-"))
+    try:
+        directory.chmod(0o755)
+        target = directory / "x.py"
+        target.write_text("print('ran')\n")
+        target.chmod(0)
+        result = subprocess.run([*_as_unprivileged(), launcher(), str(target)],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(directory)
+    _assert_usage_error(result, "not readable")
 
 
 def test_version_and_module_entry() -> None:
@@ -172,10 +186,22 @@ def test_script_named_like_a_subcommand(tmp_path: Path) -> None:
     assert dashed.returncode == 0 and "ran the script" in dashed.stdout
 
 
-def test_port_check_refuses_a_listener_but_not_a_just_ended_job() -> None:
+def _in_time_wait(port: int) -> bool:
+    """Whether a TCP socket whose local port is ``port`` is in TIME_WAIT (state 06 of
+    /proc/net/tcp and tcp6, where ports are hexadecimal)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if int(local.rsplit(":", 1)[1], 16) == port and state == "06":
+                    return True
+    return False
+
+
+def test_port_check_refuses_a_listener_but_not_a_just_ended_job(script: Path) -> None:
     """A port someone listens on is refused; one whose last job's connections linger in
     TIME_WAIT (an agent re-run at once on the same --master-port) is not: the store binds
-    over those, and so must the check."""
+    over those, and so must the check, in-process and in the real program."""
     from ftrun.config import check_port_free
 
     listener = socket.socket()
@@ -185,9 +211,20 @@ def test_port_check_refuses_a_listener_but_not_a_just_ended_job() -> None:
     port = listener.getsockname()[1]
     with pytest.raises(ConfigError, match="port is in use"):
         check_port_free(port, "--master-port")
+    _assert_usage_error(_run_ftrun("--master-port", str(port), str(script)), "in use")
     client = socket.create_connection(("127.0.0.1", port))
     served, _ = listener.accept()
     served.close()  # the server side closes first: its end of the pair waits in TIME_WAIT
     client.close()
     listener.close()
+    # The case under test must really be there: without a TIME_WAIT socket on the port the
+    # check would pass whatever it does with SO_REUSEADDR.
+    deadline = time.monotonic() + 10
+    while not _in_time_wait(port):
+        assert time.monotonic() < deadline, f"no TIME_WAIT socket on port {port}"
+        time.sleep(0.01)
     check_port_free(port, "--master-port")
+    assert _in_time_wait(port), "the TIME_WAIT socket is gone (it lasts a minute)"
+    rerun = _run_ftrun("--master-port", str(port), str(script))
+    assert rerun.returncode == 0, rerun.stderr
+    assert "[rank0]: ran" in rerun.stdout
