@@ -15,7 +15,7 @@ def _exit(rank: int, returncode: int, *, first: bool = False, stopped: bool = Fa
 
 def test_the_rank_that_raised_first_is_the_root_cause_even_if_it_exited_later() -> None:
     # rank 0's collective broke because rank 1 raised; rank 0 crashed at exit first.
-    exits = [_exit(0, -11, first=True, error_at=2.0), _exit(1, -15, stopped=True, error_at=1.0)]
+    exits = [_exit(0, -11, first=True, error_at=9.5), _exit(1, -15, stopped=True, error_at=9.0)]
     marked = mark_root_cause(exits)
     assert [e.rank for e in marked if e.first] == [1]
 
@@ -30,6 +30,12 @@ def test_without_error_files_the_first_exit_stays_first() -> None:
     assert mark_root_cause(exits) == exits
 
 
+def test_errors_written_after_the_first_exit_are_its_consequences() -> None:
+    # rank 0 was SIGKILLed at t=10 (no error file); rank 1's collective then failed.
+    exits = [_exit(0, -9, first=True), _exit(1, -15, stopped=True, error_at=10.5)]
+    assert mark_root_cause(exits) == exits
+
+
 def test_a_worker_that_succeeded_is_never_the_root_cause() -> None:
-    exits = [_exit(0, 0, error_at=0.5), _exit(1, 1, first=True, error_at=3.0)]
+    exits = [_exit(0, 0, error_at=0.5), _exit(1, 1, first=True, error_at=10.5)]
     assert [e.rank for e in mark_root_cause(exits) if e.first] == [1]

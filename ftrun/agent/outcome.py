@@ -44,16 +44,17 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
 
 
 def mark_root_cause(exits: list[WorkerExit]) -> list[WorkerExit]:
-    """Mark as ``first`` the failed worker that recorded its error earliest (its error
-    file's time), when that is earlier than the exit the agent saw first: a rank that raises
-    can take longer to exit than the peer its exception broke (seen: the raising rank still
-    tearing down gloo while its peer, whose collective failed, crashed at exit first)."""
-    failed = [e for e in exits if not e.ok and e.error_at is not None]
-    if not failed:
-        return exits
-    root = min(failed, key=lambda e: e.error_at or 0.0)
+    """Mark as ``first`` the failed worker that recorded its error (its error file's time)
+    before the exit the agent saw first: a rank that raises can take longer to exit than
+    the peer its exception broke (seen: the raising rank still tearing down gloo while its
+    peer, whose collective failed, crashed at exit first). Errors recorded after that exit
+    are consequences of it (a SIGKILLed rank writes no error; its peers then do)."""
     first = next((e for e in exits if e.first), None)
-    if first is root or (first is not None and first.error_at is not None
-                         and first.error_at <= (root.error_at or 0.0)):
+    if first is None:
         return exits
+    earlier = [e for e in exits if not e.ok and e is not first and e.error_at is not None
+               and e.error_at < min(first.time, first.error_at or first.time)]
+    if not earlier:
+        return exits
+    root = min(earlier, key=lambda e: e.error_at or 0.0)
     return [replace(e, first=e is root) for e in exits]
