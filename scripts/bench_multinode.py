@@ -36,9 +36,11 @@
     ``local_addr=127.0.0.1``; get_rendezvous_handler gives torch's DynamicRendezvousHandler
     on C10dRendezvousBackend with its own TCPStore client), then next_rendezvous(), which
     includes torch's random 0-0.3 s start delay, its 1 s state polls and rank 0 opening the
-    shared TCPStore. Returns with the rank, world size and that store's address. Above
-    ``--torchrun-max-agents``, or without ``--torchrun-rendezvous``, torchrun's figure is
-    the anchor measured earlier on this machine type (TEST-INFRA.md), marked as such.
+    shared TCPStore. Returns with the rank, world size and that store's address. Measured
+    only with ``--torchrun-rendezvous`` and up to ``--torchrun-max-agents``; a count it did
+    not measure has no torchrun entry in ``rendezvous_s``. The figures TEST-INFRA.md
+    records for torch 2.13 on this machine type are then shown under ``torchrun_quoted``
+    (and marked "quoted, not measured in this run" in the table), never as a measurement.
 
   Limits: all N agents share this machine's cores (2 here), whereas real agents each have
   a host, and other work may run here too. Each run first waits (``--rdzv-quiet``,
@@ -56,15 +58,43 @@
   the window (the new store of torch's rank 0 / ftrun's leader) can stall too, so a run
   4.5-6 s above the median is marked ``suspect`` and the median keeps it out of the
   figure. ``BENCH_RDZV_DEBUG=1`` prints torch's own rendezvous log per agent, timestamped.
-* ``store_load``: the request rate N agents put on the store with the heartbeat defaults,
-  offered to a real TCPStore by a few client processes, with heartbeat latencies and the
-  leader's scan time.
+* ``store_load``: the real load N agents put on one control store, measured: N light
+  agents (default 1,000), spread over ``--store-load-procs`` processes (many per process),
+  each running ftrun's own HeartbeatSender (a signed ``set`` of ``hb/<id>`` and a ``check``
+  every ``--interval``) and EndWatcher (a server-side ``wait`` on ``gen/0/end`` held for the
+  agent's slice, min(1 s, request timeout / 2), renewed when it times out), each on a
+  TCPStore connection of its own made by ftrun's ``connect_store`` with the agent's request
+  timeout: 2 N connections (a real agent's third, idle main connection is left out; with
+  ``--end-poll`` the agents instead poll the end key every 0.1 s on their main connection,
+  as before the EndWatcher). This process serves the store, as the leader's agent does,
+  and runs the leader's loop on it: the end key every 0.1 s, and every half interval a
+  HeartbeatMonitor scan of all N heartbeats (one ``check`` + one N-key ``multi_get``) and
+  the newcomer check. Every request is counted by the client that makes it, as requests on
+  the wire (a wait that times out is two: WAIT, then torch's CANCEL_WAIT; seen with strace
+  on torch 2.13), inside a window of ``--store-load-seconds`` after every agent has beaten
+  once. Keys: ``achieved_req_per_s`` (served: requests that completed in the window, per
+  second) and ``requests_per_s_by_kind``; ``offered_req_per_s`` (computed, not measured:
+  what N agents' schedule sends per second, the leader's own requests left out);
+  ``heartbeat_p50_ms``/``_p99_ms``/``_max_ms`` (a beat's set + check round trip);
+  ``beats_per_agent_per_s``; ``end_wait_overrun_*`` (a timed-out wait's return past its
+  slice); ``leader_scan_median_ms``/``_max_ms``; ``agents_lost_by_monitor`` (agents the
+  leader would have declared lost: false alarms); ``errors`` and ``reconnects``; after the
+  window the harness writes the end record and ``end_seen_by_all_s``/``_median_s`` say how
+  long the agents' held waits took to see it; ``store_host_cores``, ``agents_cores``,
+  ``other_work_cores`` (CPU in the window). With ``--only store-load`` the sandbox's 5 s
+  reverse-DNS stalls on store connects (TEST-INFRA.md; the store's one thread makes such a
+  lookup after every accept) are cut to 1 s with ``RES_OPTIONS`` (``resolver_options``
+  records it). If N agents cannot be set up here, ``store_load_model`` holds the
+  arithmetic for N, labelled a model, and ``store_load`` the largest N (halving) that ran.
 
 JSON: ``{"node_loss_recovery_s": {"ftrun": [...], "ftrun_regroup": [...], "torchrun": [...]},
-"node_loss_steps_lost": {...}, "rendezvous_s":
-{"ftrun": {N: s}, "torchrun": {N: s}}, ...}`` (the first two keys are a contract; None:
-did not finish, or skipped), plus ``rendezvous_runs`` ({launcher: {N: [run details]}}) and
-``torchrun_rendezvous_source``.
+"node_loss_steps_lost": {...}, "rendezvous_s": {"ftrun": {N: s}, "torchrun": {N: s}}, ...}``
+(the first two keys are a contract; None: did not finish, or skipped; ``rendezvous_s``
+holds only what this run measured), plus ``rendezvous_runs`` ({launcher: {N: [run
+details]}}), ``torchrun_rendezvous_source`` (which counts were measured, which quoted),
+``torchrun_quoted`` (``{"rendezvous_s": {N: s}, "measured_in_this_run": false, "source":
+...}``, only when a count was not measured), ``store_load`` and, only when N agents could
+not run, ``store_load_model``.
 """
 
 from __future__ import annotations
@@ -86,14 +116,24 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 BIN = Path(sys.executable).parent
 STEP = re.compile(r"step=(\d+) .* t=([\d.]+)")
-# torchrun 2.13 c10d rendezvous on this machine type (TEST-INFRA.md): None = did not finish.
+# torchrun 2.13 c10d rendezvous on this machine type, quoted from TEST-INFRA.md (None: did
+# not finish). Never reported as a measurement: only under "torchrun_quoted", with
+# TORCHRUN_RDZV_QUOTE_SOURCE, for the agent counts a run did not measure.
 TORCHRUN_RDZV_ANCHORS = {64: 1.3, 128: 3.6, 256: 35.0, 512: None}
+TORCHRUN_RDZV_QUOTE_SOURCE = (
+    "shared/TEST-INFRA.md, 'Scale anchors for the rendezvous (torch 2.13 on this machine)': "
+    "torchrun's c10d rendezvous on this 2-core machine type, by a harness of its own, not "
+    "this script; that file records neither the command nor the date (it predates "
+    "2026-11-29, when commit 1e76bde first quoted it here). This script's own process-per-"
+    "agent measurement did not reproduce it: 42.1 s at 64 agents on a quiet machine "
+    "(docs/multinode.md)")
 
 
 # --- node-loss recovery on namespace hosts -------------------------------------------------
@@ -498,95 +538,412 @@ def _median(values: list[float | None]) -> float | None:
     return ranked[len(ranked) // 2] if ranked else None
 
 
-# --- store load ------------------------------------------------------------------------------
+# --- store load: real light agents, each with connections of its own ----------------------
+
+#: The store connections of one light agent: those of its heartbeat thread and its end
+#: watcher (ftrun/agent/loop.py, ftrun/agent/services.py), and with --end-poll its main
+#: client. A real agent's main client, idle while a generation runs and its end watcher is
+#: healthy, is left out: it sends nothing, and each connect costs minutes of set-up here.
+_CONN_KINDS = ("main", "heartbeat", "endwatch")
+#: The sandbox's resolver drops some reverse-DNS queries that torch makes on every store
+#: connect, in the client and in the store's one thread after each accept: 5 s stalls
+#: (TEST-INFRA.md). With --only store-load the harness shortens them to 1 s (RES_OPTIONS,
+#: unless set), says so in its output, and changes nothing else.
+_RESOLVER_WORKAROUND = "timeout:1 attempts:1"
+#: ftrun's --monitor-interval default: how often the leader reads the end key (in its own
+#: process, but still a request to its store thread) and an --end-poll agent polls it.
+_MONITOR_INTERVAL_S = 0.1
 
 
-def _load_proc(port: int, agents: list[int], interval: float, poll: float, seconds: float,
-               out: mp.Queue, end_wait: bool) -> None:
+def _wire_requests(method: str, outcome: str) -> int:
+    """Requests one client call puts on the wire to the store (torch 2.13, seen with strace
+    here): a wait that times out is a WAIT and then the client's in-protocol CANCEL_WAIT
+    (answered WAIT_CANCELED); a ``set`` is one request without a reply; others one each."""
+    return 2 if method == "wait" and outcome == "timeout" else 1
+
+
+def _agent_op_timeout(heartbeat_timeout_s: float) -> float:
+    """The request timeout of a non-leader agent's clients (ftrun/agent/loop.py)."""
+    return max(1.0, heartbeat_timeout_s / 3)
+
+
+def _end_wait_slice(heartbeat_timeout_s: float) -> float:
+    """The EndWatcher's wait slice (ftrun/agent/services.py): under the request timeout."""
+    return min(1.0, _agent_op_timeout(heartbeat_timeout_s) / 2)
+
+
+class _Tally:
+    """One process's store calls that ended inside the measured window, by connection kind
+    and method, with heartbeat round trips (set start to check reply) and how long timed-out
+    end waits overran their slice; every agent thread of the process records here."""
+
+    def __init__(self, slice_s: float) -> None:
+        self.lock = threading.Lock()
+        self.slice_s = slice_s
+        self.window = (float("inf"), float("inf"))  # time.time() bounds, set at the start
+        self.calls: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.requests = 0
+        self.heartbeat_s: list[float] = []
+        self.wait_overrun_s: list[float] = []
+        self.fired: list[float] = []  # when an end wait (or poll) found the key
+        self.connects = dict.fromkeys(_CONN_KINDS, 0)
+
+    def record(self, client: _CountedClient, method: str, start: float, end: float,
+               outcome: str, result: object = None) -> None:
+        with self.lock:
+            if method == "set" and client.kind == "heartbeat":
+                client.set_started = start
+            if client.kind != "leader" and outcome == "ok" and (
+                    method == "wait" or (method == "check" and client.kind == "main"
+                                         and result)):
+                self.fired.append(end)  # the end key exists (the only key agents wait on)
+            if not self.window[0] <= end < self.window[1]:
+                return
+            name = f"{client.kind}.{method}"
+            if outcome == "error":
+                self.errors[name] = self.errors.get(name, 0) + 1
+                return
+            name += ".timeout" if outcome == "timeout" else ""
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.requests += _wire_requests(method, outcome)
+            if method == "check" and client.kind == "heartbeat" and client.set_started:
+                self.heartbeat_s.append(end - client.set_started)
+            if outcome == "timeout":
+                self.wait_overrun_s.append(end - start - self.slice_s)
+
+
+class _CountedClient:
+    """A TCPStore client whose every request is recorded in a :class:`_Tally`; ftrun's own
+    code (JsonStore, HeartbeatSender, EndWatcher) calls it by method name, unchanged."""
+
+    def __init__(self, client: Any, kind: str, tally: _Tally) -> None:
+        self.client = client
+        self.kind = kind
+        self.tally = tally
+        self.set_started = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any) -> Any:
+            start = time.time()
+            try:
+                result = attr(*args)
+            except (RuntimeError, ValueError) as error:
+                timed_out = name == "wait" and "wait timeout after" in str(error)
+                self.tally.record(self, name, start, time.time(),
+                                  "timeout" if timed_out else "error")
+                raise
+            self.tally.record(self, name, start, time.time(), "ok", result)
+            return result
+
+        return call
+
+
+class _EndPoller:
+    """--end-poll: an agent as before the EndWatcher, reading the end key on its main
+    connection every monitor interval (a thread here; the agent's loop did it)."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+        self.fired = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> _EndPoller:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(_MONITOR_INTERVAL_S):
+            try:
+                if self.store.exists(self.key):
+                    self.fired.set()
+                    return
+            except Exception:  # StoreError: the main client reconnects by itself
+                continue
+
+
+def _light_agents(port: int, ids: list[int], cfg: dict[str, Any], out: mp.Queue,
+                  begin: Any, go: Any, times: Any, leave: Any) -> None:
+    """Runs the light agents ``ids`` in this process: each with ftrun's own HeartbeatSender
+    and EndWatcher (or an _EndPoller) on connections of its own, made by the agent's
+    connect_store with the agent's request timeout, plus an idle main connection. Reports
+    ready once every agent has beaten once, then what it counted in the window the harness
+    sets, and when each agent learnt of the end the harness writes after it."""
     from ftrun.control.auth import Signer
+    from ftrun.control.endwatch import EndWatcher
+    from ftrun.control.heartbeat import HeartbeatSender
     from ftrun.control.store import JsonStore, connect_store
 
-    store = JsonStore(connect_store("127.0.0.1", port, 30), "ftrun/load",
-                      signer=Signer(b"bench-token"))
-    # Each agent: one heartbeat (a set and a check) per interval, and one end check per
-    # poll (end_wait: one
-    # renewal of its server-side wait per slice, sent as a real wait request that the
-    # store times out at once; a held wait costs the store nothing between renewals).
-    # Spread evenly.
-    period = 1.0 / (len(agents) / interval + len(agents) / poll)
-    beats_every = round(interval / poll) + 1  # of every k requests, one is a beat
-    latencies: list[float] = []
-    start = time.monotonic()
-    k = 0
-    sent = 0
-    seq = 0
-    next_at = start
-    while time.monotonic() - start < seconds:
-        agent = agents[k % len(agents)]
-        t0 = time.monotonic()
-        if (k // len(agents)) % beats_every == 0:
-            seq += 1
-            store.set_record(f"hb/sim-{agent}", {"seq": seq})
-            store.exists(f"hb/sim-{agent}")  # as HeartbeatSender: a reply proves the set
-            latencies.append(time.monotonic() - t0)
-            sent += 2
-        elif end_wait:
-            store.wait_for("gen/0/end", 0.001)
-            sent += 1
-        else:
-            store.exists("gen/0/end")
-            sent += 1
-        k += 1
-        next_at += period
-        delay = next_at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-    out.put((sent, latencies))
+    try:
+        op_timeout = _agent_op_timeout(cfg["heartbeat_timeout"])
+        slice_s = _end_wait_slice(cfg["heartbeat_timeout"])
+        tally = _Tally(slice_s)
+
+        def dial() -> Any:
+            return connect_store("127.0.0.1", port, op_timeout, op_timeout_s=op_timeout)
+
+        def connector(kind: str, first: Any) -> Callable[[], Any]:
+            """The agent's reconnect function; its first call returns the connection made
+            before the start (set-up is not measured), later ones reconnect for real."""
+            pending = [first]
+
+            def connect() -> Any:
+                with tally.lock:
+                    tally.connects[kind] += 1
+                return _CountedClient(pending.pop() if pending else dial(), kind, tally)
+
+            return connect
+
+        began = time.monotonic()
+        agents = []
+        for i in ids:
+            kinds = ("main", "heartbeat") if cfg["end_poll"] else ("heartbeat", "endwatch")
+            made = {kind: connect_store("127.0.0.1", port, 300, op_timeout_s=op_timeout)
+                    for kind in kinds}
+            reconnect = connector("main", made["main"]) if cfg["end_poll"] else dial
+            main = JsonStore(reconnect() if cfg["end_poll"] else None,  # type: ignore[arg-type]
+                             "ftrun/load", signer=Signer(b"bench-token"),
+                             reconnect=reconnect, retry_s=cfg["heartbeat_timeout"] * 3)
+            beat = HeartbeatSender(connector("heartbeat", made["heartbeat"]), main,
+                                   f"sim-{i}", cfg["interval"], cfg["heartbeat_timeout"])
+            end: EndWatcher | _EndPoller = (
+                _EndPoller(main, "gen/0/end") if cfg["end_poll"] else
+                EndWatcher(connector("endwatch", made["endwatch"]), main, "gen/0/end",
+                           slice_s))
+            agents.append((beat, end))
+        setup_s = time.monotonic() - began
+        # Threads start once every process has made all its connections: each accept
+        # stalls the store's one thread in a reverse-DNS lookup here (TEST-INFRA.md), and a
+        # request waiting behind one times out and reconnects, which stalls it again.
+        out.put(("connected", ids[0], round(setup_s, 2)))
+        begin.wait()
+        first_ok = [beat.last_ok for beat, _ in agents]
+        for beat, end in agents:
+            beat.start()
+            end.start()
+        deadline = time.monotonic() + 120
+        while any(beat.last_ok == since for (beat, _), since in zip(agents, first_ok,
+                                                                    strict=True)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("not every agent beat within 120 s")
+            time.sleep(0.05)
+        out.put(("ready", ids[0], round(setup_s, 2)))
+        go.wait()
+        start, stop, end_by = times[0], times[1], times[2]
+        with tally.lock:
+            tally.window = (start, stop)
+        time.sleep(max(0.0, start - time.time()))
+        seq_before = [beat.seq for beat, _ in agents]
+        time.sleep(max(0.0, stop - time.time()))
+        beats = [beat.seq - s for (beat, _), s in zip(agents, seq_before, strict=True)]
+        while not all(end.fired.is_set() for _, end in agents) and time.time() < end_by:
+            time.sleep(0.01)
+        for beat, end in agents:
+            beat.stop(0.0)
+            end.stop(0.0)
+        with tally.lock:
+            out.put(("done", ids[0], {
+                "calls": dict(tally.calls), "errors": dict(tally.errors),
+                "requests": tally.requests, "heartbeat_s": tally.heartbeat_s,
+                "wait_overrun_s": tally.wait_overrun_s, "beats": beats,
+                "fired": sorted(tally.fired)[:len(agents)],
+                "unfired": sum(not end.fired.is_set() for _, end in agents),
+                "reconnects": {kind: max(0, n - len(ids)) for kind, n in
+                               tally.connects.items() if n},
+                "last_errors": sorted({beat.last_error for beat, _ in agents
+                                       if beat.last_error})[:3],
+            }))
+    except BaseException as error:  # reported to the harness, then this process exits
+        out.put(("error", ids[0] if ids else -1, f"{type(error).__name__}: {error}"[:300]))
+    leave.wait()
+    out.close()
+    out.join_thread()
+    os._exit(0)  # skip torch's teardown of hundreds of clients with threads inside them
 
 
-def store_load(n: int, interval: float, poll: float, seconds: float = 10.0,
-               procs: int = 4, end_wait: bool = True) -> dict[str, float]:
-    """``poll``: seconds between one agent's end checks (end_wait: between renewals of
-    its wait, the EndWatcher's slice)."""
+def _quantile(values: list[float], q: float) -> float | None:
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, int(len(ranked) * q))] if ranked else None
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(1000 * value, 2)
+
+
+def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float = 20.0,
+               procs: int = 8, end_poll: bool = False) -> dict[str, Any]:
+    """``n`` light agents against one real TCPStore that this process serves, as the leader
+    does; see the module docstring. Raises RuntimeError when the agents cannot be set up."""
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatMonitor
     from ftrun.control.store import JsonStore, serve_store
 
+    procs = max(1, min(procs, n))
+    slice_s = _end_wait_slice(heartbeat_timeout)
+    # enough descriptors for every connection the store host accepts (3 per agent)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * n + 256
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, wanted), hard))
     server = serve_store(0, 60)
-    store = JsonStore(server, "ftrun/load", signer=Signer(b"bench-token"))
-    for i in range(n):
-        store.set_record(f"hb/sim-{i}", {"seq": 0})
-    ctx = mp.get_context("spawn")  # forking a process that runs a store server can deadlock
+    tally = _Tally(slice_s)
+    leader = _CountedClient(server, "leader", tally)
+    store = JsonStore(leader, "ftrun/load", signer=Signer(b"bench-token"))  # type: ignore[arg-type]
+    ctx = mp.get_context("forkserver")  # forking this process (it serves a store) can deadlock
+    ctx.set_forkserver_preload(_AGENT_PRELOAD)
     out: mp.Queue = ctx.Queue()
-    workers = [ctx.Process(target=_load_proc,
-                           args=(server.port, list(range(k, n, procs)), interval, poll,
-                                 seconds, out, end_wait))
+    begin, go, leave = ctx.Event(), ctx.Event(), ctx.Event()
+    times = ctx.Array("d", 3)
+    cfg = {"interval": interval, "heartbeat_timeout": heartbeat_timeout, "end_poll": end_poll}
+    workers = [ctx.Process(target=_light_agents, daemon=True,
+                           args=(server.port, list(range(k, n, procs)), cfg, out, begin, go,
+                                 times, leave))
                for k in range(procs)]
-    started = time.monotonic()
-    for w in workers:
-        w.start()
-    monitor = HeartbeatMonitor(store, timeout_s=1e9)
-    monitor.watch([f"sim-{i}" for i in range(n)])
-    scans: list[float] = []
-    while time.monotonic() - started < seconds:
-        t0 = time.monotonic()
-        monitor.scan()
-        scans.append(time.monotonic() - t0)
-        time.sleep(interval / 2)
-    results = [out.get(timeout=60) for _ in workers]
-    for w in workers:
-        w.join(30)
-    elapsed = time.monotonic() - started
-    total = sum(k for k, _ in results)
-    lat = sorted(x for _, ls in results for x in ls)
+    try:
+        began = time.monotonic()
+        for w in workers:
+            _start_agent(w)
+        setups: list[float] = []
+        for phase in ("connected", "ready"):
+            count = 0
+            while count < procs:
+                try:
+                    kind, first, value = out.get(
+                        timeout=max(1.0, 900 - (time.monotonic() - began)))
+                except queue.Empty:
+                    raise RuntimeError(f"only {count} of {procs} processes {phase}") from None
+                if kind == "error":
+                    raise RuntimeError(f"agents from {first} failed in set-up: {value}")
+                count += 1
+                if phase == "connected":
+                    setups.append(value)
+            begin.set()
+        setup_s = time.monotonic() - began
+        print(f"  store load: {n} agents ready in {setup_s:.0f} s (connects per process: "
+              f"{min(setups):.0f}-{max(setups):.0f} s)", file=sys.stderr, flush=True)
+        monitor = HeartbeatMonitor(store, timeout_s=heartbeat_timeout)
+        monitor.watch([f"sim-{i}" for i in range(n)])
+        warmup = 2 * max(interval, slice_s)
+        start = time.time() + warmup
+        stop = start + seconds
+        times[0], times[1], times[2] = start, stop, stop + 3 * slice_s + 15
+        with tally.lock:
+            tally.window = (start, stop)
+        go.set()
+        scans: list[float] = []
+        lost: set[str] = set()
+        cpu: dict[str, float] = {}
+        next_scan = time.monotonic()
+        while time.time() < stop:
+            if cpu == {} and time.time() >= start:
+                cpu = {"host": _cpu_s(os.getpid()), "machine": _machine_busy_s(),
+                       "agents": sum(_cpu_s(w.pid) for w in workers if w.pid)}
+            # the leader's loop: its end read every monitor interval, and every half
+            # heartbeat interval a scan of all heartbeats and its check for a newcomer
+            store.first_record("gen/0/end")
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + interval / 2
+                t0 = time.monotonic()
+                found = monitor.scan()
+                if time.time() >= start:
+                    scans.append(time.monotonic() - t0)
+                    lost.update(found)
+                store.add("gen/1/count", 0)
+            time.sleep(_MONITOR_INTERVAL_S)
+        host = _cpu_s(os.getpid()) - cpu.get("host", 0.0)
+        agents_cpu = sum(_cpu_s(w.pid) for w in workers if w.pid) - cpu.get("agents", 0.0)
+        busy = _machine_busy_s() - cpu.get("machine", 0.0)
+        window = max(0.001, time.time() - start)
+        with tally.lock:
+            tally.window = (float("inf"), float("inf"))
+        written = time.time()
+        store.put_record("gen/0/end", {"kind": "bench", "time": written})
+        reports = []
+        while len(reports) < procs:
+            try:
+                kind, first, value = out.get(timeout=max(1.0, times[2] + 30 - time.time()))
+            except queue.Empty:
+                raise RuntimeError(f"only {len(reports)} of {procs} processes reported") \
+                    from None
+            if kind == "error":
+                raise RuntimeError(f"agents from {first} failed: {value}")
+            reports.append(value)
+    finally:
+        leave.set()
+        for w in workers:
+            w.join(15)
+            if w.is_alive():
+                w.kill()
+                w.join(5)
+        out.close()
+    calls: dict[str, int] = dict(tally.calls)
+    errors: dict[str, int] = dict(tally.errors)
+    reconnects: dict[str, int] = {}
+    for report in reports:
+        for key, value in report["calls"].items():
+            calls[key] = calls.get(key, 0) + value
+        for key, value in report["errors"].items():
+            errors[key] = errors.get(key, 0) + value
+        for key, value in report["reconnects"].items():
+            reconnects[key] = reconnects.get(key, 0) + value
+    requests = tally.requests + sum(r["requests"] for r in reports)
+    heartbeat_s = [x for r in reports for x in r["heartbeat_s"]]
+    overrun_s = [x for r in reports for x in r["wait_overrun_s"]]
+    beats_per_s = sorted(b / seconds for r in reports for b in r["beats"])
+    fired = sorted(t - written for r in reports for t in r["fired"] if t >= written)
+    end_checks = n / _MONITOR_INTERVAL_S if end_poll else 2 * n / slice_s
     return {
         "agents": n,
-        "offered_req_per_s": 2 * n / interval + n / poll,
-        "achieved_req_per_s": total / elapsed,
-        "heartbeat_p50_ms": 1000 * lat[len(lat) // 2] if lat else 0.0,
-        "heartbeat_p99_ms": 1000 * lat[int(len(lat) * 0.99)] if lat else 0.0,
-        "leader_scan_median_ms": 1000 * statistics.median(scans),
-        "leader_scan_max_ms": 1000 * max(scans),
+        "harness": (f"{n} light agents in {procs} processes; each runs ftrun's own "
+                    "HeartbeatSender and " + ("an end poll every 0.1 s on its main "
+                                              "connection" if end_poll else "EndWatcher")
+                    + ", each on a TCPStore connection of its own made by connect_store "
+                    "with the agent's request timeout (a real agent's idle main "
+                    "connection is left out); this process serves the store and runs the "
+                    "leader's loop: end read every 0.1 s, heartbeat scan and newcomer "
+                    "check every half interval"),
+        "processes": procs,
+        "connections": 2 * n,
+        "resolver_options": os.environ.get("RES_OPTIONS"),
+        "window_s": round(window, 2),
+        "setup_s": round(setup_s, 1),
+        # computed from the schedule, not measured: beats (set + check) and end checks
+        # (a timed-out wait is two requests), N agents, without the leader's own requests
+        "offered_req_per_s": round(2 * n / interval + end_checks, 1),
+        "achieved_req_per_s": round(requests / window, 1),
+        "requests_per_s_by_kind": {k: round(v / window, 1) for k, v in sorted(calls.items())},
+        "errors": errors,
+        "reconnects": reconnects,
+        "heartbeat_p50_ms": _ms(_quantile(heartbeat_s, 0.5)),
+        "heartbeat_p99_ms": _ms(_quantile(heartbeat_s, 0.99)),
+        "heartbeat_max_ms": _ms(max(heartbeat_s, default=None)),
+        "beats_per_agent_per_s": {"min": round(beats_per_s[0], 3) if beats_per_s else None,
+                                  "median": round(statistics.median(beats_per_s), 3)
+                                  if beats_per_s else None},
+        "end_wait_overrun_p50_ms": _ms(_quantile(overrun_s, 0.5)),
+        "end_wait_overrun_p99_ms": _ms(_quantile(overrun_s, 0.99)),
+        "leader_scan_median_ms": _ms(statistics.median(scans)) if scans else None,
+        "leader_scan_max_ms": _ms(max(scans, default=None)),
+        "leader_scans": len(scans),
+        "agents_lost_by_monitor": len(lost),
+        "end_seen_by_all_s": round(fired[-1], 4) if len(fired) == n else None,
+        "end_seen_median_s": round(statistics.median(fired), 4) if fired else None,
+        "end_not_seen": sum(r["unfired"] for r in reports),
+        "store_host_cores": round(host / window, 3),
+        "agents_cores": round(agents_cpu / window, 3),
+        "other_work_cores": round(max(0.0, busy - host - agents_cpu) / window, 2),
+        "last_heartbeat_errors": sorted({e for r in reports for e in r["last_errors"]})[:3],
     }
 
 
@@ -637,15 +994,50 @@ def rendezvous(args: argparse.Namespace, result: dict[str, object]) -> None:
                 s_ = info["s"]
                 if isinstance(s_, float) and median is not None and 4.5 <= s_ - median <= 6:
                     info["suspect"] = "about 5 s above the median: possibly the connect stall"
-        if "torchrun" not in programs:
-            medians["torchrun"][n] = TORCHRUN_RDZV_ANCHORS.get(n)
     result["rendezvous_s"] = medians
     result["rendezvous_runs"] = runs
     measured = [n for n in counts if runs["torchrun"].get(n)]
-    result["torchrun_rendezvous_source"] = (
-        f"measured at {','.join(map(str, measured))} agents"
-        + (", TEST-INFRA.md anchors above" if len(measured) < len(counts) else "")
-        if measured else "TEST-INFRA.md anchors (not measured; --torchrun-rendezvous)")
+    quoted = {n: TORCHRUN_RDZV_ANCHORS[n] for n in counts
+              if n not in measured and n in TORCHRUN_RDZV_ANCHORS}
+    if quoted:
+        result["torchrun_quoted"] = {"rendezvous_s": quoted, "measured_in_this_run": False,
+                                     "source": TORCHRUN_RDZV_QUOTE_SOURCE}
+    parts = [f"measured in this run at {','.join(map(str, measured))} agents"] if measured \
+        else ["not measured in this run (--torchrun-rendezvous measures it)"]
+    if quoted:
+        parts.append(f"quoted, not measured in this run, at {','.join(map(str, quoted))} "
+                     "agents: see torchrun_quoted")
+    result["torchrun_rendezvous_source"] = "; ".join(parts)
+
+
+def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> None:
+    """Fills ``store_load`` with the measurement at ``--store-load`` agents; when that many
+    cannot be set up here, ``store_load_model`` gets the arithmetic for that many (marked a
+    model) and ``store_load`` the largest count, halving, that does run."""
+    slice_s = _MONITOR_INTERVAL_S if args.end_poll else _end_wait_slice(args.heartbeat_timeout)
+    n = args.store_load
+    while True:
+        try:
+            measured = store_load(n, args.interval, args.heartbeat_timeout,
+                                  args.store_load_seconds, args.store_load_procs,
+                                  end_poll=args.end_poll)
+        except RuntimeError as error:
+            print(f"  store load at {n} agents could not run: {error}", file=sys.stderr,
+                  flush=True)
+            if n == args.store_load:
+                wire = 1 if args.end_poll else 2  # a timed-out wait: WAIT + CANCEL_WAIT
+                result["store_load_model"] = {
+                    "agents": n, "measured": False,
+                    "why": f"{n} real agents could not run here: {error}",
+                    "offered_req_per_s": round(2 * n / args.interval + wire * n / slice_s, 1),
+                    "formula": "agents x (2 per heartbeat interval: set + check, and "
+                               f"{wire} per end check every {slice_s} s)"}
+            n //= 2
+            if n < 16:
+                return
+            continue
+        result["store_load"] = {**measured, "end_check_every_s": slice_s}
+        return
 
 
 def print_rendezvous_table(result: dict[str, object]) -> None:
@@ -654,8 +1046,10 @@ def print_rendezvous_table(result: dict[str, object]) -> None:
     print("rendezvous of N agents, one process each (s): common start -> the last agent's "
           "join returned;")
     print(f"  median of runs [every run]; torchrun: {result['torchrun_rendezvous_source']}")
-    print(f"  {'N':>6} {'ftrun':>7} {'runs':<20} {'torchrun':>8} {'runs':<20} "
+    print(f"  {'N':>6} {'ftrun':>7} {'runs':<20} {'torchrun':>8} {'runs':<34} "
           f"{'t-cpu/cores':>11} {'other':>5}")
+
+    quoted = result.get("torchrun_quoted", {}).get("rendezvous_s", {})  # type: ignore[union-attr]
 
     def cell(program: str, n: int) -> tuple[str, str]:
         value = rd[program].get(n)  # type: ignore[index]
@@ -664,9 +1058,11 @@ def print_rendezvous_table(result: dict[str, object]) -> None:
         if infos and all("skipped" in i for i in infos):
             return "skipped", "(memory)"
         if not infos:
-            if n not in TORCHRUN_RDZV_ANCHORS:
-                return shown, "(not measured)"
-            return shown, "(anchor)" if value is not None else "(anchor: did not finish)"
+            if n not in quoted:
+                return "-", "(not measured)"
+            value = quoted[n]
+            return ("dnf" if value is None else f"{value:.1f}"), \
+                "(quoted, not measured in this run)"
         each = " ".join("fail" if "failed" in i else "dnf" if i["s"] is None
                         else f"{i['s']:.2f}" + ("*" if "suspect" in i else "") for i in infos)
         return shown, f"[{each}]"
@@ -681,7 +1077,7 @@ def print_rendezvous_table(result: dict[str, object]) -> None:
         t_value, t_runs = cell("torchrun", n)
         t_infos = runs["torchrun"].get(n, [])  # type: ignore[index]
         both = runs["ftrun"].get(n, []) + t_infos  # type: ignore[index]
-        print(f"  {n:>6} {f_value:>7} {f_runs:<20} {t_value:>8} {t_runs:<20} "
+        print(f"  {n:>6} {f_value:>7} {f_runs:<20} {t_value:>8} {t_runs:<34} "
               f"{median_of(('cpu_floor_s',), t_infos):>11} "
               f"{median_of(('other_work_cores', 'other_work_cores_before'), both):>5}")
     print("  t-cpu/cores: CPU all torchrun agents used in the window / this machine's cores "
@@ -691,6 +1087,9 @@ def print_rendezvous_table(result: dict[str, object]) -> None:
     print("  dnf: not every agent returned within the join timeout; fail: the agents could "
           "not be set up (see\n  rendezvous_runs); *: about 5 s above the median, possibly the "
           "sandbox's 5 s connect stall (TEST-INFRA.md)")
+    if quoted:
+        print("  quoted, not measured in this run: torchrun figures from "
+              f"{result['torchrun_quoted']['source']}")  # type: ignore[index]
 
 
 def main() -> None:
@@ -703,7 +1102,8 @@ def main() -> None:
     parser.add_argument("--torchrun-rendezvous", action="store_true",
                         help="re-measure torchrun's c10d rendezvous (slow at 256+)")
     parser.add_argument("--torchrun-max-agents", type=int, default=256,
-                        help="above this, torchrun's figure is the anchor (512 never ends)")
+                        help="above this, torchrun is not measured: its figure is quoted "
+                             "from TEST-INFRA.md under torchrun_quoted (512 never ends)")
     parser.add_argument("--rdzv-repeats", type=int, default=3,
                         help="rendezvous runs per launcher and agent count (median shown)")
     parser.add_argument("--rdzv-timeout", type=float, default=120.0,
@@ -713,17 +1113,24 @@ def main() -> None:
                              "machine uses fewer cores than this...")
     parser.add_argument("--rdzv-quiet-wait", type=float, default=60.0,
                         help="...but no longer than this (s); 0: do not wait")
-    parser.add_argument("--store-load", type=int, default=1000)
-    parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--poll", type=float, default=None,
-                        help="seconds between an agent's end checks: default the "
-                        "EndWatcher's wait slice (heartbeat timeout / 6, at least 0.5 s); "
-                        "with --end-poll, the monitor interval (0.1 s)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--store-load", type=int, default=1000,
+                        help="light agents (2 store connections each) for the store load")
+    parser.add_argument("--store-load-procs", type=int, default=8,
+                        help="processes the light agents are spread over")
+    parser.add_argument("--store-load-seconds", type=float, default=20.0,
+                        help="length of the measured window (s)")
+    parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval (s)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                        help="heartbeat timeout (s); sets the agents' request timeout and "
+                             "end-wait slice as the agent does")
     parser.add_argument("--end-poll", action="store_true",
-                        help="model agents that poll the end key (before the EndWatcher)")
+                        help="agents poll the end key every 0.1 s (before the EndWatcher)")
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if args.only == "store-load" and "RES_OPTIONS" not in os.environ:
+        os.environ["RES_OPTIONS"] = _RESOLVER_WORKAROUND  # before any store: see its comment
+        print(f"  worked around the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md): "
+              f"RES_OPTIONS={_RESOLVER_WORKAROUND}", file=sys.stderr, flush=True)
     result: dict[str, object] = {
         "node_loss_recovery_s": {variant: [] for variant in VARIANTS},
         "node_loss_steps_lost": {variant: [] for variant in VARIANTS},
@@ -750,15 +1157,13 @@ def main() -> None:
     if args.only in (None, "rendezvous"):
         rendezvous(args, result)
     if args.only in (None, "store-load"):
-        poll = args.poll or (0.1 if args.end_poll else max(1.0, args.heartbeat_timeout / 3) / 2)
-        result["store_load"] = {
-            **store_load(args.store_load, args.interval, poll, end_wait=not args.end_poll),
-            "end_check_every_s": poll}
+        measure_store_load(args, result)
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print("node loss -> training progressing again (s), link of h3 cut:")
     rec = result["node_loss_recovery_s"]
+    if any(rec.values()):  # type: ignore[union-attr]
+        print("node loss -> training progressing again (s), link of h3 cut:")
     for program in VARIANTS:
         values = rec[program]  # type: ignore[index]
         if values:
@@ -769,12 +1174,22 @@ def main() -> None:
                   f"   steps lost {lost}{note}")
     if result["rendezvous_s"]["ftrun"]:  # type: ignore[index]
         print_rendezvous_table(result)
+    if "store_load_model" in result:
+        print("store load, a MODEL (arithmetic, not measured):")
+        for key, value in result["store_load_model"].items():  # type: ignore[union-attr]
+            print(f"  {key:28} {value}")
     if "store_load" in result:
-        print("store load:")
-        for key, value in result["store_load"].items():  # type: ignore[union-attr]
-            print(f"  {key:24} {value:10.1f}")
+        load = result["store_load"]
+        assert isinstance(load, dict)
+        print(f"store load, measured: {load['agents']} real light agents "
+              f"({load['connections']} connections), {load['window_s']} s window:")
+        for key, value in load.items():
+            if key not in ("agents", "connections", "window_s"):
+                print(f"  {key:28} {value}")
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGTERM too unwinds through the finally blocks that stop the agent processes
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     main()
