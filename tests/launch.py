@@ -161,6 +161,25 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` has not ended yet (a zombie has: only its parent has not read
+    its status)."""
+    try:
+        return _alive(psutil.Process(pid))
+    except psutil.Error:
+        return False
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Wait for a fact outside a launcher's output (a process gone, a file written), polling
+    every 10 ms, and fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
 def copy_train_script(directory: Path) -> Path:
     """A private copy of the training script, so leftover checks can find its processes."""
     target = directory / "train_ddp.py"

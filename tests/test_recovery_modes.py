@@ -24,14 +24,18 @@ import json
 import os
 import shutil
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.launch import REPO, Launch, copy_train_script, processes_mentioning
+from tests.launch import (
+    REPO,
+    Launch,
+    copy_train_script,
+    processes_mentioning,
+    running,
+    wait_until,
+)
 from tests.lines import (
     Done,
     ElasticStep,
@@ -60,26 +64,6 @@ def _events(path: Path) -> list[dict]:
 
 def _of(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["event"] == kind]
-
-
-def _until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    """Wait for ``condition`` with a deadline (for facts outside a launcher's output)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
-
-
-def _living(pids: set[int]) -> set[int]:
-    """The processes of ``pids`` that still run (a zombie has ended)."""
-    alive = set()
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.add(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return alive
 
 
 def _training(job_dir: Path, script: str, steps: int) -> list[str]:
@@ -244,6 +228,6 @@ def test_sigkill_of_ftrun_takes_every_worker_with_it(job_dir: Path, mode: str, a
     run.kill()
     assert run.proc.returncode == -signal.SIGKILL
     # The kernel delivers the death signal as the agent exits; 10 s is for a loaded box.
-    _until(lambda: not _living(workers), 10, f"workers {sorted(_living(workers))} to die "
-           "with their agent")
+    wait_until(lambda: not any(running(pid) for pid in workers), 10,
+               "the workers dying with their agent")
     assert not list(reports.iterdir()), "a worker was signalled, not killed with its agent"

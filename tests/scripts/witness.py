@@ -6,14 +6,16 @@ file named after its rank and pid holding the signal's name, then exits 0. A fil
 what a console line may not (the agent's log pumps are torn down with it), so the file is
 the witness; a line ``got SIGTERM rank=R pid=P`` goes to stdout too, for people.
 
-    witness.py --report-dir D [--api] [--fail-rank R]
+    witness.py --report-dir D [--api] [--fail-rank R] [--stay]
 
 * first line: ``start rank=R world=W restart=K pid=P`` (train_ddp.py's format, read by
   tests/lines.py's ``Start``), printed once the worker is running (after ``ftrun.init()``
   with ``--api``, so a test that waits for it knows every member is registered);
 * ``--fail-rank R``: that rank exits at once with code 10 + K (K: the job's restart count),
   so a failure summary shows which attempt's failure it describes;
-* every other rank waits until it is signalled: ``D/signal.rank<R>.pid<P>`` holds the name.
+* every other rank waits until it is signalled: ``D/signal.rank<R>.pid<P>`` holds the name;
+  it then exits 0, or with ``--stay`` runs on (a worker that ignores the request to stop,
+  left to ftrun's SIGKILL after the grace).
 
 No torch import without ``--api``: a job of these starts in well under a second.
 """
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--report-dir", type=Path, required=True)
     parser.add_argument("--api", action="store_true", help="join the job with ftrun.init()")
     parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--stay", action="store_true", help="run on after a signal")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -47,7 +50,8 @@ def main() -> None:
         partial.write_text(name)
         partial.replace(target)  # a reader never sees half a name
         print(f"got {name} rank={rank} pid={os.getpid()}", flush=True)
-        os._exit(0)
+        if not args.stay:
+            os._exit(0)
 
     for sig in WATCHED:
         signal.signal(sig, report)
