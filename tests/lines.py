@@ -151,8 +151,29 @@ class Released(Line):
     after: float
 
 
+@dataclass(frozen=True)
+class Decision(Line):
+    """tests/scripts/die_before_vote.py: the decision a member followed on the step its
+    victim dies in, and the members whose valid votes it found in the store then (``-``:
+    none). ``step`` is the step's index (``ft.step`` while it is computed), so a committed
+    one prints ``step=`` one higher on its :class:`Step` line."""
+
+    FORMAT: ClassVar[str] = "decision epoch={epoch} step={step} value={value} " \
+                            "voters={voters} pid={pid}"
+    epoch: int
+    step: int
+    value: str
+    voters: str
+    pid: int
+
+    @property
+    def voter_ids(self) -> set[str]:
+        return set() if self.voters == "-" else set(self.voters.split(","))
+
+
 KINDS: tuple[type[Line], ...] = (
-    Step, ElasticStep, Regroup, Done, Resumed, Start, Finished, Victim, Blocking, Released)
+    Step, ElasticStep, Regroup, Done, Resumed, Start, Finished, Victim, Blocking, Released,
+    Decision)
 _VALUE = {"int": r"-?\d+", "float": r"\S+", "str": r"\S+"}  # by the field's annotation
 _CONVERT: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str": str}
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
@@ -232,6 +253,18 @@ def select(records: Iterable[Line], kind: type[R]) -> list[R]:
 # --- invariants --------------------------------------------------------------------------
 
 
+def reached(records: Iterable[Line], *, before: int | None = None) -> dict[int, int]:
+    """pid -> the last step each worker started with the job committed (its lines are
+    labelled ``[rankN]:``), counting only records of output lines before index ``before``
+    (every record when None): given the index where a fault happened, what each survivor
+    had reached then, for ``check_regroup_invariants(survivors=...)``."""
+    last: dict[int, int] = {}
+    for step in select(records, Step):
+        if (step.source or "").startswith("rank") and (before is None or step.index < before):
+            last[step.pid] = step.step
+    return last
+
+
 def assert_steps_consecutive(records: Iterable[Line], pids: Iterable[int]) -> None:
     """Each of these processes committed its steps one after the other: no step applied
     twice, none skipped. A process with no step at all fails too (it was supposed to run)."""
@@ -245,6 +278,20 @@ def assert_steps_consecutive(records: Iterable[Line], pids: Iterable[int]) -> No
             assert after.step == before.step + 1, (
                 f"pid {pid} (rank {after.rank}) went from step {before.step} to {after.step}:"
                 f"\n  {before.where()}\n  {after.where()}")
+
+
+def assert_went_on(records: Iterable[Line], survivors: Mapping[int, int]) -> None:
+    """Each process of ``survivors`` (pid -> the step it had reached before a fault, as
+    :func:`reached` gives it) committed a step past that one: it went on after the fault.
+    Also for a run in which no regroup happens (a fault that must change nothing)."""
+    steps = select(records, Step)
+    for pid, before in survivors.items():
+        mine = [s for s in steps if s.pid == pid]
+        assert mine, f"pid {pid} committed no step"
+        last = mine[-1]
+        assert last.step > before, (
+            f"pid {pid} (rank {last.rank}) committed no step after step {before}, the "
+            f"one it had reached before the fault:\n  {last.where()}")
 
 
 def check_regroup_invariants(
@@ -296,11 +343,7 @@ def check_regroup_invariants(
                 f"{earliest.rank}):\n  {regroup.where()}\n  {earliest.where()}")
     assert_steps_consecutive(records, survivors)
     if isinstance(survivors, Mapping):
-        for pid, reached in survivors.items():
-            last = [s for s in select(records, Step) if s.pid == pid][-1]  # there is one
-            assert last.step > reached, (
-                f"pid {pid} (rank {last.rank}) committed no step after step {reached}, the "
-                f"one it had reached before the fault:\n  {last.where()}")
+        assert_went_on(records, survivors)
     if world is not None:
         assert any(r.world == world for r in regroups), (
             f"no generation formed with {world} ranks: "
