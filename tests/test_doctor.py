@@ -31,8 +31,13 @@ from ftrun.doctor import CheckResult, CheckSpec, Options
 REPO = Path(__file__).resolve().parents[1]
 FAKE_NVML = REPO / "tests" / "fake_pynvml"
 STATUSES = {"pass", "warn", "fail", "skip"}
-#: Generous: the goal is < 5 s, but a loaded 2-core box must not make this flaky.
-ELAPSED_BOUND_S = 15.0
+#: The promise is < 5 s (docs/doctor.md: about 1.2 s on a quiet 2-core box). Measured here
+#: while other test runs shared the 2 cores (load 4-8.6): 1.6-6.8 s wall on this node, 1.5-7.8
+#: s with the fake 8-GPU NVML, median about 3 s (25 runs). 12 s passes the worst of those
+#: with room and fails a 10x regression of every one (the fastest, 1.5 s, would take 15 s).
+ELAPSED_BOUND_S = 12.0
+#: ``--timeout``'s default: doctor stops waiting for its checks this long after the start.
+DEFAULT_TIMEOUT_S = 4.0
 
 
 def _has_real_nvml() -> bool:
@@ -144,6 +149,8 @@ def _free_port() -> int:
 def test_real_node_json_is_fast_and_matches_the_machine() -> None:
     run = run_doctor()
     assert run.wall_s < ELAPSED_BOUND_S, run
+    # The checks themselves end at the timeout whatever the load (a slow check is failed).
+    assert run.doc["elapsed_s"] < DEFAULT_TIMEOUT_S + 1.0, run
     print(f"measured: doctor took {run.wall_s:.2f} s wall on this machine")
     expected = ["python", "torch", "cuda", "nccl", "nccl.dynamic", "shim", "gpu", "gpu.ecc",
                 "gpu.memory", "gpu.thermal", "gpu.pcie", "gpu.nvlink", "gpu.persistence",
@@ -287,19 +294,13 @@ def test_nccl_ifname_exclusion_and_down_interfaces() -> None:
         assert run.status("net.nccl_ifname") == "fail", run
 
 
-def _shim_built() -> bool:
-    try:
-        from ftrun import shim
-
-        shim.shim_library_path()
-        shim.fake_nccl_dir()
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _shim_built(), reason="the native shim is not built (pip install -e .)")
 def test_shim_self_test_round_trip_is_reported() -> None:
+    from ftrun import shim
+
+    # The suite builds the shim (pip install -e . in scripts/test.sh): a missing library is a
+    # failure here, named by ShimNotBuiltError, not a reason to skip.
+    shim.shim_library_path()
+    shim.fake_nccl_dir()
     run = run_doctor()
     assert run.status("shim") == "pass", run
     assert "loads and interposes" in run.detail("shim")
@@ -491,9 +492,6 @@ def test_slurm_real_srun(slurm_cluster: Any) -> None:
 
 
 def test_python_dash_m_ftrun_doctor() -> None:
-    cli = (REPO / "ftrun" / "cli.py")
-    if not cli.exists() or "doctor" not in cli.read_text():
-        pytest.skip("ftrun/cli.py does not dispatch doctor yet")
     run = run_doctor(module="ftrun doctor")
     assert "host.shm" in run.checks
     run = run_doctor("--nproc-per-node", "abc", module="ftrun doctor")

@@ -540,12 +540,10 @@ def test_shim_control_api(builds: dict[str, Build], tmp_path: Path) -> None:
 
 
 def test_self_test_round_trip() -> None:
-    """Doctor's check, with the installed build (ftrun/_native)."""
-    try:
-        shim.shim_library_path()
-        shim.fake_nccl_dir()
-    except shim.ShimNotBuiltError as exc:
-        pytest.skip(str(exc))
+    """Doctor's check, with the installed build (ftrun/_native). The suite builds it (pip
+    install -e .): a missing library fails here with ShimNotBuiltError, it is not skipped."""
+    shim.shim_library_path()
+    shim.fake_nccl_dir()
     result = shim.self_test(timeout_s=20)
     print(f"\nself_test: {result.detail}")
     assert result.ok, result

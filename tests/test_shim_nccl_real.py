@@ -40,9 +40,19 @@ def _wheel_nccl() -> Path | None:
 
 
 NCCL = _wheel_nccl()
-needs_wheel = pytest.mark.skipif(
-    NCCL is None, reason="nvidia-nccl-cu13 is not installed (pip install -e '.[test]')"
-)
+
+
+@pytest.fixture(scope="module")
+def nccl_wheel() -> Path:
+    """The nvidia-nccl-cu13 wheel's directory. The wheel is a test dependency (pyproject's
+    ``test`` extra, which scripts/test.sh installs): without it the tests that need it fail,
+    naming the install, rather than skip."""
+    if NCCL is None:
+        pytest.fail("nvidia-nccl-cu13 is not installed: pip install -e '.[test]'")
+    return NCCL
+
+
+needs_wheel = pytest.mark.usefixtures("nccl_wheel")
 
 # Exported pnccl functions deliberately not interposed, and why. A release that adds an
 # exported function not listed here nor in the shim's table fails test_table_covers_exports.
@@ -101,7 +111,7 @@ def nccl_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     dirs = [NCCL] if NCCL is not None else []
     dirs += _extra_nccl_dirs(tmp_path_factory.mktemp("nccl-dl"))
     if not dirs:
-        pytest.skip("no real NCCL available")
+        pytest.fail("no real NCCL: nvidia-nccl-cu13 is not installed (pip install -e '.[test]')")
     return dirs
 
 
