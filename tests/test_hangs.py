@@ -24,7 +24,7 @@ import pytest
 
 from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch
 from ftrun.agent.stacks import Frame, Stack
-from tests.launch import Launch, copy_train_script
+from tests.launch import REPO, Launch, copy_train_script
 from tests.lines import Start, find
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
@@ -128,6 +128,7 @@ class Proc:
 
     popen: subprocess.Popen[bytes]
     rank: int
+    shim: None = None  # no NCCL here
 
     @property
     def pid(self) -> int:
@@ -232,3 +233,21 @@ def test_unreadable_stacks_decide_only_after_three_timeouts(procs: dict[str, Pro
     hang = run_watch(watch, [procs["idle0"], procs["idle1"]], 10)
     assert hang is not None and not hang.culprits  # type: ignore[attr-defined]
     assert time.monotonic() - started >= 1.5
+
+
+def test_a_rank_blocked_inside_nccl_waits_for_the_one_that_stopped_calling(
+    job_dir: Path
+) -> None:
+    """The NCCL shim says which worker is inside which NCCL call: rank 0 waits in
+    ncclAllReduce for rank 1, which sleeps in its own code; rank 1 is named, and the shim's
+    abort releases rank 0 before the restart (CPU: the shim's NCCL test double)."""
+    script = job_dir / "nccl_hang.py"
+    script.write_text((REPO / "tests" / "scripts" / "nccl_hang.py").read_text())
+    run = Launch(["--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
+                  str(script)], cwd=job_dir, env={"FTRUN_SHIM": "1"})
+    assert run.wait(120) == 0, run.output
+    out = run.output
+    assert "stuck in nccl_hang.py:" in out and "rank 1 (pid" in out, out
+    assert "rank 0 waiting in ncclAllReduce #" in out, out
+    assert "released code=" in out and "released code=0" not in out  # freed by the abort
+    assert "finished rank=0 attempt=1" in out and "finished rank=1 attempt=1" in out

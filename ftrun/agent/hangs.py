@@ -9,8 +9,10 @@ supervisor asks a :class:`HangWatch` instead, every half second:
   none in uninterruptible I/O (a checkpoint being written), for the hang timeout: the
   workers' stacks are read (:mod:`ftrun.agent.stacks`) and decide:
 
-  - some wait in torch's communication, others are idle in their own code: those are the
-    **culprits** the others wait for: a hang;
+  - some wait in torch's communication (or inside an NCCL call: the NCCL shim counts the
+    threads inside each communicator's calls, and knows the call and its sequence number),
+    others are idle in their own code: those are the **culprits** the others wait for: a
+    hang;
   - all wait in communication: on one node, a collective that never completes (a network
     fault): a hang after three timeouts (nobody to name, so no hurry to guess); on several
     nodes the culprit may be elsewhere: left to its node (or the heartbeats, or the
@@ -54,6 +56,14 @@ class Hang:
     waiting: tuple[WorkerProcess, ...]  # ranks idle inside torch's communication
     idle_s: float  # how long every worker had been idle
     stacks: dict[int, Stack] = field(default_factory=dict)  # by pid, where read
+    nccl: dict[int, str] = field(default_factory=dict)  # by pid: "ncclAllReduce #12"
+
+    def where(self, worker: WorkerProcess) -> str:
+        """What an idle worker was doing: its NCCL call, else its stack."""
+        if worker.pid in self.nccl:
+            return f"waiting in {self.nccl[worker.pid]}"
+        stack = self.stacks.get(worker.pid)
+        return stack.where if stack else "in a collective"
 
     def describe(self) -> str:
         """One line: who is stuck where, who waits, for how long."""
@@ -67,9 +77,8 @@ class Hang:
             parts.append(f"rank {worker.rank} (pid {worker.pid}){where}")
         if self.waiting:
             ranks = ",".join(str(w.rank) for w in self.waiting)
-            stack = self.stacks.get(self.waiting[0].pid)
-            where = f" {stack.where}" if stack else " in a collective"
-            parts.append(f"rank{'s' if len(self.waiting) > 1 else ''} {ranks}{where}")
+            plural = "s" if len(self.waiting) > 1 else ""
+            parts.append(f"rank{plural} {ranks} {self.where(self.waiting[0])}")
         if not parts:
             parts.append("every rank idle (stacks not readable)")
         return "; ".join(parts) + f"; no CPU progress for {self.idle_s:.1f} s"
@@ -91,11 +100,13 @@ class HangWatch:
         multi_node: bool,
         clock: Callable[[], float] = time.monotonic,
         stack_of: Callable[[int], Stack | None] = read_stack,
+        nccl_call_of: Callable[[WorkerProcess], str | None] | None = None,
     ) -> None:
         self.fixed_timeout_s = timeout_s  # None: auto
         self.multi_node = multi_node
         self.clock = clock
         self.stack_of = stack_of
+        self.nccl_call_of = nccl_call_of or nccl_call
         self.activity: dict[int, _Activity] = {}
         self.longest_spell_s = 0.0  # the longest all-idle spell that ended by itself
         self.spell_s = 0.0
@@ -143,23 +154,42 @@ class HangWatch:
 
     def _judge(self, live: list[WorkerProcess], idle_s: float, now: float) -> Hang | None:
         stacks = {w.pid: s for w in live if (s := self.stack_of(w.pid)) is not None}
+        nccl = {w.pid: c for w in live if (c := self.nccl_call_of(w)) is not None}
         self.next_check = now + self.timeout_s  # judged: look again after another timeout
-        if len(stacks) < len(live):
+        if any(w.pid not in stacks and w.pid not in nccl for w in live):
             if idle_s >= 3 * self.timeout_s:
-                return Hang("hung", (), (), idle_s, stacks)
+                return Hang("hung", (), (), idle_s, stacks, nccl)
             return None
-        waiting = tuple(w for w in live if stacks[w.pid].waiting)
-        culprits = tuple(w for w in live if not stacks[w.pid].waiting)
-        if not waiting or any(stacks[w.pid].forming_group for w in waiting):
+
+        def waits(worker: WorkerProcess) -> bool:
+            return worker.pid in nccl or stacks[worker.pid].waiting
+
+        waiting = tuple(w for w in live if waits(w))
+        culprits = tuple(w for w in live if not waits(w))
+        if not waiting or any(w.pid in stacks and stacks[w.pid].forming_group
+                              for w in waiting):
             return None  # a slow step, or a group still forming: torch's own timeout
         if culprits:
-            return Hang("hung", culprits, waiting, idle_s, stacks)
+            return Hang("hung", culprits, waiting, idle_s, stacks, nccl)
         if self.multi_node:
             return None  # the rank they wait for is on another node: its node names it
         if idle_s < 3 * self.timeout_s:
             self.next_check = now + SAMPLE_S
             return None
-        return Hang("hung", (), waiting, idle_s, stacks)
+        return Hang("hung", (), waiting, idle_s, stacks, nccl)
+
+
+def nccl_call(worker: WorkerProcess) -> str | None:
+    """The NCCL call a thread of ``worker`` is inside right now ("ncclAllReduce #12": the
+    call and the communicator's operation count), from its shim page; None without one."""
+    shim = worker.shim
+    if shim is None:
+        return None
+    try:
+        inside = [c for c in shim.communicators() if c.inflight > 0]
+    except (ShimError, OSError, ValueError):
+        return None
+    return f"{inside[0].last_op} #{inside[0].seq}" if inside else None
 
 
 def _tree_cpu(pid: int) -> tuple[float, bool]:
