@@ -99,10 +99,12 @@ class Membership:
         self.prefix = member.prefix
         self.store = JsonStore(dist.TCPStore(host, port, is_master=False, timeout=op_timeout),
                                member.prefix, signer=signer)
-        self._beat_store = JsonStore(
-            dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)),
-            member.prefix, signer=signer,
-        )
+        # The heartbeat's own connection: connected with the main bound (a loaded node can
+        # take over 10 s to accept it), then each beat bounded by 10 s so a slow store
+        # cannot stall the thread that says this member is alive.
+        beat_client = dist.TCPStore(host, port, is_master=False, timeout=op_timeout)
+        beat_client.set_timeout(timedelta(seconds=10))
+        self._beat_store = JsonStore(beat_client, member.prefix, signer=signer)
         self.epoch = -1  # the member epoch this member computes in; -1 before the first
         self.members: tuple[str, ...] = ()  # of the current member epoch, in rank order
         self.synced = member.initial  # holds the job's state (a joiner once it received it)
