@@ -81,11 +81,13 @@
   leader would have declared lost: false alarms); ``errors`` and ``reconnects``; after the
   window the harness writes the end record and ``end_seen_by_all_s``/``_median_s`` say how
   long the agents' held waits took to see it; ``store_host_cores``, ``agents_cores``,
-  ``other_work_cores`` (CPU in the window). With ``--only store-load`` the sandbox's 5 s
+  ``other_work_cores`` (CPU in the window). For the store load the sandbox's 5 s
   reverse-DNS stalls on store connects (TEST-INFRA.md; the store's one thread makes such a
-  lookup after every accept) are cut to 1 s with ``RES_OPTIONS`` (``resolver_options``
-  records it). If N agents cannot be set up here, ``store_load_model`` holds the
-  arithmetic for N, labelled a model, and ``store_load`` the largest N (halving) that ran.
+  lookup after every accept) are cut to 1 s with ``RES_OPTIONS`` unless it is set
+  (``resolver_options`` records it; the rendezvous and node-loss phases run without it,
+  so a run of every phase runs the store load in a fresh process of this script).
+  If N agents cannot be set up here, ``store_load_model`` holds the arithmetic for N,
+  labelled a model, and ``store_load`` the largest N (halving) that ran.
 
 JSON: ``{"node_loss_recovery_s": {"ftrun": [...], "ftrun_regroup": [...], "torchrun": [...]},
 "node_loss_steps_lost": {...}, "rendezvous_s": {"ftrun": {N: s}, "torchrun": {N: s}}, ...}``
@@ -547,8 +549,9 @@ def _median(values: list[float | None]) -> float | None:
 _CONN_KINDS = ("main", "heartbeat", "endwatch")
 #: The sandbox's resolver drops some reverse-DNS queries that torch makes on every store
 #: connect, in the client and in the store's one thread after each accept: 5 s stalls
-#: (TEST-INFRA.md). With --only store-load the harness shortens them to 1 s (RES_OPTIONS,
-#: unless set), says so in its output, and changes nothing else.
+#: (TEST-INFRA.md). For the store load only, the harness shortens them to 1 s (RES_OPTIONS,
+#: unless set; glibc reads it once per process, so a run of every phase runs the store load
+#: in a fresh process of this script), says so in its output, and changes nothing else.
 _RESOLVER_WORKAROUND = "timeout:1 attempts:1"
 #: ftrun's --monitor-interval default: how often the leader reads the end key (in its own
 #: process, but still a request to its store thread) and an --end-poll agent polls it.
@@ -815,14 +818,24 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
         for w in workers:
             _start_agent(w)
         setups: list[float] = []
+
+        def receive(what: str, deadline: float) -> tuple[str, int, Any]:
+            """The next report of an agent process; raises when none comes by the deadline
+            or an agent process has died without a word (it would never report)."""
+            while True:
+                try:
+                    return out.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    dead = [w.exitcode for w in workers if w.exitcode is not None]
+                    if dead or time.monotonic() >= deadline:
+                        raise RuntimeError(f"agent processes {what}: none by the deadline"
+                                           + (f", {len(dead)} exited ({dead[0]})" if dead
+                                              else "")) from None
+
         for phase in ("connected", "ready"):
             count = 0
             while count < procs:
-                try:
-                    kind, first, value = out.get(
-                        timeout=max(1.0, 900 - (time.monotonic() - began)))
-                except queue.Empty:
-                    raise RuntimeError(f"only {count} of {procs} processes {phase}") from None
+                kind, first, value = receive(f"{phase} {count} of {procs}", began + 900)
                 if kind == "error":
                     raise RuntimeError(f"agents from {first} failed in set-up: {value}")
                 count += 1
@@ -871,17 +884,16 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
         store.put_record("gen/0/end", {"kind": "bench", "time": written})
         reports = []
         while len(reports) < procs:
-            try:
-                kind, first, value = out.get(timeout=max(1.0, times[2] + 30 - time.time()))
-            except queue.Empty:
-                raise RuntimeError(f"only {len(reports)} of {procs} processes reported") \
-                    from None
+            kind, first, value = receive(f"reported {len(reports)} of {procs}",
+                                         time.monotonic() + times[2] + 30 - time.time())
             if kind == "error":
                 raise RuntimeError(f"agents from {first} failed: {value}")
             reports.append(value)
     finally:
         leave.set()
         for w in workers:
+            if w.pid is None:  # never started
+                continue
             w.join(15)
             if w.is_alive():
                 w.kill()
@@ -1016,6 +1028,24 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
     model) and ``store_load`` the largest count, halving, that does run."""
     slice_s = _MONITOR_INTERVAL_S if args.end_poll else _end_wait_slice(args.heartbeat_timeout)
     n = args.store_load
+    if "RES_OPTIONS" not in os.environ:
+        # glibc reads it once, with the resolver's configuration, which earlier phases have
+        # loaded in this process: the store load runs in a fresh one, that sets it at once
+        flags = ["--only", "store-load", "--json", "--store-load", str(n),
+                 "--store-load-procs", str(args.store_load_procs), "--store-load-seconds",
+                 str(args.store_load_seconds), "--interval", str(args.interval),
+                 "--heartbeat-timeout", str(args.heartbeat_timeout)]
+        flags += ["--end-poll"] if args.end_poll else []
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags],
+                              stdout=subprocess.PIPE, text=True, check=False)
+        try:
+            sub = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            print(f"  store load: its run exited {done.returncode} without a result",
+                  file=sys.stderr, flush=True)
+            return
+        result.update({k: sub[k] for k in ("store_load", "store_load_model") if k in sub})
+        return
     while True:
         try:
             measured = store_load(n, args.interval, args.heartbeat_timeout,
@@ -1031,7 +1061,7 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
                     "why": f"{n} real agents could not run here: {error}",
                     "offered_req_per_s": round(2 * n / args.interval + wire * n / slice_s, 1),
                     "formula": "agents x (2 per heartbeat interval: set + check, and "
-                               f"{wire} per end check every {slice_s} s)"}
+                               f"{wire} per end check every {slice_s:.3g} s)"}
             n //= 2
             if n < 16:
                 return
@@ -1128,9 +1158,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if args.only == "store-load" and "RES_OPTIONS" not in os.environ:
-        os.environ["RES_OPTIONS"] = _RESOLVER_WORKAROUND  # before any store: see its comment
-        print(f"  worked around the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md): "
-              f"RES_OPTIONS={_RESOLVER_WORKAROUND}", file=sys.stderr, flush=True)
+        os.environ["RES_OPTIONS"] = _RESOLVER_WORKAROUND  # before any lookup: see its comment
+        print(f"  store load: the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md) cut to 1 s "
+              f"with RES_OPTIONS={_RESOLVER_WORKAROUND}", file=sys.stderr, flush=True)
     result: dict[str, object] = {
         "node_loss_recovery_s": {variant: [] for variant in VARIANTS},
         "node_loss_steps_lost": {variant: [] for variant in VARIANTS},
