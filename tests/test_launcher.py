@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import time
@@ -27,8 +28,6 @@ from tests.launch import (
     copy_train_script,
     launcher,
     processes_mentioning,
-    running,
-    wait_until,
 )
 from tests.lines import Done, Resumed, Start, Step, find
 
@@ -53,8 +52,10 @@ DETECT_BOUND_S = 0.5
 #: runs, load 2-8): a 10x regression (60 s and more) fails.
 RESTART_BOUND_S = 30.0
 #: A SIGSTOPped worker, when the job stops: killed at once instead of after the grace
-#: (60 s in the test). Measured 0.011-0.073 s from the other worker's crash to the frozen
-#: one's end, median 0.045 s (10 runs, load 2-8).
+#: (60 s in the test). From the other worker's crash to the frozen one's end: 0.002-0.010 s
+#: with one outlier of 0.141 s (22 runs, load 1-3, the crash tests running beside); next to
+#: three training workers at load 2-8, 0.011-0.073 s, median 0.045 s (10 runs). 0.4 s is
+#: under 10x that loaded median and about 3x the worst figure seen.
 FROZEN_KILL_BOUND_S = 0.4
 #: Past the stop grace: SIGKILL, reaping, ftrun's own exit. Measured 0.47-1.13 s over a 1 s
 #: grace, median 0.68 s (5 runs, load 5).
@@ -217,28 +218,38 @@ def test_shutdown_timeout_kills_workers_that_ignore_the_signal(job_dir: Path) ->
     assert grace <= took < grace + SHUTDOWN_OVER_GRACE_S, took
 
 
-def test_frozen_worker_does_not_cost_the_grace_period(job_dir: Path) -> None:
-    script = copy_train_script(job_dir)
-    run = Launch(
-        ["--nproc-per-node", "3", "--max-restarts", "1", "--shutdown-timeout", "60",
-         str(script), "--steps", "100000", "--step-sleep", "0.02"],
-        cwd=job_dir,
-    )
-    frozen = run.wait_step(5, 120, rank=1)
-    doomed = run.wait_step(5, 120, rank=2)
-    os.kill(frozen.pid, signal.SIGSTOP)
-    killed_at = time.monotonic()
-    os.kill(doomed.pid, signal.SIGKILL)
-    # 60 s: the grace, which a frozen worker that is waited for would cost.
-    wait_until(lambda: not running(frozen.pid), 60, "the frozen worker's end")
-    frozen_gone = time.monotonic() - killed_at
-    run.wait_for(lambda lines: any(s.restart == 1 for s in find(lines, Start)), 60,
-                 "the restart")
-    restarted = time.monotonic() - killed_at
-    print(f"crash to the frozen worker's end {frozen_gone:.3f} s, to the restart {restarted:.2f} s")
+@pytest.mark.parametrize("mode", ["restart", "auto"])
+def test_frozen_worker_does_not_cost_the_grace_period(job_dir: Path, mode: str) -> None:
+    """A SIGSTOPped worker cannot act on SIGTERM: the witness handles it, and a stopped
+    process runs no handler (an unhandled SIGTERM would kill it even stopped, which is why
+    the training script would not do here). Waited for, it would cost the whole 60 s grace;
+    it is killed at once. restart: when another rank's crash stops the job; auto: the
+    regroup supervisor's watch sees it stopped."""
+    reports = job_dir / "reports"
+    reports.mkdir()
+    run = Launch(["--nproc-per-node", "3", "--recovery", mode, "--max-restarts", "1",
+                  "--shutdown-timeout", "60", str(WITNESS), "--report-dir", str(reports)],
+                 cwd=job_dir)
+    started = run.wait_for(lambda lines: len(found := find(lines, Start)) == 3 and found, 60,
+                           "three workers")
+    pids = {s.rank: s.pid for s in started}
+    frozen = os.pidfd_open(pids[1])  # readable the moment the process ends
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        killed_at = time.monotonic()
+        os.kill(pids[2], signal.SIGKILL)
+        # 60 s: the grace, which a frozen worker that is waited for would cost.
+        ended = select.select([frozen], [], [], 60)[0]
+        frozen_gone = time.monotonic() - killed_at
+    finally:
+        os.close(frozen)
+    assert ended, "the frozen worker outlived the grace"
+    run.wait_for(lambda lines: {s.rank for s in find(lines, Start) if s.restart == 1}
+                 == {0, 1, 2}, 60, "the restart")
+    print(f"crash to the frozen worker's end: {frozen_gone:.3f} s")
     assert frozen_gone < FROZEN_KILL_BOUND_S, frozen_gone
-    assert restarted < RESTART_BOUND_S, restarted
     assert "was frozen; killed it at once" in run.output
+    assert not (reports / f"signal.rank1.pid{pids[1]}").exists(), "it was signalled, not killed"
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(60) == 128 + signal.SIGTERM, run.output
 

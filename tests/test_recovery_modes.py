@@ -187,9 +187,11 @@ def test_max_restarts_n_restarts_n_times_then_exits_1_naming_the_failure(
     reports = job_dir / "reports"
     reports.mkdir()
     events_file = job_dir / "events.jsonl"
+    # Rank 1 fails in every attempt; rank 0 holds on through SIGTERM (--stay) until the
+    # SIGKILL after the grace, so the summary lists it too, after the failure.
     run = Launch(["--nproc-per-node", "2", "--recovery", mode, "--max-restarts", str(budget),
-                  "--events-file", str(events_file), str(WITNESS), "--report-dir", str(reports),
-                  "--fail-rank", "1"], cwd=job_dir)
+                  "--shutdown-timeout", "0.5", "--events-file", str(events_file), str(WITNESS),
+                  "--report-dir", str(reports), "--fail-rank", "1", "--stay"], cwd=job_dir)
     assert run.wait(JOB_S) == 1, run.output
     out = run.output
     for count in range(1, budget + 1):
@@ -198,9 +200,14 @@ def test_max_restarts_n_restarts_n_times_then_exits_1_naming_the_failure(
     attempts = sorted(s.restart for s in find(run.lines, Start) if s.rank == 1)
     assert attempts == list(range(budget + 1)), out  # the (N+1)th failure is not restarted
     assert f"all {budget} restarts used" in out, out
-    summary = out[out.index("job failed"):]
-    first = next(line for line in summary.splitlines() if line.lstrip().startswith("first"))
-    assert first.split()[1] == "1" and f"exit code {10 + budget}" in first, summary
+    summary = out[out.index("job failed"):].splitlines()
+    header = next(i for i, line in enumerate(summary) if line.split()[:2] == ["rank", "local"])
+    rows = [line.split() for line in summary[header + 1:header + 3]]
+    # The first failure first: the failed rank, with the last attempt's exit code; then
+    # rank 0, which ftrun stopped.
+    assert rows[0][:2] == ["first", "1"] and f"exit code {10 + budget}" in " ".join(rows[0]), (
+        "\n".join(summary))
+    assert rows[1][:2] == ["stopped", "0"], "\n".join(summary)
 
     events = _events(events_file)
     assert [e["restart_count"] for e in _of(events, "restart")] == list(range(1, budget + 1))
