@@ -168,6 +168,19 @@ def test_unreadable_script() -> None:
     _assert_usage_error(result, "not readable")
 
 
+def test_a_program_that_cannot_be_executed_is_bad_input_not_an_internal_error(
+        tmp_path: Path) -> None:
+    """``--no-python ./x`` where ./x exists and is executable but names a missing
+    interpreter: exec fails (ENOENT) before any worker runs. That is the user's input, not
+    a bug in ftrun, so it is one line and exit 2 like every bad input (README), not exit 70,
+    "internal error ... please report it" and a crash file. Fails today (ftrun/cli.py turns
+    the OSError from ftrun/agent/processes.py spawn into an internal error)."""
+    program = tmp_path / "x"
+    program.write_text("#!/nonexistent/interpreter\nprint('ran')\n")
+    program.chmod(0o755)
+    _assert_usage_error(_run_ftrun("--no-python", str(program)), str(program))
+
+
 def test_version_and_module_entry() -> None:
     result = _run_ftrun("--version")
     assert result.returncode == 0 and result.stdout.startswith("ftrun ")
