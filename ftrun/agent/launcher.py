@@ -28,6 +28,11 @@ from ftrun.protocol import SURVIVOR_TORCH_ENV, MemberEnv, WorkerEnv
 from ftrun.shim import ShimControl, ShimError
 
 
+class WorkerStartError(RuntimeError):
+    """The worker program could not be executed at all (the user's input, not a fault of
+    the job: the agent stops what it started and exits with the usage code)."""
+
+
 class Launcher:
     """Spawns, stops and describes this node's worker processes (main thread only)."""
 
@@ -84,7 +89,14 @@ class Launcher:
             duplicate_stdout=config.duplicate_stdout_filters,
             duplicate_stderr=config.duplicate_stderr_filters,
         )
-        worker = local.spawn(launch)
+        try:
+            worker = local.spawn(launch)
+        except OSError as error:
+            program = launch.argv[0]
+            hint = " (is the interpreter in its #! line installed?)" if (
+                Path(program).is_file() and error.errno == 2) else ""
+            raise WorkerStartError(f"cannot run {program}: {error.strerror or error}{hint}") \
+                from None
         if shim is not None:
             shim.bind(worker.pid)
             worker.shim = shim

@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ftrun.agent.events import Event, EventLog, WorkerExit
-from ftrun.agent.launcher import Launcher
+from ftrun.agent.launcher import Launcher, WorkerStartError
 from ftrun.agent.nodes import NodeWatch
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
 from ftrun.agent.regroup import RegroupSupervisor
@@ -175,7 +175,14 @@ class Agent:
                 node_rank=self.node_rank,
                 restart_count=restart_count,
             )
-            result = supervisor.run(generation)
+            try:
+                result = supervisor.run(generation)
+            except WorkerStartError as error:  # bad input: one line, the usage code
+                with contextlib.suppress(StoreError):
+                    rdzv.shut_down({"reason": str(error), "node_rank": self.node_rank})
+                self.events.emit(Event.STOP, reason="start failed", detail=str(error))
+                print(f"ftrun: error: {error}", file=sys.stderr)
+                return ExitCode.USAGE
             self.history.extend(result.exits)
             if result.outcome is Outcome.SUCCEEDED:
                 return self._finish(rdzv, generation)

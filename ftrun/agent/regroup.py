@@ -51,6 +51,7 @@ from ftrun import protocol as P
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, WorkerExit, describe_returncode
 from ftrun.agent.hangs import HangWatch, announce_hang
+from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.leader import RegroupLeader, StopJob
 from ftrun.agent.members import LocalMember, MemberState
 from ftrun.agent.membership import Membership
@@ -119,10 +120,15 @@ class _RegroupRun:
 
     def run(self) -> GenerationResult:
         inbox = self.services.inbox
-        for _ in range(self.config.nproc_per_node):
-            self._spawn(initial=True)
-        for _ in range(self.config.spares):
-            self._spawn(initial=False)
+        try:
+            for _ in range(self.config.nproc_per_node):
+                self._spawn(initial=True)
+            for _ in range(self.config.spares):
+                self._spawn(initial=False)
+        except WorkerStartError:
+            self._stop_all(signal.SIGTERM, "a worker could not start")
+            local.join_pumps([x.process for x in self.members.values()])
+            raise
         try:
             if self.leader is not None:
                 self.leader.publish_initial()

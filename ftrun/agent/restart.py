@@ -24,6 +24,7 @@ from dataclasses import replace
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, WorkerExit
 from ftrun.agent.hangs import Hang, HangWatch, announce_hang
+from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause, mark_root_cause
 from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
@@ -39,8 +40,14 @@ class RestartSupervisor:
 
     def run(self, generation: Generation) -> GenerationResult:
         launcher = self.services.launcher
-        group = [launcher.spawn_worker(generation, local_rank)
-                 for local_rank in range(self.services.config.nproc_per_node)]
+        group: list[local.WorkerProcess] = []
+        try:
+            for local_rank in range(self.services.config.nproc_per_node):
+                group.append(launcher.spawn_worker(generation, local_rank))
+        except WorkerStartError:
+            self._stop(group, signal.SIGTERM, "a worker could not start")
+            local.join_pumps(group)
+            raise
         try:
             with self.services.end_watch(generation) as watcher:
                 return self._watch(generation, group, watcher)
