@@ -145,12 +145,7 @@ class RestartSupervisor:
             "returncode": failed.returncode,
             "time": failed.ended,
         }
-        if services.multi_node:
-            try:
-                cause = services.rdzv.end(generation.number, cause)
-            except StoreError as error:
-                self._stop(group, signal.SIGTERM, "store lost")
-                raise StoreLostError(services.store_lost() or str(error)) from None
+        cause = self._end(generation, group, cause)
         services.events.emit(
             Event.FAILURE,
             generation=generation.number,
@@ -184,12 +179,7 @@ class RestartSupervisor:
             "detail": detail,
             "time": detected,
         }
-        if services.multi_node:
-            try:
-                cause = services.rdzv.end(generation.number, cause)
-            except StoreError as error:
-                self._stop(group, signal.SIGTERM, "store lost")
-                raise StoreLostError(services.store_lost() or str(error)) from None
+        cause = self._end(generation, group, cause)
         announce_hang(services, generation, hang, group, detected)
         self._stop(group, signal.SIGTERM, f"rank {first.rank} hung" if first else "hang")
         exits = self._exits(generation, group, first)
@@ -199,6 +189,19 @@ class RestartSupervisor:
                              traceback=stack.text() if stack else e.traceback)
                      if e.first else e for e in exits]
         return GenerationResult(Outcome.FAILED, exits, cause)
+
+    def _end(self, generation: Generation, group: list[local.WorkerProcess],
+             cause: dict) -> dict:
+        """On several nodes, end the job generation with ``cause`` (the first end written
+        wins and is returned); a lost store stops the workers and raises StoreLostError."""
+        services = self.services
+        if not services.multi_node:
+            return cause
+        try:
+            return services.rdzv.end(generation.number, cause)
+        except StoreError as error:
+            self._stop(group, signal.SIGTERM, "store lost")
+            raise StoreLostError(services.store_lost() or str(error)) from None
 
     def _stop(self, group: list[local.WorkerProcess], sig: int, why: str) -> None:
         self.services.launcher.stop_workers(group, sig, why)
