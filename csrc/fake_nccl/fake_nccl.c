@@ -23,6 +23,10 @@
  *    returns 1 so tests can tell.
  *  - FAKE_NCCL_CALL_US=N: every collective spends N microseconds inside the call, touching the
  *    communicator, so a test can catch an abort racing a call in flight.
+ *  - FAKE_NCCL_REUSE_COMMS=1: the last freed communicator's memory is handed to the next one
+ *    made, as any allocator may do; a test that needs the reuse gets it every time instead of
+ *    when glibc's bins happen to line up (off by default, so AddressSanitizer still sees
+ *    every free).
  * Guesses (not documented by NCCL, chosen to be conservative): a host-blocked collective
  * released by abort/revoke returns ncclRemoteError; collectives inside a group run at once
  * (no deferral to ncclGroupEnd); split/shrink only coordinate ranks within this process;
@@ -132,10 +136,22 @@ static int op_done(clique* q, uint64_t k) { /* mu held */
 /* Through a volatile pointer: GCC would otherwise fuse malloc + memset(0) back into calloc. */
 static void* (*volatile zero_fill)(void*, int, size_t) = memset;
 
+/* The one freed communicator kept for FAKE_NCCL_REUSE_COMMS (guarded by mu). */
+static struct ncclComm* recycled_comm;
+
+static int reuse_comms(void) {
+  const char* v = getenv("FAKE_NCCL_REUSE_COMMS");
+  return v && strcmp(v, "1") == 0;
+}
+
 static struct ncclComm* comm_new(const char* id, int nranks, int rank) {
+  pthread_mutex_lock(&mu);
+  struct ncclComm* c = recycled_comm;
+  recycled_comm = NULL;
+  pthread_mutex_unlock(&mu);
   /* malloc + memset like NCCL's own calloc helper (glibc's calloc skips the thread cache, so
    * it would almost never hand a freed communicator's address to the next one) */
-  struct ncclComm* c = malloc(sizeof *c);
+  if (!c) c = malloc(sizeof *c);
   zero_fill(c, 0, sizeof *c);
   c->magic = COMM_LIVE;
   c->rank = rank;
@@ -154,6 +170,14 @@ static void comm_free(struct ncclComm* c) {
   pthread_mutex_unlock(&mu);
   for (int i = 0; i < 64; i++) free(c->regs[i]);
   c->magic = COMM_DEAD;
+  if (reuse_comms()) {
+    pthread_mutex_lock(&mu);
+    struct ncclComm* older = recycled_comm;
+    recycled_comm = c;
+    pthread_mutex_unlock(&mu);
+    free(older);
+    return;
+  }
   free(c);
 }
 
