@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
@@ -48,6 +48,10 @@ class Event(str, Enum):
     RESTART = "restart"  # every worker restarts in a new job generation (restart_count)
     STOP = "stop"  # workers are being stopped, or the job stops (reason)
     DONE = "done"  # this node's workers all finished
+    FORMED = "formed"  # regroup leader: the member epoch after a change formed (step, world)
+    PROGRESS = "progress"  # regroup leader, once a second: each rank's committed steps
+    FAULT = "fault"  # one fault's record, once its recovery completed (ftrun.agent.faults)
+    INJECT = "inject"  # a fault was injected on purpose (spec, rank)
 
 
 def describe_returncode(code: int) -> str:
@@ -139,6 +143,12 @@ class EventLog:
         self._sinks = list(sinks)
         self._lock = threading.Lock()
         self._owned: list[IO[str]] = []
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Also hand every event (the dict of its JSON line) to ``listener``, with or
+        without sinks; a listener that raises is dropped from that event, never the log."""
+        self._listeners.append(listener)
 
     @classmethod
     def open(cls, node: str, path: Path | None, console: bool) -> EventLog:
@@ -153,7 +163,7 @@ class EventLog:
         return log
 
     def emit(self, event: Event, **fields: Any) -> None:
-        if not self._sinks:
+        if not self._sinks and not self._listeners:
             return
         record = {"ts": round(time.time(), 6), "event": event.value, "node": self._node,
                   **fields}
@@ -165,6 +175,9 @@ class EventLog:
                     sink.flush()
                 except (OSError, ValueError):
                     pass
+        for listener in self._listeners:  # after the line: what they emit comes later
+            with contextlib.suppress(Exception):  # observers never break the log
+                listener(record)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,470 @@
+"""One record per fault, built from the agent's own events: what recovery cost.
+
+Teams judge a fault-tolerant launcher by one figure, how long a fault costs them. This
+module turns the event stream that every agent already writes (:mod:`ftrun.agent.events`)
+into one :class:`FaultRecord` per fault: when it happened, when it was detected, when
+training progressed again, the steps lost, the path taken (regroup, spare, replace,
+restart) and the ranks involved; and the whole job into a :class:`JobSummary` (wall time,
+productive time, goodput, the first failure's cause).
+
+Why from events: the same :class:`FaultBook` runs live inside the agent (fed by
+:meth:`EventLog.add_listener`, it prints one line per completed recovery and emits the
+finished record as a ``fault`` event) and after the job in ``ftrun report`` (fed by the
+JSON-lines log). One code path, so the console, the summary and the report never disagree.
+
+Where the times come from:
+
+* happened: the worker's exit as the agent reaped it (``happened`` in the ``failure``
+  event), the last heartbeat of a lost node, or the injection time of an injected fault;
+* detected: the ``detected`` time of the ``failure`` event (or the ``node_lost`` event);
+* progressing again (regroup): the ``formed`` event, written by the regroup leader when the
+  member epoch after the fault has formed, i.e. every survivor rebuilt its group and is
+  repeating the interrupted step. The leader looks once per monitor tick, so this is late
+  by at most ``--monitor-interval`` (0.1 s by default);
+* steps lost: the highest committed step seen before the fault minus the step training
+  resumed from (regroup: 0 by the commit vote; restart: unknown to the agent unless the
+  script uses the worker API);
+* restart: scripts without the worker API report no steps, so the record says when the
+  workers were started again (``restarted``), not when they progressed.
+
+:class:`ProgressReport` is the regroup leader's half: it emits ``formed`` and, once a
+second while steps move, ``progress`` (each rank's committed steps), so that the report can
+draw ranks over time. Nothing here raises on a malformed event: a record read back from a
+file is untrusted input and its bad fields are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ftrun import protocol as P
+from ftrun.agent.events import Event, EventLog, describe_returncode
+
+#: Seconds between two ``progress`` events while steps move (the report's resolution).
+PROGRESS_EVERY_S = 1.0
+
+
+@dataclass
+class FaultRecord:
+    """One fault and what its recovery cost; times are UNIX seconds."""
+
+    index: int
+    cause: str  # 'killed by SIGKILL', 'exit code 1', 'frozen ...', 'node lost ...'
+    detected: float
+    happened: float
+    rank: int | None = None
+    member: str | None = None
+    node: str | None = None  # the host that saw it (or the lost node's rank)
+    pid: int | None = None
+    generation: int = 0
+    injected: str | None = None  # the injected fault's spec, when it was injected
+    path: str | None = None  # regroup | spare | restart | none
+    ranks: list[int] = field(default_factory=list)  # ranks involved (failed ones)
+    world: int | None = None  # world size training resumed with
+    step: int | None = None  # committed steps when training resumed
+    steps_lost: int | None = None
+    recovered: float | None = None  # training progressing again (or restarted)
+    recovered_how: str = ""  # 'formed' (progress seen) | 'restarted' (workers respawned)
+    joined: float | None = None  # a replacement or spare joined (regroup)
+    joined_step: int | None = None
+    joined_world: int | None = None
+    epoch: int | None = None  # the member epoch that recovery formed
+    join_epoch: int | None = None
+
+    @property
+    def detection_s(self) -> float:
+        return max(0.0, self.detected - self.happened)
+
+    @property
+    def recovery_s(self) -> float | None:
+        """Fault to training progressing again (None while unknown)."""
+        return None if self.recovered is None else max(0.0, self.recovered - self.happened)
+
+    @property
+    def who(self) -> str:
+        if self.rank is not None:
+            return f"rank {self.rank}"
+        if self.member is not None:
+            return f"member {self.member}"
+        return f"node {self.node}"
+
+    def line(self) -> str:
+        """The console line said when the recovery completes."""
+        at = f" at step {self.step}" if self.step is not None else ""
+        head = f"{self.who} {self.cause}{at}"
+        if self.injected:
+            head = f"{head} (injected: {self.injected})"
+        if self.path in ("regroup", "spare") and self.recovery_s is not None:
+            how = "a spare took its place" if self.path == "spare" else "survivors regrouped"
+            text = f"{head}: {how} in {self.recovery_s:.2f} s, world {self.world}"
+        elif self.path == "restart" and self.recovery_s is not None:
+            text = (f"{head}: every worker restarted in {self.recovery_s:.2f} s "
+                    f"(generation {self.generation + 1})")
+        else:
+            text = f"{head}: {self.path or 'not recovered'}"
+        lost = f", {self.steps_lost} steps lost" if self.steps_lost else ""
+        return f"{text} (detected in {self.detection_s:.2f} s{lost})"
+
+    def join_line(self) -> str:
+        return (f"{self.who}'s replacement joined at step {self.joined_step}, "
+                f"world {self.joined_world}")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["detection_s"] = round(self.detection_s, 6)
+        data["recovery_s"] = None if self.recovery_s is None else round(self.recovery_s, 6)
+        return data
+
+
+@dataclass
+class JobSummary:
+    """The job as a whole: wall time, productive time, goodput, the faults."""
+
+    started: float | None
+    ended: float | None
+    first_step: float | None
+    faults: list[FaultRecord]
+    succeeded: bool | None
+
+    @property
+    def wall_s(self) -> float | None:
+        if self.started is None or self.ended is None:
+            return None
+        return max(0.0, self.ended - self.started)
+
+    @property
+    def downtime_s(self) -> float:
+        """Time lost to faults: each fault's happening to training progressing again (an
+        unrecovered one counts to the end), overlaps counted once."""
+        spans = sorted((f.happened, f.recovered if f.recovered is not None else
+                        (self.ended or f.detected)) for f in self.faults)
+        total, reach = 0.0, -math.inf
+        for start, end in spans:
+            start = max(start, reach)
+            if end > start:
+                total += end - start
+            reach = max(reach, end)
+        return total
+
+    @property
+    def productive_s(self) -> float | None:
+        """From the first step to the end, less the time lost to faults; None when no step
+        was seen (a script without the worker API reports none to the agent)."""
+        if self.first_step is None or self.ended is None:
+            return None
+        return max(0.0, self.ended - self.first_step - self.downtime_s)
+
+    @property
+    def goodput(self) -> float | None:
+        wall, productive = self.wall_s, self.productive_s
+        if not wall or productive is None:
+            return None
+        return min(1.0, productive / wall)
+
+    @property
+    def first_cause(self) -> str | None:
+        if not self.faults:
+            return None
+        first = min(self.faults, key=lambda f: f.happened)
+        return f"{first.who} {first.cause}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"wall_s": self.wall_s, "productive_s": self.productive_s,
+                "goodput": self.goodput, "first_step": self.first_step,
+                "started": self.started, "ended": self.ended, "succeeded": self.succeeded,
+                "first_cause": self.first_cause, "faults": [f.to_json() for f in self.faults]}
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+class FaultBook:
+    """Fault records from a stream of events (see the module docstring).
+
+    ``on_line`` receives each console line as a recovery completes; ``on_record`` each
+    finished record (the agent emits it as a ``fault`` event). Both are optional: the
+    report replays a log without them.
+    """
+
+    def __init__(self, on_line: Callable[[str], None] | None = None,
+                 on_record: Callable[[FaultRecord], None] | None = None) -> None:
+        self.faults: list[FaultRecord] = []
+        self.on_line = on_line
+        self.on_record = on_record
+        self.started: float | None = None
+        self.ended: float | None = None
+        self.first_step: float | None = None
+        self.succeeded: bool | None = None
+        self.last_step: int | None = None  # the highest committed step seen
+        self.progress: list[dict[str, Any]] = []  # the progress events, for pictures
+        self.injections: list[dict[str, Any]] = []  # inject events not yet matched
+
+    # --- feeding -------------------------------------------------------------------------
+
+    def replay(self, records: Iterable[dict[str, Any]]) -> FaultBook:
+        for record in records:
+            self.observe(record)
+        return self
+
+    def observe(self, record: dict[str, Any]) -> None:
+        """Take one event (the dict of one JSON line); unknown or malformed ones are
+        ignored."""
+        ts = _num(record.get("ts"))
+        kind = record.get("event")
+        if ts is None or not isinstance(kind, str):
+            return
+        if self.started is None:
+            self.started = ts
+        handler = self._handlers().get(kind)
+        if handler is not None:
+            handler(ts, record)
+
+    def _handlers(self) -> dict[str, Callable[[float, dict[str, Any]], None]]:
+        return {
+            Event.FAILURE.value: self._failure,
+            Event.NODE_LOST.value: self._node_lost,
+            Event.EPOCH.value: self._epoch,
+            "formed": self._formed,
+            "progress": self._progress,
+            "inject": self._inject,
+            Event.RESTART.value: self._restart,
+            Event.GENERATION.value: self._generation,
+            Event.STOP.value: self._stop,
+            Event.DONE.value: self._done,
+        }
+
+    # --- events --------------------------------------------------------------------------
+
+    def _open(self, ts: float, cause: str, **fields: Any) -> FaultRecord:
+        detected = _num(fields.pop("detected", None)) or ts
+        happened = _num(fields.pop("happened", None)) or detected
+        record = FaultRecord(index=len(self.faults), cause=cause, detected=detected,
+                             happened=min(happened, detected), **fields)
+        if record.rank is not None:
+            record.ranks = [record.rank]
+        self._match_injection(record)
+        self.faults.append(record)
+        return record
+
+    def _match_injection(self, record: FaultRecord) -> None:
+        """An injected fault on this rank (or node) before its detection: the fault
+        happened at the injection."""
+        for inj in self.injections:
+            target_rank = _int(inj.get("rank"))
+            if target_rank is not None and target_rank != record.rank:
+                continue
+            at = _num(inj.get("ts"))
+            if at is None or at > record.detected:
+                continue
+            record.injected = _str(inj.get("spec")) or "yes"
+            record.happened = min(record.happened, at)
+            self.injections.remove(inj)
+            return
+
+    def _failure(self, ts: float, ev: dict[str, Any]) -> None:
+        member, rank = _str(ev.get("member")), _int(ev.get("rank"))
+        cause = _str(ev.get("cause"))
+        code = _int(ev.get("returncode"))
+        if cause is None:
+            cause = describe_returncode(code) if code is not None else "failed"
+        if member is not None and any(f.member == member for f in self.faults):
+            return  # the same member's second report (a verdict on a dead process)
+        record = self._open(ts, cause, detected=ev.get("detected"), happened=ev.get("happened"),
+                            rank=rank, member=member, node=_str(ev.get("node")),
+                            pid=_int(ev.get("pid")),
+                            generation=_int(ev.get("generation")) or 0)
+        if member is not None and rank is None:  # a joiner or spare that never trained
+            record.path, record.recovered, record.recovered_how = "none", record.detected, \
+                "not in the job"
+            self._finish(record)
+
+    def _node_lost(self, ts: float, ev: dict[str, Any]) -> None:
+        silent = _num(ev.get("silent_s")) or 0.0
+        node = ev.get("lost_node", ev.get("node_rank"))
+        self._open(ts, f"lost: no heartbeat for {silent:.1f} s", detected=ts,
+                   happened=ts - silent, node=str(node),
+                   generation=_int(ev.get("generation")) or 0)
+
+    def _inject(self, ts: float, ev: dict[str, Any]) -> None:
+        self.injections.append({**ev, "ts": ts})
+
+    def _epoch(self, ts: float, ev: dict[str, Any]) -> None:
+        epoch, world = _int(ev.get("epoch")), _int(ev.get("world_size"))
+        gone = ev.get("gone")
+        joiners = ev.get("joiners")
+        joiners = joiners if isinstance(joiners, list) else []
+        if isinstance(gone, list) and gone:
+            for item in gone:
+                if not isinstance(item, dict):
+                    continue
+                member = _str(item.get("member"))
+                record = next((f for f in self.faults if f.member == member
+                               and f.path is None), None)
+                if record is None and member is not None and \
+                        not any(f.member == member for f in self.faults):
+                    cause = _str(item.get("cause")) or "failed"
+                    record = self._open(ts, cause, detected=ts, member=member,
+                                        rank=_int(item.get("rank")),
+                                        node=str(P.node_of(member))
+                                        if _valid_member(member) else None)
+                if record is None:
+                    continue
+                if record.rank is None:
+                    record.rank = _int(item.get("rank"))
+                    record.ranks = [record.rank] if record.rank is not None else []
+                record.path = "spare" if joiners else "regroup"
+                record.epoch, record.world = epoch, world
+            return
+        if joiners:  # a replacement admitted: the oldest fault still missing one
+            for record in self.faults:
+                if record.path == "regroup" and record.join_epoch is None:
+                    record.join_epoch = epoch
+                    break
+
+    def _formed(self, ts: float, ev: dict[str, Any]) -> None:
+        epoch, step = _int(ev.get("epoch")), _int(ev.get("step"))
+        world = _int(ev.get("world_size"))
+        for record in self.faults:
+            if record.epoch == epoch and record.recovered is None:
+                record.recovered, record.recovered_how = ts, "formed"
+                record.step = step
+                if world is not None:
+                    record.world = world
+                if step is not None and self.last_step is not None:
+                    record.steps_lost = max(0, self.last_step - step)
+                elif step is not None:
+                    record.steps_lost = 0
+                if record.path == "spare":
+                    record.joined, record.joined_step, record.joined_world = ts, step, world
+                self._finish(record)
+            elif record.join_epoch == epoch and record.joined is None:
+                record.joined, record.joined_step, record.joined_world = ts, step, world
+                if self.on_line is not None:
+                    self.on_line(record.join_line())
+        if step is not None:
+            self.last_step = max(self.last_step or 0, step)
+
+    def _progress(self, ts: float, ev: dict[str, Any]) -> None:
+        step = _int(ev.get("step"))
+        if step is None:
+            return
+        if self.first_step is None and step >= 1:
+            self.first_step = ts
+        self.last_step = max(self.last_step or 0, step)
+        self.progress.append({"ts": ts, "step": step, "steps": ev.get("steps"),
+                              "world_size": ev.get("world_size")})
+
+    def _restart(self, ts: float, ev: dict[str, Any]) -> None:
+        generation = _int(ev.get("generation")) or 0
+        pending = [f for f in self.faults if f.path is None and f.generation == generation]
+        if not pending:  # another node's failure: this agent knows its cause only
+            cause = _str(ev.get("cause")) or "generation ended on another node"
+            pending = [self._open(ts, cause, detected=ts, generation=generation,
+                                  node=_str(ev.get("node")))]
+        for record in pending:
+            record.path = "restart"
+
+    def _generation(self, ts: float, ev: dict[str, Any]) -> None:
+        number = _int(ev.get("generation"))
+        if number is None:
+            return
+        for record in self.faults:
+            if record.path == "restart" and record.recovered is None and \
+                    record.generation < number:
+                record.recovered, record.recovered_how = ts, "restarted"
+                record.world = _int(ev.get("world_size"))
+                self._finish(record)
+
+    def _stop(self, ts: float, ev: dict[str, Any]) -> None:
+        if ev.get("reason") in ("failed", "signal", "store lost", "rendezvous"):
+            self.ended = ts
+            self.succeeded = False
+            for record in self.faults:
+                if record.recovered is None and record.path is None:
+                    record.path = "none"
+
+    def _done(self, ts: float, ev: dict[str, Any]) -> None:
+        self.ended = ts
+        self.succeeded = True
+
+    def _finish(self, record: FaultRecord) -> None:
+        if self.on_line is not None and record.path != "none":
+            self.on_line(record.line())
+        if self.on_record is not None:
+            self.on_record(record)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def summary(self, ended: float | None = None) -> JobSummary:
+        return JobSummary(self.started, self.ended or ended, self.first_step,
+                          list(self.faults), self.succeeded)
+
+
+def _valid_member(text: str) -> bool:
+    try:
+        P.node_of(text)
+    except (ValueError, IndexError):
+        return False
+    return True
+
+
+class ProgressReport:
+    """The regroup leader's half (see the module docstring): ``formed`` once the member
+    epoch published after a change has formed, ``progress`` once a second while steps move.
+
+    Store cost: one ``check`` per monitor tick while a published epoch has not formed yet,
+    nothing otherwise.
+    """
+
+    def __init__(self, events: EventLog, generation: int,
+                 formed: Callable[[int], bool], clock: Callable[[], float] = time.time,
+                 every_s: float = PROGRESS_EVERY_S) -> None:
+        self.events = events
+        self.generation = generation
+        self.formed = formed  # member epoch number -> whether its formed record exists
+        self.clock = clock
+        self.every_s = every_s
+        self.pending: tuple[int, int] | None = None  # (epoch, world size) not yet formed
+        self.steps: dict[int, int] = {}  # rank -> committed steps, as last reported
+        self.epoch = -1
+        self.world = 0
+        self.sent_at = -math.inf
+        self.sent: dict[int, int] = {}
+
+    def published(self, epoch: int, world_size: int) -> None:
+        self.epoch, self.world = epoch, world_size
+        if epoch > 0:
+            self.pending = (epoch, world_size)
+
+    def observe(self, steps: dict[int, int]) -> None:
+        """Each rank's committed steps as the leader read them this tick."""
+        self.steps = steps
+        now = self.clock()
+        if self.pending is not None and self.formed(self.pending[0]):
+            epoch, world = self.pending
+            self.pending = None
+            step = min(steps.values()) if steps else None
+            self.events.emit(Event.FORMED, generation=self.generation, epoch=epoch,
+                             world_size=world, step=step)
+        if not steps or steps == self.sent:
+            return
+        first = not self.sent and max(steps.values()) >= 1
+        if first or now - self.sent_at >= self.every_s:
+            self.sent, self.sent_at = dict(steps), now
+            self.events.emit(Event.PROGRESS, generation=self.generation, epoch=self.epoch,
+                             world_size=self.world, step=max(steps.values()),
+                             steps={str(r): s for r, s in sorted(steps.items())})
