@@ -6,14 +6,16 @@ from them whether it hosts the job's c10d store (``ftrun.agent.loop``) and, thro
 ``ftrun.config.check_port_free``, refuses a taken store port before it starts anything.
 ``ftrun doctor`` predicts both ahead of the job (its ``net.ports`` and ``rdzv.endpoint``
 checks); a prediction made by a second implementation would drift from what the agent
-really does, so both use this one.
+really does, so both use this one. :func:`store_bind_address` says which address the
+agent's stores listen on (loopback for a single node: no other host may reach them).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
-__all__ = ["is_local_address", "port_bind_error"]
+__all__ = ["is_local_address", "local_bind_address", "port_bind_error", "store_bind_address"]
 
 
 def is_local_address(host: str) -> bool:
@@ -23,18 +25,7 @@ def is_local_address(host: str) -> bool:
     With c10d rendezvous the agent on such a node hosts the store, unless another agent
     here already does.
     """
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except socket.gaierror:
-        return False
-    for family, _, _, _, address in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((address[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
+    return local_bind_address(host) is not None
 
 
 def port_bind_error(port: int) -> OSError | None:
@@ -51,4 +42,60 @@ def port_bind_error(port: int) -> OSError | None:
             probe.bind(("", port))
         except OSError as error:
             return error
+    return None
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def local_bind_address(host: str) -> str | None:
+    """The first address ``host`` resolves to that can be bound on this machine, or None
+    (not an address of this machine, or a name that does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return None
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+            except OSError:
+                continue
+            return str(address[0])
+    return None
+
+
+def _names_loopback(host: str) -> bool:
+    """Whether ``host`` means loopback everywhere (a loopback literal or ``localhost``), as
+    opposed to a host name that only this machine maps to loopback (Debian's
+    ``127.0.1.1 hostname`` line), which other nodes resolve to a real address."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def store_bind_address(*, single_node: bool, rdzv_host: str, local_addr: str | None
+                       ) -> str | None:
+    """The address this agent's stores (control and worker stores) listen on; None means
+    every interface, returned only when no single address fits (the caller warns).
+
+    * A single-node job: loopback. Its workers and its agent are the only clients.
+    * A multi-node job: the address ``rdzv_host`` (``--master-addr``, the host of
+      ``--rdzv-endpoint``) resolves to here, which is what the other nodes connect to; when
+      that name resolves here to loopback but means a real host to the others (a host name
+      on a ``127.0.1.1`` line), the address ``--local-addr`` resolves to.
+    """
+    if single_node:
+        return LOOPBACK
+    for name in (rdzv_host, local_addr):
+        if not name:
+            continue
+        address = local_bind_address(name)
+        if address is None:
+            continue
+        if not ipaddress.ip_address(address.split("%")[0]).is_loopback or _names_loopback(name):
+            return address
     return None

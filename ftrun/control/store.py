@@ -50,18 +50,55 @@ finally:
 _CONNECT_SLICE_S = 2.0
 
 
-def serve_store(port: int, timeout_s: float) -> TCPStore:
-    """Host a store on every interface; ``port=0`` takes a free port (see ``.port``)."""
+def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") -> TCPStore:
+    """Host a store on ``host``'s address only; ``port=0`` takes a free port (see ``.port``).
+
+    ``host`` is an address (or a name) of this machine: loopback, the default, for a store
+    that only this machine's processes use; the address other nodes reach this node at for
+    a multi-node job. ``None`` listens on every interface (only when no single address is
+    known to be the right one: the caller says so to the user).
+
+    Why not torch's ``host_name``: a master ``TCPStore`` ignores it and binds the wildcard
+    address (``0.0.0.0`` or ``::``, read in torch's TCPStoreLibUvBackend.cpp,
+    ``makeWithPort``), so a single-node job's stores were open to the whole network. torch
+    does take an already-listening socket (``master_listen_fd``, ``makeWithSocket``): the
+    socket is bound here to the one address and handed over, and the store owns it from
+    then on (it closes it when the store is destroyed). ``SO_REUSEADDR`` as torch sets it:
+    a port whose last job's connections linger in TIME_WAIT can be served again at once.
+
+    Errors: :class:`StoreError` naming the address and port (taken, not an address of this
+    machine, a name that does not resolve).
+    """
+    where = f"{host}:{port}" if host is not None else f"port {port}"
+    if host is None:
+        try:
+            return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as error:
+            raise StoreError(f"cannot serve the store on {where}: {_first_line(error)}"
+                             ) from None
     try:
-        return TCPStore(
-            "0.0.0.0",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise StoreError(f"cannot serve the store on {where}: {host!r} does not resolve "
+                         f"({error})") from None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as error:
+        listener.close()
+        raise StoreError(f"cannot serve the store on {where}: "
+                         f"{error.strerror or error}") from None
+    bound_port = int(listener.getsockname()[1])
+    fd = listener.detach()  # from here the store owns the socket (and closes it)
+    try:
+        return TCPStore(address[0], bound_port, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
     except (RuntimeError, ValueError) as error:
-        raise StoreError(f"cannot serve the store on port {port}: {error}") from None
+        # torch closed the socket if it had taken it; a second close could hit a reused fd
+        raise StoreError(f"cannot serve the store on {where}: {_first_line(error)}") from None
 
 
 def connect_store(
