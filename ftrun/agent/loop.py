@@ -57,7 +57,7 @@ from ftrun.control.rendezvous import (
 )
 from ftrun.control.store import JsonStore, connect_store, serve_store
 from ftrun.exitcodes import ExitCode, for_signal
-from ftrun.hostnet import is_local_address
+from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
 
 
 class Agent:
@@ -98,6 +98,10 @@ class Agent:
         self.nodes: NodeWatch | None = None
         self.store_lost = False
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
+        # The stores this agent hosts: the address they listen on (None: every interface)
+        # and the host name their clients are given (see _bind_stores).
+        self.store_bind: str | None = LOOPBACK
+        self.store_host = config.rdzv_host
         # Non-leaders: how a thread opens a store client of its own, and the bound on one
         # store request.
         self._open_client: Callable[[], Any] | None = None
@@ -248,15 +252,17 @@ class Agent:
         self._op_timeout = op_timeout
         store: Any = None
         if hosting:
+            self._bind_stores()
             try:
-                self.control_server = serve_store(config.rdzv_port, config.join_timeout_s)
+                self.control_server = serve_store(config.rdzv_port, config.join_timeout_s,
+                                                  host=self.store_bind)
             except StoreError:
                 if not dynamic or explicit_host:
                     raise
                 hosting = False  # another agent on this host serves it (torchrun's rule)
         if hosting:
             store = self.control_server
-            self.control_endpoint = (config.rdzv_host, int(self.control_server.port))
+            self.control_endpoint = (self.store_host, int(self.control_server.port))
         else:
             store = connect_store(
                 config.rdzv_host, config.rdzv_port, config.join_timeout_s, interrupted=interrupted,
@@ -323,10 +329,24 @@ class Agent:
         self.say(message, style="yellow")
         self.events.emit(Event.REJECTED, detail=message)
 
+    def _bind_stores(self) -> None:
+        """Where this agent's stores listen (``ftrun.hostnet.store_bind_address``): a single
+        node's on loopback only, a multi-node job's on the address the other nodes reach;
+        every interface only when none fits, said once."""
+        config = self.config
+        self.store_bind = store_bind_address(single_node=config.is_single_node,
+                                             rdzv_host=config.rdzv_host,
+                                             local_addr=config.local_addr)
+        self.store_host = LOOPBACK if config.is_single_node else config.rdzv_host
+        if self.store_bind is None:
+            self.say(f"the stores listen on every interface: {config.rdzv_host!r} is not an "
+                     "address of this host other nodes can reach (set --local-addr to this "
+                     "node's address to listen on that one only)", style="yellow")
+
     def _open_worker_store(self) -> tuple[str, int]:
-        server = serve_store(0, self.config.join_timeout_s)
+        server = serve_store(0, self.config.join_timeout_s, host=self.store_bind)
         self.worker_stores.append(server)
-        return self.config.rdzv_host, int(server.port)
+        return self.store_host, int(server.port)
 
     def _drop_old_worker_stores(self) -> None:
         # The previous generation's workers are all gone; its store keeps no one waiting.
