@@ -39,6 +39,7 @@ from ftrun.config import (
     parse_nnodes,
     parse_nproc_per_node,
     parse_port,
+    parse_preload,
     parse_rdzv_conf,
     parse_seconds,
     parse_signals,
@@ -141,6 +142,9 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--hang-timeout", "hang_timeout", "FTRUN_HANG_TIMEOUT", "auto",
      "Restart: seconds every worker may sit idle before their stacks are read for a hang "
      "(auto: at least 5 s, more after slow steps; 0: off)."),
+    ("--preload", "preload", "FTRUN_PRELOAD", "",
+     "Modules (comma-separated, e.g. torch) a per-node fork server imports once; every "
+     "worker of every generation is forked from it instead of starting Python again."),
 )
 
 
@@ -339,6 +343,7 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         stall_floor_s=parse_seconds(ns.stall_floor, "--stall-floor"),
         hang_timeout_s=None if ns.hang_timeout == "auto" else parse_seconds(
             ns.hang_timeout, "--hang-timeout", allow_zero=True),
+        preload=parse_preload(ns.preload),
         heartbeat_interval_s=heartbeat_interval,
         heartbeat_timeout_s=heartbeat_timeout,
         join_timeout_s=parse_seconds(rdzv_conf.get("join_timeout", "600"), "join_timeout"),

@@ -108,6 +108,7 @@ class LaunchConfig:
     liveness_timeout_s: float = 5.0  # regroup: silence of a worker's heartbeat
     stall_floor_s: float = 5.0  # regroup: least time without a step before a stall
     hang_timeout_s: float | None = None  # restart: all workers idle this long; None: auto
+    preload: tuple[str, ...] = ()  # modules a per-node fork server imports once (--preload)
     abort_timeout_s: float = 5.0  # the shim's deadline to abort a worker's communicators
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
@@ -363,6 +364,15 @@ def check_port_free(port: int, flag: str) -> None:
     error = port_bind_error(port)
     if error is not None:
         raise ConfigError(f"{flag}={port}: port is in use ({error.strerror})")
+
+
+def parse_preload(text: str) -> tuple[str, ...]:
+    """``--preload torch,numpy``: module names, each a dotted Python identifier."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"--preload: {name!r} is not a module name")
+    return names
 
 
 def check_entrypoint(entrypoint: str, *, module: bool, no_python: bool) -> None:
