@@ -35,6 +35,7 @@ class Event(str, Enum):
     """Every event an agent writes, and what it means. ``generation`` in a record is always
     the job generation; ``epoch`` the member epoch of an in-process regroup."""
 
+    STARTED = "started"  # the agent started (run_id): the job's wall clock starts here
     SPAWN = "spawn"  # a local worker process started (rank, local_rank, pid; member)
     READY = "ready"  # regroup: a member called ftrun.init() (member, pid)
     EXIT = "exit"  # a local worker exited (rank or member, pid, returncode)

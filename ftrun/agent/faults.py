@@ -36,6 +36,7 @@ file is untrusted input and its bad fields are ignored.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -212,6 +213,8 @@ class FaultBook:
         self.last_step: int | None = None  # the highest committed step seen
         self.progress: list[dict[str, Any]] = []  # the progress events, for pictures
         self.injections: list[dict[str, Any]] = []  # inject events not yet matched
+        self._lock = threading.RLock()  # events come from several threads; re-entered by
+        # on_record, whose own event comes back here
 
     # --- feeding -------------------------------------------------------------------------
 
@@ -227,11 +230,12 @@ class FaultBook:
         kind = record.get("event")
         if ts is None or not isinstance(kind, str):
             return
-        if self.started is None:
-            self.started = ts
-        handler = self._handlers().get(kind)
-        if handler is not None:
-            handler(ts, record)
+        with self._lock:
+            if self.started is None:
+                self.started = ts
+            handler = self._handlers().get(kind)
+            if handler is not None:
+                handler(ts, record)
 
     def _handlers(self) -> dict[str, Callable[[float, dict[str, Any]], None]]:
         return {
@@ -410,8 +414,9 @@ class FaultBook:
     # --- reading -------------------------------------------------------------------------
 
     def summary(self, ended: float | None = None) -> JobSummary:
-        return JobSummary(self.started, self.ended or ended, self.first_step,
-                          list(self.faults), self.succeeded)
+        with self._lock:
+            return JobSummary(self.started, self.ended or ended, self.first_step,
+                              list(self.faults), self.succeeded)
 
 
 def _valid_member(text: str) -> bool:
@@ -444,6 +449,7 @@ class ProgressReport:
         self.world = 0
         self.sent_at = -math.inf
         self.sent: dict[int, int] = {}
+        self.stepped = False
 
     def published(self, epoch: int, world_size: int) -> None:
         self.epoch, self.world = epoch, world_size
@@ -462,8 +468,9 @@ class ProgressReport:
                              world_size=world, step=step)
         if not steps or steps == self.sent:
             return
-        first = not self.sent and max(steps.values()) >= 1
+        first = not self.stepped and max(steps.values()) >= 1  # the job's first step
         if first or now - self.sent_at >= self.every_s:
+            self.stepped = self.stepped or first
             self.sent, self.sent_at = dict(steps), now
             self.events.emit(Event.PROGRESS, generation=self.generation, epoch=self.epoch,
                              world_size=self.world, step=max(steps.values()),

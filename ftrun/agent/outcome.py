@@ -58,3 +58,12 @@ def mark_root_cause(exits: list[WorkerExit]) -> list[WorkerExit]:
         return exits
     root = min(earlier, key=lambda e: e.error_at or 0.0)
     return [replace(e, first=e is root) for e in exits]
+
+
+def restart_all_words(restart_count: int, max_restarts: int) -> str:
+    """What ending the job generation leads to, said when it is ended: 'restarting all'
+    only while a restart is left (the agent's loop gives up at ``max_restarts``)."""
+    if restart_count < max_restarts:
+        return f"restarting all ({restart_count + 1}/{max_restarts})"
+    restarts = "no restart left" if max_restarts == 0 else f"all {max_restarts} restarts used"
+    return f"the job fails ({restarts})"
