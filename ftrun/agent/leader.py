@@ -29,8 +29,10 @@ from typing import Any
 
 from ftrun import protocol as P
 from ftrun.agent.events import Event, EventLog
+from ftrun.agent.faults import ProgressReport
 from ftrun.agent.membership import Membership
 from ftrun.agent.nodes import NodeWatch
+from ftrun.agent.outcome import restart_all_words
 from ftrun.config import LaunchConfig
 from ftrun.control.errors import StoreValueError
 from ftrun.control.rendezvous import Generation, Rendezvous
@@ -83,6 +85,8 @@ class RegroupLeader:
         self.waiting_since: float | None = None
         self.ready_checked: set[str] = set()  # failed members whose readiness was looked up
         self.finishing = False
+        # The recovery record's half that only the leader sees: formed epochs, steps.
+        self.report = ProgressReport(events, generation.number, self._formed)
 
     @property
     def latest(self) -> P.MemberEpoch:
@@ -104,7 +108,8 @@ class RegroupLeader:
                                         False))
         self.publish(members)
 
-    def publish(self, members: list[P.Member]) -> None:
+    def publish(self, members: list[P.Member],
+                gone: list[dict[str, Any]] | None = None) -> None:
         number = 0 if self.m.latest is None else self.m.latest.number + 1
         epoch = P.MemberEpoch(number, tuple(members))
         self.m.publish(epoch)
@@ -115,8 +120,14 @@ class RegroupLeader:
         self.events.emit(
             Event.EPOCH, epoch=number, generation=self.generation.number,
             world_size=epoch.world_size, members=[m.id for m in members],
-            joiners=[m.id for m in members if m.joiner],
+            joiners=[m.id for m in members if m.joiner], gone=gone or [],
         )
+        self.report.published(number, epoch.world_size)
+
+    def _formed(self, number: int) -> bool:
+        """Whether member epoch ``number`` formed (every member arrived; ftrun.worker)."""
+        record = self.m.store.first_record(P.formed_key(number))
+        return record is not None and record.get("value") == P.FORMED
 
     # --- each tick -----------------------------------------------------------------------
 
@@ -148,7 +159,8 @@ class RegroupLeader:
                        and not m.has_status(x.id)]
         if never_ready:  # its agent saw it die before it knew the generation
             self.say(f"member {never_ready[0]} failed before it called ftrun.init(): "
-                     "restarting all")
+                     + restart_all_words(self.generation.restart_count,
+                                         self.config.max_restarts))
             return StopJob("a worker without the worker API failed", {"member": never_ready[0]})
         if not any(self._synced(x) for x in survivors):
             return StopJob("no surviving member holds the job's state")
@@ -171,7 +183,9 @@ class RegroupLeader:
         if not self.config.is_single_node and len(live_nodes) < self.config.nnodes_min:
             return StopJob(f"{len(live_nodes)} nodes left, fewer than the minimum "
                            f"{self.config.nnodes_min}")
-        self.publish(members)
+        self.publish(members, gone=[{"member": x.id, "rank": x.rank,
+                                     "cause": m.removed.get(x.id) or "node lost"}
+                                    for x in gone])
         return None
 
     def _read_pools(self) -> None:
@@ -238,7 +252,9 @@ class RegroupLeader:
                 continue
             members = [x for x in self.latest.members if P.node_of(x.id) == node.node_rank]
             if any(not m.has_status(x.id) for x in members):
-                self.say("the lost node's workers never called ftrun.init(): restarting all")
+                self.say("the lost node's workers never called ftrun.init(): "
+                         + restart_all_words(self.generation.restart_count,
+                                             self.config.max_restarts))
                 return rdzv.end(self.generation.number, cause)
             self.nodes.drop(node.node_id)
             m.lost_nodes.add(node.node_rank)
@@ -269,6 +285,8 @@ class RegroupLeader:
                     progress.step_at = now
                 progress.value, progress.changed_at = reported, now
             active.append((member.id, progress))
+        self.report.observe({rank: p.value[0] for mid, p in active
+                             if (rank := self.latest.rank_of(mid)) is not None})
         if len(active) < 2 or not self.step_intervals or self.finishing:
             return
         limit = max(self.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
