@@ -55,7 +55,13 @@ from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.leader import RegroupLeader, StopJob
 from ftrun.agent.members import LocalMember, MemberState
 from ftrun.agent.membership import Membership
-from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause, mark_root_cause
+from ftrun.agent.outcome import (
+    GenerationResult,
+    Outcome,
+    describe_cause,
+    mark_root_cause,
+    restart_all_words,
+)
 from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError
@@ -347,7 +353,7 @@ class _RegroupRun:
             Event.FAILURE, member=member.id, pid=member.process.pid, cause=cause,
             generation=self.generation.number, epoch=latest.number if latest else 0,
             detected=detected, rank=rank, local_rank=member.process.local_rank,
-            returncode=member.process.returncode,
+            returncode=member.process.returncode, happened=member.process.ended or detected,
         )
         label = f"rank {rank}" if active else f"member {member.id}"
         if cause.startswith("frozen"):
@@ -356,7 +362,8 @@ class _RegroupRun:
         else:
             services.say(f"{label} (pid {member.process.pid}) failed: {cause}", style="yellow")
         if initial_without_api and active:
-            services.say("the failed worker never called ftrun.init(): restarting all")
+            services.say("the failed worker never called ftrun.init(): " + restart_all_words(
+                self.generation.restart_count, self.config.max_restarts))
             self._end_job_generation({"kind": "worker", "rank": rank, "member": member.id,
                                       "pid": member.process.pid,
                                       "returncode": member.process.returncode,
