@@ -34,11 +34,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from ftrun.agent.events import Event, EventLog, WorkerExit
+from ftrun.agent.faults import FaultBook
 from ftrun.agent.launcher import Launcher, WorkerStartError
 from ftrun.agent.nodes import NodeWatch
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
 from ftrun.agent.regroup import RegroupSupervisor
-from ftrun.agent.report import print_failure_summary
+from ftrun.agent.report import print_failure_summary, print_job_summary
 from ftrun.agent.restart import RestartSupervisor
 from ftrun.agent.services import AgentServices, Supervisor
 from ftrun.agent.signals import SignalInbox
@@ -84,6 +85,13 @@ class Agent:
         if events_path is None and config.log_dir is not None:
             events_path = run_log_dir / "events.jsonl"
         self.events = EventLog.open(self.hostname, events_path, config.event_log_console)
+        # One record per fault, from the events: a line per completed recovery, the
+        # summary at the end (ftrun.agent.faults).
+        self.faults = FaultBook(on_line=lambda text: self.say(text, style="green"),
+                                on_record=lambda f: self.events.emit(Event.FAULT, **f.to_json()))
+        self.events.add_listener(self.faults.observe)
+        self.events.emit(Event.STARTED, run_id=self.run_id,
+                         nproc_per_node=config.nproc_per_node)
         self.launcher = Launcher(config, hostname=self.hostname, run_log_dir=run_log_dir,
                                  events=self.events, say=self.say)
         self.control_server: Any = None
@@ -225,7 +233,7 @@ class Agent:
                 style="yellow",
             )
             self.events.emit(Event.RESTART, generation=generation.number,
-                             restart_count=restart_count)
+                             restart_count=restart_count, cause=cause)
 
     def _supervisor(self, rdzv: Rendezvous) -> Supervisor:
         """Restart is torchrun's recovery; regroup (and auto, which falls back to a restart
@@ -360,6 +368,7 @@ class Agent:
 
     def _finish(self, rdzv: Rendezvous, generation: Generation) -> int:
         self.events.emit(Event.DONE, generation=generation.number)
+        print_job_summary(self.console, self.faults.summary())
         if self.config.is_single_node:
             return ExitCode.SUCCESS
         with contextlib.suppress(StoreError):  # our workers are done: nothing left to stop
@@ -402,6 +411,7 @@ class Agent:
             remote_cause=result.cause if result.outcome is Outcome.REMOTE_FAILED else None,
             max_restarts=restarts,
         )
+        print_job_summary(self.console, self.faults.summary())
         return ExitCode.WORKER_FAILED
 
 
