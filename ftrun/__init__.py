@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ftrun.worker import FaultTolerance, RegroupError, init
+    from ftrun.worker import FaultTolerance, RegroupError, init, restartable
 
-__all__ = ["FaultTolerance", "RegroupError", "__version__", "init"]
+__all__ = ["FaultTolerance", "RegroupError", "__version__", "init", "restartable"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("init", "FaultTolerance", "RegroupError"):
+    if name in ("init", "FaultTolerance", "RegroupError", "restartable"):
         from ftrun import worker
 
         return getattr(worker, name)

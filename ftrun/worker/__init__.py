@@ -10,6 +10,8 @@ What it absorbs and what it raises, and each of its timeouts, are written down i
 * :mod:`ftrun.worker.membership`: the worker's side of :mod:`ftrun.protocol` (following
   member epochs, arrivals and ``formed``, the commit vote, the heartbeat thread);
 * :mod:`ftrun.worker.transfer`: the job's state sent to joiners;
+* :mod:`ftrun.worker.restartable`: :func:`restartable`, in-process re-entry of a sharded
+  training function from in-memory snapshots (:mod:`ftrun.snapshot`);
 * :mod:`ftrun.worker.errors` and :mod:`ftrun.worker.settings`: the errors raised, and the
   environment knobs that are not the agent's (the agent's are in :mod:`ftrun.protocol`).
 
@@ -22,12 +24,16 @@ from __future__ import annotations
 from ftrun.worker.api import FaultTolerance, Stateful, init
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
 from ftrun.worker.group import ResilientProcessGroup
+from ftrun.worker.restartable import EpochEnded, Session, restartable
 
 __all__ = [
+    "EpochEnded",
     "FaultTolerance",
     "RegroupError",
     "RegroupTimeoutError",
     "ResilientProcessGroup",
+    "Session",
     "Stateful",
     "init",
+    "restartable",
 ]

@@ -1,0 +1,86 @@
+"""The snapshot records in the control store: the two phases and the restore decision.
+
+Keys live under the job generation's regroup prefix (beside :mod:`ftrun.protocol`'s), each
+value a record signed with the job's secret and checked on read:
+
+==================================  ==================  =====================================
+key                                 written by          meaning
+==================================  ==================  =====================================
+``snap/<e>/<s>/local/<rank>``       the rank's worker   phase 1: rank's state at step s of
+                                                        member epoch e is written on its node
+``snap/<e>/<s>/replica/<rank>``     the buddy's agent   phase 2: a copy is on another node
+                                                        (several nodes only)
+``snap/restore/<e>``                a member, 1st wins  which snapshot every member of member
+                                                        epoch e restores (or none)
+==================================  ==================  =====================================
+
+A snapshot (e, s) counts only when every rank of member epoch e has both records (on one
+node there is no other node to hold a replica: the local record alone counts, and a lost
+node means a lost job there anyway). Recovery reads one decision per member epoch, made
+after every member arrived (so no member still writes), by the lowest-ranked member that
+held state before: the newest snapshot it published that is complete. Every member
+restores that one, so all ranks restore the same step, and a snapshot that was half taken
+when the fault came (some ranks' records missing) is never used: nothing is mixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.control.errors import StoreValueError, require
+
+
+def local_key(epoch: int, step: int, rank: int) -> str:
+    return f"snap/{epoch}/{step}/local/{rank}"
+
+
+def replica_key(epoch: int, step: int, rank: int) -> str:
+    return f"snap/{epoch}/{step}/replica/{rank}"
+
+
+def restore_key(epoch: int) -> str:
+    return f"snap/restore/{epoch}"
+
+
+@dataclass(frozen=True)
+class Written:
+    """Phase 1 of one rank's snapshot: where it is and what it must check to."""
+
+    node: int
+    host: str
+    crc32: int
+    size: int
+    world_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "host": self.host, "crc32": self.crc32, "size": self.size,
+                "world_size": self.world_size}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Written:
+        return cls(require(data, "node", int), require(data, "host", str),
+                   require(data, "crc32", int), require(data, "size", int),
+                   require(data, "world_size", int))
+
+
+@dataclass(frozen=True)
+class Restore:
+    """The snapshot every member of a member epoch restores; ``epoch`` -1: none (start
+    from the script's own initial state)."""
+
+    epoch: int
+    step: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Restore:
+        epoch, step = require(data, "epoch", int), require(data, "step", int)
+        if epoch < -1 or step < 0:
+            raise StoreValueError("restore names a negative epoch or step")
+        return cls(epoch, step)
+
+
+NONE = Restore(-1, 0)

@@ -1,0 +1,233 @@
+"""Taking a snapshot without making the training loop wait for it.
+
+The training thread pays for one copy: each tensor's local bytes into a reusable staging
+buffer (CPU memory; for GPU tensors a pinned buffer filled by a device-to-host copy on a
+side stream). A background thread then checksums the buffer, writes the file into the
+node's snapshot memory (:mod:`ftrun.snapshot.memory`), publishes it by ``rename`` and
+writes phase 1 of the two-phase record (:mod:`ftrun.snapshot.records`), overlapped with
+the next step's compute.
+
+Bounded memory, per rank: before writing snapshot ``s`` the thread waits until the
+previous one it published is complete on every rank, then deletes this rank's older
+files; so a rank holds the newest complete snapshot and the one being written, never more.
+The staging buffer is one: a capture while the previous is still being written waits for
+it (that wait is the loop's only other cost, and on a healthy job it is zero).
+
+Timeouts: :meth:`SnapshotWriter.capture` waits at most ``timeout_s`` for the previous
+snapshot to leave the staging buffer, then raises :class:`SnapshotBusyError` (the caller
+skips this snapshot; the last complete one stays); :meth:`SnapshotWriter.stop` waits at
+most ``timeout_s`` for the thread to end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftrun.control.store import JsonStore, StoreError
+from ftrun.snapshot import format as fmt
+from ftrun.snapshot import memory, records
+
+POLL_S = 0.005
+
+
+class SnapshotBusyError(RuntimeError):
+    """The previous snapshot still holds the staging buffer after ``timeout_s``."""
+
+
+@dataclass(frozen=True)
+class Where:
+    """Who writes: the rank in its member epoch and the node."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    node: int
+    host: str
+
+
+@dataclass
+class _Job:
+    step: int
+    tree: Any
+    entries: list[fmt.TensorEntry]
+    size: int
+    ready: Any  # a CUDA event, or None
+
+
+def complete(store: JsonStore, epoch: int, step: int, directory: Path | None,
+             replicas: bool) -> bool:
+    """Whether snapshot (``epoch``, ``step``) holds every rank's phase 1 (and phase 2 when
+    ``replicas``); with ``directory``, also that each rank's file is there."""
+    first = store.get_record(records.local_key(epoch, step, 0))
+    if first is None:
+        return False
+    try:
+        world = records.Written.from_json(first).world_size
+    except ValueError:
+        return False
+    keys = [records.local_key(epoch, step, r) for r in range(world)]
+    if replicas:
+        keys += [records.replica_key(epoch, step, r) for r in range(world)]
+    if not store.exist_all(keys):
+        return False
+    found = store.read_records(keys)
+    if any(r is None for r in found):
+        return False
+    if directory is not None:
+        return all((directory / memory.file_name(epoch, step, r)).exists()
+                   for r in range(world))
+    return True
+
+
+class SnapshotWriter:
+    """One rank's snapshots of one member epoch (see the module)."""
+
+    def __init__(self, directory: Path, store: JsonStore, where: Where, *,
+                 kept: tuple[int, int] | None, replicas: bool, local_ranks: int,
+                 cap: int | None, timeout_s: float,
+                 say: Callable[[str], None]) -> None:
+        self.directory = directory
+        self.store = store
+        self.where = where
+        self.kept = kept  # (epoch, step) of the newest complete snapshot this rank holds
+        self.replicas = replicas
+        self.local_ranks = local_ranks
+        self.cap = cap
+        self.timeout_s = timeout_s
+        self.say = say
+        self.published: list[tuple[int, int]] = []  # (epoch, step), oldest first
+        self.error: BaseException | None = None
+        self._staging: torch.Tensor | None = None
+        self._stream: Any = None
+        self._free = threading.Event()
+        self._free.set()
+        self._stop = threading.Event()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._checked_capacity = False
+        self._thread = threading.Thread(target=self._run, name="ftrun-snapshot", daemon=True)
+        self._thread.start()
+
+    # --- the training thread ------------------------------------------------------------
+
+    def capture(self, step: int, tree: Any, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` out and queue snapshot ``step`` (see the module for the wait)."""
+        entries, locals_, size = fmt.layout(tensors)
+        if not self._checked_capacity:
+            memory.check_capacity(self.directory, per_rank_bytes=size + 4096,
+                                  local_ranks=self.local_ranks, rank=self.where.rank,
+                                  node=self.where.host, cap=self.cap)
+            self._checked_capacity = True
+        if not self._free.wait(self.timeout_s):
+            raise SnapshotBusyError(f"rank {self.where.rank}: the previous snapshot is still "
+                                    f"being written after {self.timeout_s:g} s")
+        if self.error is not None:
+            error, self.error = self.error, None
+            self.say(f"snapshot writer failed: {error}")
+        on_gpu = any(t.is_cuda for t in locals_)
+        staging = self._staging
+        if staging is None or staging.numel() < size:
+            staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=on_gpu)
+            self._staging = staging
+        ready = None
+        if on_gpu:
+            self._stream = self._stream or torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                self._copy(staging, entries, locals_, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._stream)
+        else:
+            self._copy(staging, entries, locals_, non_blocking=False)
+        self._free.clear()
+        self._jobs.put(_Job(step, tree, entries, size, ready))
+
+    @staticmethod
+    def _copy(staging: torch.Tensor, entries: list[fmt.TensorEntry],
+              locals_: list[torch.Tensor], *, non_blocking: bool) -> None:
+        for entry, local in zip(entries, locals_, strict=True):
+            if entry.nbytes:
+                flat = local.reshape(-1).view(torch.uint8)
+                staging[entry.offset:entry.offset + entry.nbytes].copy_(
+                    flat, non_blocking=non_blocking)
+
+    def idle(self, timeout_s: float) -> bool:
+        """Wait until the last captured snapshot is written (or dropped)."""
+        return self._free.wait(timeout_s)
+
+    def stop(self) -> None:
+        """End the thread: a snapshot being written is finished, one waiting for the
+        previous to complete is dropped (bounded by ``timeout_s``)."""
+        self._stop.set()
+        self._jobs.put(None)
+        self._thread.join(self.timeout_s)
+
+    # --- the background thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self._wait_previous_complete():
+                    self._write(job)
+            except (OSError, StoreError, RuntimeError, ValueError) as error:
+                self.error = error
+            finally:
+                self._free.set()
+
+    def _wait_previous_complete(self) -> bool:
+        """Wait until the snapshot this rank published last is complete on every rank,
+        then delete this rank's older files. False when stopped first."""
+        if self.published:
+            epoch, step = self.published[-1]
+            while not complete(self.store, epoch, step, None, self.replicas):
+                if self._stop.wait(POLL_S):
+                    return False
+            self.kept = (epoch, step)
+        self._remove_old()
+        return not self._stop.is_set()
+
+    def _remove_old(self) -> None:
+        rank = self.where.rank
+        keep = {self.kept} if self.kept is not None else set()
+        with contextlib.suppress(OSError):
+            for entry in self.directory.iterdir():
+                parsed = memory.parse_name(entry.name)
+                if parsed is not None and parsed[2] == rank and parsed[:2] not in keep:
+                    with contextlib.suppress(OSError):
+                        entry.unlink()
+
+    def _write(self, job: _Job) -> None:
+        where = self.where
+        if job.ready is not None:
+            job.ready.synchronize()
+        assert self._staging is not None
+        data = memoryview(self._staging.numpy()).cast("B")[:job.size]
+        crc = fmt.crc32(data)
+        meta = {"epoch": where.epoch, "step": job.step, "rank": where.rank,
+                "world_size": where.world_size, "host": where.host, "time": time.time()}
+        head = fmt.header(fmt.manifest(job.tree, job.entries, meta=meta, data_bytes=job.size,
+                                       crc32=crc))
+        name = memory.file_name(where.epoch, job.step, where.rank)
+        tmp = self.directory / f".{name}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as out:
+            out.write(head)
+            out.write(data)
+        os.rename(tmp, self.directory / name)
+        written = records.Written(where.node, where.host, crc, len(head) + job.size,
+                                  where.world_size)
+        self.store.set_record(records.local_key(where.epoch, job.step, where.rank),
+                              written.to_json())
+        self.published.append((where.epoch, job.step))
+        del self.published[:-2]

@@ -1,0 +1,473 @@
+"""In-process re-entry for sharded training: ``ftrun.restartable(train)``.
+
+A training function written for torchrun (FSDP2, tensor parallel, both on a device mesh)
+keeps a shard of the state on each rank that exists nowhere else, so the DDP path of
+:mod:`ftrun.worker.api` (a survivor sends its replica to a joiner) cannot recover it.
+Here every K committed steps each rank's registered state is snapshotted into its node's
+agent-owned memory (:mod:`ftrun.snapshot`), and a fault is survived by leaving the
+training function and entering it again, in the same process::
+
+    @ftrun.restartable(snapshot_every=1)
+    def train(ft):                        # ft: a Session, fresh at each (re-)entry
+        mesh = init_device_mesh("cpu", (ft.world_size,))   # the default group is ready
+        model = build(mesh)               # fully_shard / parallelize_module as usual
+        optimizer = torch.optim.AdamW(model.parameters())
+        ft.register("model", model)       # restores the newest complete snapshot, if any
+        ft.register("optimizer", optimizer)
+        while ft.step < total_steps:
+            train_step(ft.step, ft.rank)
+            ft.step_done()                # counts the step, snapshots every K steps
+
+    train()
+
+On each entry the wrapper joins the next member epoch of the agents' regroup protocol
+(:mod:`ftrun.protocol`) of the job's full world size (sharded state needs it; a smaller
+epoch is waited past until the replacement is ready), initialises the default process
+group on a store prefix of that member epoch (rank and world size from it), agrees with
+the other members on the snapshot to restore (:mod:`ftrun.snapshot.records`), and calls
+``train``. ``register`` loads the object's state from that snapshot (the file of this rank
+in the node's snapshot memory: survivors and a replacement on the same node alike).
+
+Leaving: when the agent ends the member epoch (a member failed), a watcher thread sees it
+within 20 ms and shuts down this process's connections to its peers (gloo's sockets: every
+TCP connection but the control store's), so a collective blocked on the dead rank fails at
+once; ``train`` leaves with that ``RuntimeError`` or, between collectives, with
+:class:`EpochEnded` raised by ``step_done``/``snapshot``. The wrapper then stops the
+snapshot thread, destroys every process group (and so the device mesh's), collects the
+old objects, and enters again. The process, its imports and its CUDA context stay.
+
+Error semantics, written down:
+
+* absorbed (re-entry): :class:`EpochEnded`, and a ``RuntimeError`` out of ``train`` when
+  the agent ended the member epoch within ``fault_grace_s`` of it;
+* raised: every other exception (the script's own), at once; :class:`~ftrun.worker.errors.
+  RegroupError` after ``max_regroups`` member epochs in a row fail to form;
+* a snapshot that cannot be taken (a state leaf that is not a tensor or a JSON value,
+  the snapshot memory too small): :meth:`Session.snapshot` raises
+  :class:`~ftrun.snapshot.format.SnapshotValueError` or
+  :class:`~ftrun.snapshot.memory.SnapshotMemoryError` (one line, naming the object's path
+  or the sizes); the automatic snapshot of ``step_done`` prints that line on stderr and
+  goes on: the last complete snapshot stays the one recovery uses.
+
+Timeouts (arguments of :func:`restartable`): ``collective_timeout_s`` (60 s) bounds one
+collective and each control-store request; ``fault_grace_s`` (10 s) how long a failed
+collective waits for the agent's end before it counts as the script's own;
+``regroup_timeout_s`` (as in :func:`ftrun.init`) each wait on other members: the next
+member epoch, every member's arrival, the restore choice; past it
+:class:`~ftrun.worker.errors.RegroupTimeoutError`. A capture waits at most
+``collective_timeout_s`` for the previous snapshot to leave the staging buffer.
+
+Without ftrun's regroup environment (torchrun, ``--recovery restart``) the same function
+runs once: the default group is initialised from ``env://`` if the script has not, and
+``step_done`` only counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ftrun import protocol as P
+from ftrun.control.store import JsonStore, StoreError
+from ftrun.snapshot import format as fmt
+from ftrun.snapshot import memory, records
+from ftrun.snapshot.writer import SnapshotBusyError, SnapshotWriter, Where, complete
+from ftrun.worker import group, settings
+from ftrun.worker.errors import RegroupError
+from ftrun.worker.membership import POLL_S, Membership
+
+T = TypeVar("T")
+
+WATCH_S = 0.02  # how often the watcher thread looks for the end of the member epoch
+
+
+class EpochEnded(Exception):
+    """The agent ended this member epoch: leave the training function (the wrapper
+    re-enters it). Raised by :meth:`Session.step_done` and :meth:`Session.snapshot`."""
+
+
+class SnapshotRestoreError(RuntimeError):
+    """The snapshot chosen for recovery does not fit the registered objects."""
+
+
+def shutdown_peer_connections(keep_port: int) -> int:
+    """Shut down every TCP connection of this process except those to port ``keep_port``
+    (the control store): a collective blocked on a dead peer fails at once. Returns how
+    many were shut down."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            fd = int(name)
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (
+                        socket.AF_INET, socket.AF_INET6):
+                    continue
+                if sock.getpeername()[1] != keep_port:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+    return count
+
+
+class Session:
+    """What ``train`` gets at each entry: its rank, the step to start from, registration
+    and the step boundary."""
+
+    def __init__(self, runner: _Runner, rank: int, world_size: int, epoch: int,
+                 restore: fmt.Snapshot | None) -> None:
+        self._runner = runner
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = epoch  # the member epoch (-1 outside ftrun's regroup mode)
+        self._restore = restore
+        self.step = 0
+        if restore is not None:
+            node = restore.child("ftrun", "step")
+            value = node.get("value") if isinstance(node, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SnapshotRestoreError(f"rank {rank}: the snapshot has no step")
+            self.step = value
+        self._registered: dict[str, Any] = {}
+        self._meshes: dict[tuple[tuple[int, ...], tuple[str, ...] | None], Any] = {}
+
+    def register(self, name: str, obj: Any) -> None:
+        """Register state to snapshot (``state_dict``/``load_state_dict``); during a
+        recovery its state is loaded from the chosen snapshot here. Register a model
+        before its optimizer (the optimizer's DTensors are rebuilt on the model's mesh)."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"{name}: needs state_dict() and load_state_dict()")
+        self._registered[name] = obj
+        self._learn_meshes(obj)
+        if self._restore is None:
+            return
+        node = self._restore.child("state", name)
+        if node is None:
+            raise SnapshotRestoreError(
+                f"rank {self.rank}: the snapshot of step {self.step} has no state for "
+                f"{name!r}")
+        obj.load_state_dict(fmt.unflatten(self._restore, self._find_mesh, node))
+
+    def step_done(self) -> None:
+        """One step is committed: count it, leave if the member epoch ended, snapshot
+        every ``snapshot_every`` steps (errors of that snapshot: one line on stderr)."""
+        self.step += 1
+        runner = self._runner
+        runner.progress = self.step
+        runner.check_ended()
+        every = runner.snapshot_every
+        if every and self.step % every == 0:
+            try:
+                self.snapshot()
+            except (fmt.SnapshotValueError, memory.SnapshotMemoryError,
+                    SnapshotBusyError) as error:
+                runner.warn(f"snapshot of step {self.step} not taken: {error}")
+
+    def snapshot(self) -> None:
+        """Snapshot every registered object's state now (asynchronously: returns once the
+        tensors are copied out). Raises :class:`EpochEnded` if the member epoch ended."""
+        runner = self._runner
+        runner.check_ended()
+        if runner.writer is None:
+            return
+        state = {name: obj.state_dict() for name, obj in self._registered.items()}
+        tree, tensors = fmt.flatten({"ftrun": {"step": self.step}, "state": state})
+        runner.writer.capture(self.step, tree, tensors)
+
+    # --- restoring ----------------------------------------------------------------------
+
+    def _learn_meshes(self, obj: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        with contextlib.suppress(Exception):
+            for value in obj.state_dict().values():
+                if isinstance(value, DTensor):
+                    mesh = value.device_mesh
+                    key = (tuple(mesh.shape), tuple(mesh.mesh_dim_names)
+                           if mesh.mesh_dim_names else None)
+                    self._meshes.setdefault(key, mesh)
+
+    def _find_mesh(self, shape: tuple[int, ...], dims: tuple[str, ...] | None) -> Any:
+        # The meshes are the registered objects' own (a model is registered first).
+        mesh = self._meshes.get((shape, dims))
+        if mesh is None:
+            raise SnapshotRestoreError(
+                f"rank {self.rank}: a DTensor of the snapshot was on a mesh of shape "
+                f"{list(shape)} (dims {dims}) and no registered object has one")
+        return mesh
+
+
+class _Runner:
+    """One worker process's life under ``restartable``: member epochs, entries, snapshots."""
+
+    def __init__(self, *, snapshot_every: int, collective_timeout_s: float,
+                 fault_grace_s: float, max_regroups: int,
+                 regroup_timeout_s: float | None) -> None:
+        self.snapshot_every = snapshot_every
+        self.timeout = timedelta(seconds=collective_timeout_s)
+        self.fault_grace_s = fault_grace_s
+        self.max_regroups = max_regroups
+        self.progress = 0
+        self.writer: SnapshotWriter | None = None
+        self.history: list[tuple[int, int]] = []  # snapshots held: published or restored
+        self.host = socket.gethostname()
+        self._ended = threading.Event()
+        self._stop = threading.Event()
+        self._epoch = -1
+        env = P.WorkerEnv.from_env(os.environ)
+        self.env = env
+        self.member = env.member if env is not None else None
+        self.membership: Membership | None = None
+        self.directory: Path | None = None
+        if env is not None and self.member is not None:
+            self.regroup_timeout_s = settings.regroup_timeout_s(
+                regroup_timeout_s, collective_timeout_s=collective_timeout_s,
+                fault_grace_s=fault_grace_s)
+            self.world_size = int(os.environ.get("WORLD_SIZE", "0"))
+            self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+            if nodes > 1:
+                raise SystemExit(
+                    "ftrun.restartable: snapshots across nodes (buddy replication) are not "
+                    "built yet; run a sharded job on one node or with --recovery restart")
+            text = os.environ.get(memory.ENV, "")
+            if not text or not Path(text).is_dir():
+                raise SystemExit(f"ftrun.restartable: {memory.ENV}={text!r} is not the "
+                                 "agent's snapshot directory (an ftrun older than this API?)")
+            self.directory = Path(text)
+            self.cap = memory.cap_bytes()
+
+    def warn(self, text: str) -> None:
+        rank = self.membership.member_id if self.membership else os.environ.get("RANK", "?")
+        print(f"ftrun: member {rank}: {text}", file=sys.stderr, flush=True)
+
+    # --- the end of a member epoch ------------------------------------------------------
+
+    def check_ended(self) -> None:
+        if self._ended.is_set():
+            raise EpochEnded(f"member epoch {self._epoch} ended")
+
+    def _watch(self, membership: Membership, store: JsonStore, port: int) -> None:
+        """A thread: see the current member epoch's end and cut the peers' connections."""
+        seen = -1
+        while not self._stop.wait(WATCH_S):
+            epoch = self._epoch
+            if epoch < 0 or epoch == seen:
+                continue
+            try:
+                ended = membership.ended(epoch, store)
+            except (StoreError, RuntimeError):
+                return
+            if ended is not None and epoch == self._epoch:
+                seen = epoch
+                self._ended.set()
+                shutdown_peer_connections(port)
+
+    # --- the life -----------------------------------------------------------------------
+
+    def run(self, train: Callable[..., T], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> T:
+        if self.env is None or self.member is None:
+            return self._run_plain(train, args, kwargs)
+        env, member = self.env, self.member
+        group.survive_aborts(env.user_torch_env)
+        self.membership = membership = Membership(
+            env, member, op_timeout=self.timeout, regroup_timeout_s=self.regroup_timeout_s,
+            heartbeat_s=settings.heartbeat_s(), progress=lambda: (self.progress, 0))
+        host, port = env.control_endpoint
+        threads = [
+            threading.Thread(target=membership.heartbeat, args=(self._stop,),
+                             name="ftrun-heartbeat", daemon=True),
+            threading.Thread(target=self._watch, args=(
+                membership, self._own_store(membership, host, port), port),
+                name="ftrun-epoch-watch", daemon=True),
+        ]
+        membership.report()  # ready: past the imports, using the API
+        for thread in threads:
+            thread.start()
+        try:
+            return self._enter_until_done(train, args, kwargs)
+        finally:
+            self._stop.set()
+            with contextlib.suppress(StoreError, RuntimeError):
+                membership.report()
+            for thread in threads:
+                thread.join(self.timeout.total_seconds())
+
+    def _own_store(self, membership: Membership, host: str, port: int) -> JsonStore:
+        client = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+        client.set_timeout(timedelta(seconds=10))
+        return membership.store.with_client(client)
+
+    def _enter_until_done(self, train: Callable[..., T], args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> T:
+        assert self.membership is not None
+        membership = self.membership
+        after, failures = -1, 0
+        while True:
+            epoch = membership.await_epoch(after)
+            after = epoch.number
+            if epoch.world_size != self.world_size:
+                continue  # sharded state needs every rank: wait for the replacement
+            if not membership.formed(epoch):
+                if membership.ended(epoch.number) is not None:
+                    failures += 1
+                if failures >= self.max_regroups:
+                    raise RegroupError(f"member {membership.member_id}: {failures} member "
+                                       "epochs in a row failed to form")
+                continue
+            failures = 0
+            try:
+                result = self._enter(epoch, train, args, kwargs)
+            except EpochEnded:
+                pass
+            except RuntimeError:
+                if not (self._ended.is_set()
+                        or membership.explains_fault(self.fault_grace_s)):
+                    raise
+            else:
+                membership.finished = True
+                membership.report()
+                self._leave()
+                return result
+            self._leave()
+            self.warn(f"member epoch {epoch.number} ended: re-entering the training "
+                      "function")
+
+    def _enter(self, epoch: P.MemberEpoch, train: Callable[..., T], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> T:
+        assert self.membership is not None and self.env is not None
+        assert self.directory is not None
+        membership = self.membership
+        rank = epoch.rank_of(membership.member_id)
+        assert rank is not None
+        membership.members = tuple(m.id for m in epoch.members)
+        membership.epoch = self._epoch = epoch.number
+        self._ended.clear()
+        store = dist.PrefixStore(P.pg_prefix(membership.prefix, epoch.number),
+                                 membership.store.raw)
+        dist.init_process_group(group.backend_name(), store=store, rank=rank,
+                                world_size=epoch.world_size, timeout=self.timeout)
+        choice = self._restore_choice(epoch, rank)
+        snapshot = None
+        if choice.epoch >= 0:
+            snapshot = self._read(choice, rank)
+            self.history = [(choice.epoch, choice.step)]
+        membership.synced = True
+        self.progress = choice.step
+        membership.report()
+        self.writer = SnapshotWriter(
+            self.directory, self._own_store(membership, *self.env.control_endpoint),
+            Where(epoch.number, rank, epoch.world_size, self.env.node_rank, self.host),
+            kept=self.history[-1] if self.history else None, replicas=False,
+            local_ranks=self.local_ranks, cap=self.cap,
+            timeout_s=self.timeout.total_seconds(), say=self.warn)
+        session = Session(self, rank, epoch.world_size, epoch.number, snapshot)
+        if snapshot is not None:
+            print(f"restored step={session.step} rank={rank} epoch={epoch.number} "
+                  f"from={choice.epoch}", flush=True)
+        result = train(session, *args, **kwargs)
+        self.writer.idle(self.timeout.total_seconds())
+        return result
+
+    def _leave(self) -> None:
+        """Stop the snapshot thread, drop every process group and the old objects."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.stop()
+            self.history = (self.history + writer.published)[-3:]
+        self._epoch = -1
+        with contextlib.suppress(RuntimeError, ValueError, AssertionError):
+            dist.destroy_process_group()
+        gc.collect()
+
+    def _restore_choice(self, epoch: P.MemberEpoch, rank: int) -> records.Restore:
+        """One choice per member epoch: the lowest-ranked member that held state before
+        names the newest snapshot it holds that is complete; every member reads it."""
+        assert self.membership is not None
+        membership = self.membership
+        key = records.restore_key(epoch.number)
+        if rank == epoch.source_rank:
+            choice = records.NONE
+            for held in reversed(self.history):
+                if complete(membership.store, *held, self.directory, replicas=False):
+                    choice = records.Restore(*held)
+                    break
+            membership.store.put_record(key, choice.to_json())
+        deadline = time.monotonic() + self.regroup_timeout_s
+        while True:
+            found = membership.store.first_record(key)
+            if found is not None:
+                try:
+                    return records.Restore.from_json(found)
+                except ValueError as error:
+                    raise RegroupError(f"invalid restore record: {error}") from None
+            if membership.ended(epoch.number) is not None:
+                raise EpochEnded(f"member epoch {epoch.number} ended before its restore")
+            if time.monotonic() > deadline:
+                raise membership._timed_out("the choice of the snapshot to restore")
+            time.sleep(POLL_S)
+
+    def _read(self, choice: records.Restore, rank: int) -> fmt.Snapshot:
+        assert self.directory is not None and self.membership is not None
+        name = memory.file_name(choice.epoch, choice.step, rank)
+        record = self.membership.store.get_record(
+            records.local_key(choice.epoch, choice.step, rank))
+        blob = (self.directory / name).read_bytes()
+        snapshot = fmt.parse(blob)
+        written = records.Written.from_json(record) if record else None
+        if written is None or written.size != len(blob) or written.crc32 != snapshot.crc32:
+            raise SnapshotRestoreError(f"rank {rank}: snapshot file {name} does not match "
+                                       "its record in the control store")
+        return snapshot
+
+    def _run_plain(self, train: Callable[..., T], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> T:
+        """Under torchrun or ``--recovery restart``: one entry, no snapshots."""
+        if not dist.is_initialized():
+            dist.init_process_group(group.backend_name(), timeout=self.timeout)
+        session = Session(self, dist.get_rank(), dist.get_world_size(), -1, None)
+        return train(session, *args, **kwargs)
+
+
+def restartable(
+    train: Callable[..., T] | None = None,
+    *,
+    snapshot_every: int = 1,
+    collective_timeout_s: float = 60.0,
+    fault_grace_s: float = 10.0,
+    max_regroups: int = 5,
+    regroup_timeout_s: float | None = None,
+) -> Any:
+    """Wrap ``train(session, *args, **kwargs)`` so that it survives a fault in process (see
+    the module). Use as ``restartable(train)``, ``@restartable`` or
+    ``@restartable(snapshot_every=K)``; ``snapshot_every=0`` takes none automatically
+    (call ``session.snapshot()`` yourself)."""
+    if snapshot_every < 0:
+        raise ValueError(f"snapshot_every={snapshot_every} must be >= 0")
+
+    def wrap(function: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> T:
+            runner = _Runner(snapshot_every=snapshot_every,
+                             collective_timeout_s=collective_timeout_s,
+                             fault_grace_s=fault_grace_s, max_regroups=max_regroups,
+                             regroup_timeout_s=regroup_timeout_s)
+            return runner.run(function, args, kwargs)
+        return run
+
+    return wrap(train) if train is not None else wrap
+
+
+__all__ = ["EpochEnded", "Session", "SnapshotRestoreError", "restartable",
+           "shutdown_peer_connections"]

@@ -1,0 +1,177 @@
+"""A sharded training job (FSDP2, or FSDP2 + tensor parallel on a 2-D mesh) that survives a
+fault in process with ``ftrun.restartable``: the example, the tests' job and the benchmark's.
+
+    ftrun --nproc-per-node 4 --recovery regroup scripts/train_fsdp.py --steps 200
+    ftrun --nproc-per-node 4 --recovery regroup scripts/train_fsdp.py --tp 2   # 2x2 mesh
+    torchrun --nproc-per-node 4 scripts/train_fsdp.py --steps 200              # no API
+
+Each step's data is a function of (seed, step, rank) only, so a replay after a recovery
+computes exactly what the fault-free run computed: with the same world size and mesh the
+final parameters are bitwise equal. Lines printed (read by tests/lines.py): ``step=...`` per
+committed step, ``done rank=R steps=S param_sum=HEX`` at the end (HEX: a SHA-256 of every
+parameter shard's bytes gathered on rank 0, equal text for equal parameters).
+
+Fault injection for tests: ``--kill-rank R --kill-step S`` SIGKILLs rank R inside the
+backward of step S, once per job (a marker file in ``--kill-dir`` says it happened);
+``--bad-state-step S`` makes a registered object's state hold a ``set`` at step S (a leaf a
+snapshot cannot keep). ``--ckpt-dir D --ckpt-every N`` writes torch.distributed.checkpoint
+to disk instead (the benchmark's torchrun baseline), resuming from the newest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import ftrun
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (2-D mesh)")
+    parser.add_argument("--snapshot-every", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--kill-dir", type=Path, default=None)
+    parser.add_argument("--bad-state-step", type=int, default=-1)
+    parser.add_argument("--ckpt-dir", type=Path, default=None)
+    parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    return parser.parse_args()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Loader:
+    """The data position, as a registered Stateful (a JSON-able state)."""
+
+    def __init__(self, bad_step: int) -> None:
+        self.seen = 0
+        self.bad_step = bad_step
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"seen": self.seen}
+        if self.seen == self.bad_step:
+            state["recent"] = {self.seen}  # a set: not a JSON value
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = int(state["seen"])
+
+
+def build(args: argparse.Namespace, world: int) -> tuple[torch.nn.Module, Any]:
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(*[Block(args.dim) for _ in range(args.layers)])
+    if args.tp > 1:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+        mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        for block in model:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
+                                                   "down": RowwiseParallel()})
+        dp = mesh["dp"]
+    else:
+        mesh = dp = init_device_mesh("cpu", (world,))
+    for block in model:
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model, mesh
+
+
+def batch(args: argparse.Namespace, step: int, dp_rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dp_rank)
+    return torch.randn(args.batch, args.dim, generator=gen)
+
+
+def digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's full value (gathered), the same text on every rank."""
+    sha = hashlib.sha256()
+    for name, param in model.state_dict().items():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        sha.update(name.encode())
+        sha.update(full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()[:32]
+
+
+def kill_in_backward(args: argparse.Namespace, step: int, rank: int,
+                     model: torch.nn.Module) -> None:
+    if rank != args.kill_rank or step != args.kill_step or args.kill_dir is None:
+        return
+    marker = args.kill_dir / "killed"
+    if marker.exists():
+        return
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        marker.write_text(f"{os.getpid()} {time.time()}\n")
+        print(f"victim pid={os.getpid()}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+    def on_output(module: Any, inputs: Any, output: torch.Tensor) -> None:
+        output.register_hook(hook)  # runs in backward, after the later blocks' gradients
+        handle.remove()
+
+    handle = model[0].register_forward_hook(on_output)
+
+
+def dp_rank_of(args: argparse.Namespace, rank: int) -> int:
+    return rank // args.tp
+
+
+def train(ft: Any, args: argparse.Namespace) -> None:
+    world, rank = ft.world_size, ft.rank
+    model, _mesh = build(args, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = Loader(args.bad_state_step)
+    ft.register("model", model)
+    ft.register("optimizer", optimizer)
+    ft.register("loader", loader)
+    while ft.step < args.steps:
+        step = ft.step
+        optimizer.zero_grad()
+        kill_in_backward(args, step, rank, model)
+        loss = model(batch(args, step, dp_rank_of(args, rank))).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        loader.seen = step + 1
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        print(f"step={step + 1} loss={loss.item():.6f} rank={rank} pid={os.getpid()} "
+              f"t={time.time():.3f}", flush=True)
+        ft.step_done()
+    print(f"done rank={rank} steps={ft.step} param_sum={digest(model)}", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    ftrun.restartable(train, snapshot_every=args.snapshot_every)(args)
+
+
+if __name__ == "__main__":
+    main()
