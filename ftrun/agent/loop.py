@@ -43,6 +43,7 @@ from ftrun.agent.report import print_failure_summary, print_job_summary
 from ftrun.agent.restart import RestartSupervisor
 from ftrun.agent.services import AgentServices, Supervisor
 from ftrun.agent.signals import SignalInbox
+from ftrun.agent.snapshots import NodeSnapshots
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
@@ -94,6 +95,9 @@ class Agent:
                          nproc_per_node=config.nproc_per_node)
         self.launcher = Launcher(config, hostname=self.hostname, run_log_dir=run_log_dir,
                                  events=self.events, say=self.say)
+        # The node's snapshot memory (ftrun.restartable): every worker inherits its path.
+        self.snapshots = NodeSnapshots(self.run_id, self.hostname)
+        os.environ.update(self.snapshots.env())
         self.control_server: Any = None
         self.worker_stores: list[Any] = []
         self.history: list[WorkerExit] = []
@@ -143,6 +147,7 @@ class Agent:
             self.events.emit(Event.STOP, reason="rendezvous", detail=str(error))
             return ExitCode.RENDEZVOUS_FAILED
         finally:
+            self.snapshots.close()
             if self.heartbeat is not None:
                 self.heartbeat.stop(0.0 if self.store_lost else 2.0 * self._op_timeout)
             self.inbox.close()
