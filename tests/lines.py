@@ -171,9 +171,21 @@ class Decision(Line):
         return set() if self.voters == "-" else set(self.voters.split(","))
 
 
+@dataclass(frozen=True)
+class Restored(Line):
+    """scripts/train_fsdp.py under ``ftrun.restartable``: member epoch ``epoch`` restored,
+    as ``rank``, the snapshot of step ``step`` taken in member epoch ``taken_in``."""
+
+    FORMAT: ClassVar[str] = "restored step={step} rank={rank} epoch={epoch} from={taken_in}"
+    step: int
+    rank: int
+    epoch: int
+    taken_in: int
+
+
 KINDS: tuple[type[Line], ...] = (
     Step, ElasticStep, Regroup, Done, Resumed, Start, Finished, Victim, Blocking, Released,
-    Decision)
+    Decision, Restored)
 _VALUE = {"int": r"-?\d+", "float": r"\S+", "str": r"\S+"}  # by the field's annotation
 _CONVERT: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str": str}
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
