@@ -436,11 +436,15 @@ class ProgressReport:
     """
 
     def __init__(self, events: EventLog, generation: int,
-                 formed: Callable[[int], bool], clock: Callable[[], float] = time.time,
+                 formed: Callable[[int], bool],
+                 last_commit: Callable[[int, int], int] | None = None,
+                 clock: Callable[[], float] = time.time,
                  every_s: float = PROGRESS_EVERY_S) -> None:
         self.events = events
         self.generation = generation
         self.formed = formed  # member epoch number -> whether its formed record exists
+        # (member epoch, a committed step) -> the epoch's last committed step at or past it
+        self.last_commit = last_commit
         self.clock = clock
         self.every_s = every_s
         self.pending: tuple[int, int] | None = None  # (epoch, world size) not yet formed
@@ -450,6 +454,7 @@ class ProgressReport:
         self.sent_at = -math.inf
         self.sent: dict[int, int] = {}
         self.stepped = False
+        self.highest = 0  # the highest committed step reported
 
     def published(self, epoch: int, world_size: int) -> None:
         self.epoch, self.world = epoch, world_size
@@ -459,11 +464,16 @@ class ProgressReport:
     def observe(self, steps: dict[int, int]) -> None:
         """Each rank's committed steps as the leader read them this tick."""
         self.steps = steps
+        self.highest = max([self.highest, *steps.values()])
         now = self.clock()
         if self.pending is not None and self.formed(self.pending[0]):
             epoch, world = self.pending
             self.pending = None
-            step = min(steps.values()) if steps else None
+            # The status beats lag commits (0.2 s): the ended epoch's decisions say exactly
+            # which step the new one resumes after.
+            step = min(steps.values()) if steps else self.highest
+            if self.last_commit is not None:
+                step = self.last_commit(epoch - 1, step)
             self.events.emit(Event.FORMED, generation=self.generation, epoch=epoch,
                              world_size=world, step=step)
         if not steps or steps == self.sent:

@@ -1,0 +1,187 @@
+"""Fault records, the recovery line and the end summary (ftrun/agent/faults.py).
+
+End to end on real jobs (gloo workers, the real agent, real signals):
+* regroup: a worker SIGKILLed by the test gets one fault record whose fields match what
+  happened (the victim's rank and pid, the kill time, detection before recovery, the
+  survivors' world and step from their own regroup lines, no step lost, the replacement's
+  join), one console line when the survivors regrouped and one when the replacement
+  joined, and a success summary with wall time, productive time and goodput;
+* restart: a script without the worker API fails once: the record's path is restart, the
+  line says how long the restart took, and with no restart left the console never says
+  "restarting all" before "job failed (no restart)".
+Without processes: replaying events (the report's path) with malformed fields, injected
+faults and overlapping faults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ftrun.agent.faults import FaultBook
+from tests.launch import REPO, Launch
+from tests.lines import ElasticStep, Regroup, find
+
+ELASTIC = REPO / "scripts" / "train_elastic.py"
+DDP = REPO / "scripts" / "train_ddp.py"
+# A SIGKILL to the survivors' regroup (the 'formed' record): 0.12 s measured here unloaded;
+# a ten-fold regression fails.
+KILL_TO_FORMED_S = 1.5
+RECOVERY_LINE = re.compile(
+    r"rank (?P<rank>\d+) (?P<cause>.+?)(?: at step (?P<step>\d+))?: survivors regrouped in "
+    r"(?P<took>[\d.]+) s, world (?P<world>\d+) \(detected in (?P<detect>[\d.]+) s")
+JOIN_LINE = re.compile(r"rank (?P<rank>\d+)'s replacement joined at step (?P<step>\d+), "
+                       r"world (?P<world>\d+)")
+SUMMARY = re.compile(r"ftrun: wall (?P<wall>[\d.]+) s, (?:productive (?P<prod>[\d.]+) s, "
+                     r"goodput (?P<goodput>[\d.]+)%|goodput unknown[^,]*), (?P<n>\d+) faults?")
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _copy(script: Path, job_dir: Path) -> Path:
+    target = job_dir / script.name
+    shutil.copy(script, target)
+    return target
+
+
+def test_a_killed_worker_gets_one_record_a_line_and_the_success_summary(job_dir: Path) -> None:
+    events = job_dir / "events.jsonl"
+    run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", "--events-file",
+                  str(events), str(_copy(ELASTIC, job_dir)), "--steps", "90", "--hidden", "128",
+                  "--step-sleep", "0.05"], cwd=job_dir)
+    victim = run.wait_for(lambda lines: next((s.pid for s in find(lines, ElasticStep)
+                                              if s.step >= 12 and s.rank == 1), None),
+                          120, "rank 1 at step 12")
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    assert run.wait(240) == 0, run.output
+    records = [e for e in _events(events) if e["event"] == "fault"]
+    assert len(records) == 1, records
+    fault = records[0]
+    assert (fault["rank"], fault["pid"], fault["path"]) == (1, victim, "regroup")
+    assert fault["cause"] == "killed by SIGKILL"
+    assert killed - 0.05 <= fault["happened"] <= fault["detected"] <= fault["recovered"]
+    assert fault["recovered"] - killed < KILL_TO_FORMED_S, fault
+    assert fault["recovery_s"] == round(fault["recovered"] - fault["happened"], 6)
+    # The survivors' own lines: they regrouped into world 2 after committing step S.
+    regroups = [r for r in find(run.lines, Regroup) if r.world == 2]
+    assert regroups, run.output
+    step = regroups[0].step
+    # The leader reads steps from the members' status beats (every 0.2 s): its view may
+    # lag the survivors' last commit by a beat, never lead it.
+    assert step - 3 <= fault["step"] <= step, (fault, step)
+    assert fault["world"] == 2 and fault["steps_lost"] == 0
+    # The console said the regroup and, later, the replacement's join, once each.
+    lines = [m for line in run.lines if (m := RECOVERY_LINE.search(line))]
+    assert len(lines) == 1, run.output
+    said = lines[0]
+    assert (int(said["rank"]), said["cause"], int(said["world"])) == (1, "killed by SIGKILL", 2)
+    assert float(said["took"]) == round(fault["recovery_s"], 2)
+    # The replacement's join is said once it formed (under load it may not be ready
+    # before the job ends: then nothing is said).
+    evs = _events(events)
+    join_epochs = {e["epoch"] for e in evs if e["event"] == "epoch" and e["joiners"]}
+    formed = [e for e in evs if e["event"] == "formed" and e["epoch"] in join_epochs]
+    joins = [m for line in run.lines if (m := JOIN_LINE.search(line))]
+    assert len(joins) == len(formed) <= 1, run.output
+    if joins:
+        assert (int(joins[0]["step"]), int(joins[0]["world"])) == (formed[0]["step"], 3)
+        assert formed[0]["step"] >= step
+    # The success summary: wall time, productive time below it, goodput, the one fault.
+    summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
+    wall, productive = float(summary["wall"]), float(summary["prod"])
+    assert 0 < productive < wall and int(summary["n"]) == 1
+    assert abs(float(summary["goodput"]) - 100 * productive / wall) < 0.1
+    assert "first failure: rank 1 killed by SIGKILL" in run.output
+
+
+def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: Path) -> None:
+    script = _copy(DDP, job_dir)
+    # One restart left: the failure restarts every worker and the record says how long.
+    events = job_dir / "events.jsonl"
+    run = Launch(["--nproc-per-node", "2", "--recovery", "auto", "--max-restarts", "1",
+                  "--events-file", str(events), str(script), "--steps", "12",
+                  "--fail-at-step", "4", "--fail-rank", "1",
+                  "--fail-once-marker", str(job_dir / "failed-once")], cwd=job_dir)
+    assert run.wait(240) == 0, run.output
+    assert "restarting all (1/1)" in run.output
+    records = [e for e in _events(events) if e["event"] == "fault"]
+    assert [(r["rank"], r["path"], r["recovered_how"]) for r in records] == \
+        [(1, "restart", "restarted")], records
+    assert re.search(r"rank 1 exit code 1: every worker restarted in [\d.]+ s "
+                     r"\(generation 1\)", run.output), run.output
+    summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
+    assert summary["prod"] is None and int(summary["n"]) == 1  # no steps seen: no goodput
+    # No restart left: never "restarting all", then the failure summary and the record.
+    events = job_dir / "events0.jsonl"
+    run = Launch(["--nproc-per-node", "2", "--recovery", "auto", "--max-restarts", "0",
+                  "--events-file", str(events), str(script), "--steps", "12",
+                  "--fail-at-step", "4", "--fail-rank", "1"], cwd=job_dir)
+    assert run.wait(240) == 1, run.output
+    assert "restarting all" not in run.output
+    assert "the job fails (no restart left)" in run.output
+    assert "job failed (no restart)" in run.output
+    summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
+    assert int(summary["n"]) == 1
+    assert "first failure: rank 1 exit code 1" in run.output
+
+
+def test_replay_builds_records_from_events_and_ignores_malformed_ones() -> None:
+    lines: list[str] = []
+    book = FaultBook(on_line=lines.append)
+    book.replay([
+        {"ts": 100.0, "event": "started"},
+        {"ts": "x", "event": "failure"},  # malformed: ignored
+        {"ts": 101.0, "event": "progress", "step": 1, "steps": {"0": 1}},
+        {"ts": 110.0, "event": "progress", "step": 40, "steps": {"0": 40}},
+        {"ts": 110.5, "event": "inject", "spec": "kill rank=2", "rank": 2},
+        {"ts": 110.6, "event": "failure", "member": "0.2", "rank": 2, "cause": "killed by "
+         "SIGKILL", "detected": 110.7, "happened": "late"},
+        {"ts": 110.8, "event": "epoch", "epoch": 1, "world_size": 3,
+         "gone": [{"member": "0.2", "rank": 2}, "junk"], "joiners": []},
+        {"ts": 111.5, "event": "formed", "epoch": 1, "world_size": 3, "step": 41},
+        {"ts": 112.0, "event": "failure", "member": "0.5", "rank": None, "cause": "exit code 1",
+         "detected": 112.0},  # a replacement that never joined: no training time lost
+        {"ts": 120.0, "event": "done"},
+    ])
+    summary = book.summary()
+    first, second = summary.faults
+    assert (first.rank, first.path, first.injected, first.world) == (2, "regroup",
+                                                                    "kill rank=2", 3)
+    assert first.happened == 110.5  # the injection, not the detection
+    assert first.detection_s == pytest.approx(0.2) and first.recovery_s == 1.0
+    assert first.step == 41 and first.steps_lost == 0
+    assert second.path == "none" and second.recovery_s == 0.0
+    assert lines == ["rank 2 killed by SIGKILL at step 41 (injected: kill rank=2): survivors "
+                     "regrouped in 1.00 s, world 3 (detected in 0.20 s)"]
+    assert summary.wall_s == 20.0 and summary.succeeded is True
+    assert summary.productive_s == 19.0 - 1.0  # from the first step, less the downtime
+    assert summary.first_cause == "rank 2 killed by SIGKILL"
+
+
+def test_overlapping_faults_count_their_downtime_once() -> None:
+    book = FaultBook().replay([
+        {"ts": 0.0, "event": "started"},
+        {"ts": 1.0, "event": "progress", "step": 1},
+        {"ts": 10.0, "event": "node_lost", "lost_node": 1, "silent_s": 2.0},  # from 8 s
+        {"ts": 10.0, "event": "failure", "member": "0.1", "rank": 1, "detected": 9.0},
+        {"ts": 10.5, "event": "epoch", "epoch": 1, "world_size": 2,
+         "gone": [{"member": "0.1", "rank": 1}], "joiners": []},
+        {"ts": 12.0, "event": "formed", "epoch": 1, "world_size": 2, "step": 5},
+        {"ts": 20.0, "event": "stop", "reason": "failed"},
+    ])
+    summary = book.summary()
+    node, worker = summary.faults
+    assert node.path is None or node.path == "none"  # never recovered: counts to the end
+    assert worker.recovery_s == 3.0
+    assert summary.downtime_s == 12.0  # 8 -> 20, the worker's 9 -> 12 inside it
+    assert summary.succeeded is False and summary.productive_s == 19.0 - 12.0
