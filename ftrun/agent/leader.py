@@ -86,7 +86,8 @@ class RegroupLeader:
         self.ready_checked: set[str] = set()  # failed members whose readiness was looked up
         self.finishing = False
         # The recovery record's half that only the leader sees: formed epochs, steps.
-        self.report = ProgressReport(events, generation.number, self._formed)
+        self.report = ProgressReport(events, generation.number, self._formed,
+                                     self._last_commit)
 
     @property
     def latest(self) -> P.MemberEpoch:
@@ -128,6 +129,17 @@ class RegroupLeader:
         """Whether member epoch ``number`` formed (every member arrived; ftrun.worker)."""
         record = self.m.store.first_record(P.formed_key(number))
         return record is not None and record.get("value") == P.FORMED
+
+    def _last_commit(self, number: int, step: int, most: int = 10_000) -> int:
+        """The committed steps when member epoch ``number`` ended, counted on from
+        ``step`` (as a status reported it; the beats lag by a few): a step's decision key
+        is the count before it (ftrun.worker), one ``check`` per step."""
+        for _ in range(most):
+            record = self.m.store.first_record(P.decision_key(number, step))
+            if record is None or record.get("value") not in (P.COMMIT, P.COMMIT_REGROUP):
+                return step
+            step += 1
+        return step
 
     # --- each tick -----------------------------------------------------------------------
 
