@@ -49,7 +49,7 @@ from ftrun.config import (
 from ftrun.control.auth import TokenError, load_secret
 from ftrun.exitcodes import ExitCode
 
-SUBCOMMANDS = ("doctor",)
+SUBCOMMANDS = ("doctor", "report")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -454,4 +454,8 @@ def _run_subcommand(name: str, args: list[str]) -> int:
         except SystemExit as done:
             return int(done.code or 0) if not isinstance(done.code, str) else ExitCode.USAGE
         return 0
+    if name == "report":  # a job's faults and a timeline picture from its event log
+        from ftrun.report.command import main as report
+
+        return report(args)
     raise AssertionError(name)
