@@ -3,7 +3,7 @@
 Teams judge a fault-tolerant launcher by one figure, how long a fault costs them. This
 module turns the event stream that every agent already writes (:mod:`ftrun.agent.events`)
 into one :class:`FaultRecord` per fault: when it happened, when it was detected, when
-training progressed again, the steps lost, the path taken (regroup, spare, replace,
+training progressed again, the steps lost, the path taken (regroup, replace,
 restart) and the ranks involved; and the whole job into a :class:`JobSummary` (wall time,
 productive time, goodput, the first failure's cause).
 
@@ -63,7 +63,7 @@ class FaultRecord:
     pid: int | None = None
     generation: int = 0
     injected: str | None = None  # the injected fault's spec, when it was injected
-    path: str | None = None  # regroup | spare | restart | none
+    path: str | None = None  # regroup | replace (a ready spare at once) | restart | none
     ranks: list[int] = field(default_factory=list)  # ranks involved (failed ones)
     world: int | None = None  # world size training resumed with
     step: int | None = None  # committed steps when training resumed
@@ -99,8 +99,9 @@ class FaultRecord:
         head = f"{self.who} {self.cause}{at}"
         if self.injected:
             head = f"{head} (injected: {self.injected})"
-        if self.path in ("regroup", "spare") and self.recovery_s is not None:
-            how = "a spare took its place" if self.path == "spare" else "survivors regrouped"
+        if self.path in ("regroup", "replace") and self.recovery_s is not None:
+            how = "a ready member took its place" if self.path == "replace" \
+                else "survivors regrouped"
             text = f"{head}: {how} in {self.recovery_s:.2f} s, world {self.world}"
         elif self.path == "restart" and self.recovery_s is not None:
             text = (f"{head}: every worker restarted in {self.recovery_s:.2f} s "
@@ -330,7 +331,7 @@ class FaultBook:
                 if record.rank is None:
                     record.rank = _int(item.get("rank"))
                     record.ranks = [record.rank] if record.rank is not None else []
-                record.path = "spare" if joiners else "regroup"
+                record.path = "replace" if joiners else "regroup"
                 record.epoch, record.world = epoch, world
             return
         if joiners:  # a replacement admitted: the oldest fault still missing one
@@ -352,7 +353,7 @@ class FaultBook:
                     record.steps_lost = max(0, self.last_step - step)
                 elif step is not None:
                     record.steps_lost = 0
-                if record.path == "spare":
+                if record.path == "replace":
                     record.joined, record.joined_step, record.joined_world = ts, step, world
                 self._finish(record)
             elif record.join_epoch == epoch and record.joined is None:

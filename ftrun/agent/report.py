@@ -73,7 +73,7 @@ def print_job_summary(console: Console, summary: JobSummary) -> None:
     if productive is not None and goodput is not None:
         head += f", productive {productive:.2f} s, goodput {goodput:.1%}"
     else:
-        head += ", goodput unknown (steps are seen through the worker API only)"
+        head += ", goodput unknown (no committed step seen: the worker API reports steps)"
     faults = summary.faults
     head += f", {len(faults)} fault{'s' if len(faults) != 1 else ''}"
     console.print(Text(head), style="bold")
