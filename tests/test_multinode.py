@@ -148,6 +148,56 @@ def test_heartbeat_sender_reads_failures_not_silence_as_a_lost_store() -> None:
         host.wait(10)
 
 
+def test_a_failed_client_is_never_reused_even_when_its_reconnect_fails() -> None:
+    """The 512-agent ``std::bad_alloc``: a request times out on a store host that stalls
+    (SIGSTOP here; load did it there), its answer still on the way; the reconnect fails
+    too (the host is still stalled). The next attempt must not send on the old client,
+    which would read the late answer as its own and every later answer one request off
+    (a ``get`` reading a length from the middle of a value). It reconnects and reads the
+    right record."""
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom ftrun.control.store import serve_store\n"
+         "s = serve_store(0, 10)\nprint(s.port, flush=True)\ntime.sleep(300)"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        port = int(host.stdout.readline())  # type: ignore[union-attr]
+        attempts: list[str] = []
+
+        def reconnect():  # type: ignore[no-untyped-def]
+            if not attempts:  # the host is still stopped: this connect fails for real
+                try:
+                    return connect_store("127.0.0.1", port, 0.3, op_timeout_s=0.3)
+                except Exception as error:
+                    attempts.append(f"failed: {error}")
+                    os.kill(host.pid, signal.SIGCONT)  # the late answers now arrive
+                    time.sleep(0.5)
+                    raise
+            attempts.append("connected")
+            return connect_store("127.0.0.1", port, 10.0, op_timeout_s=5.0)
+
+        client = connect_store("127.0.0.1", port, 10.0, op_timeout_s=0.3)
+        jstore = JsonStore(client, "ftrun/reuse", signer=Signer(TOKEN.encode()),
+                           reconnect=reconnect, retry_s=30.0)
+        for i in range(3):
+            jstore.set_record(f"rec/{i}", {"i": i, "pad": "x" * (100 + 50 * i)})
+        assert jstore.add("count", 5) == 5
+        os.kill(host.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        # the check times out; its answer (one byte) comes late, after the failed reconnect
+        assert jstore.exists("rec/2")
+        # on a reused client this add would read that byte and 7 of its own: 5 << 8
+        assert jstore.add("count", 0) == 5
+        assert attempts[0].startswith("failed") and attempts[1:] == ["connected"], attempts
+        assert jstore.get_record("rec/2") == {"i": 2, "pad": "x" * 200}
+        assert jstore.get_records(["rec/0", "rec/1"]) == [
+            {"i": 0, "pad": "x" * 100}, {"i": 1, "pad": "x" * 150}]
+        assert jstore.wait_for("rec/1", 0.1) is True and jstore.exists("rec/0")
+        assert time.monotonic() - started < 15.0
+    finally:
+        host.kill()
+        host.wait(10)
+
+
 def test_end_watcher_wakes_on_the_write_and_stops_within_a_slice(store) -> None:  # type: ignore[no-untyped-def]
     """The watcher's server-side wait returns when the end key is written (its fd becomes
     readable at once, not at the next poll), costs one request per slice meanwhile, and

@@ -218,8 +218,15 @@ class JsonStore:
     :meth:`put_record`/:meth:`set_record` and read with :meth:`first_record`/
     :meth:`get_record`. ``reconnect``, given to clients of a remote store, replaces the
     connection after a failed request and retries it until ``retry_s`` has passed or
-    ``lost()`` says the store host is gone (a TCPStore client whose request timed out may
-    read the late answer as the answer to its next request, so it is never reused).
+    ``lost()`` says the store host is gone. A TCPStore client whose request failed is
+    never used again, not even when the reconnect fails (the next attempt reconnects
+    first): its request may have timed out with the answer still on its way, and the
+    client would read that late answer as the answer to its next request. From there every
+    answer is another request's: a ``check`` reads a wait's reply ("Stop_waiting response is
+    expected"), a ``get`` reads a length from the middle of a value and torch allocates
+    that much (``std::bad_alloc``, a ``MemoryError`` that ended agents at 512 nodes under
+    load: the retry loop reused the failed client whenever its reconnect timed out).
+    :meth:`scoped` stores share one connection, so a reconnect in one is seen by all.
     """
 
     def __init__(
@@ -233,7 +240,7 @@ class JsonStore:
         lost: Callable[[], bool] = lambda: False,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
-        self.raw = store
+        self._conn = _Connection(store)
         self.prefix = prefix.rstrip("/") + "/"
         self.signer = signer or Signer(None)
         self.reconnect = reconnect
@@ -242,14 +249,26 @@ class JsonStore:
         self.on_reject = on_reject
         self._rejected: set[str] = set()
 
+    @property
+    def raw(self) -> TCPStore:
+        """The current client (after a failure: the failed one until a reconnect works)."""
+        return self._conn.client
+
+    @raw.setter
+    def raw(self, client: TCPStore) -> None:
+        self._conn.client = client
+        self._conn.failed = False
+
     def key(self, name: str) -> str:
         return self.prefix + name
 
     def scoped(self, prefix: str) -> JsonStore:
-        """The same store, secret and reconnection rules under another key prefix (its own
-        client reference: a reconnect here does not replace the parent's)."""
-        return JsonStore(self.raw, prefix, signer=self.signer, reconnect=self.reconnect,
-                         retry_s=self.retry_s, lost=self.lost, on_reject=self.on_reject)
+        """The same store, secret and reconnection rules under another key prefix, on the
+        same connection (a reconnect in either replaces it for both)."""
+        child = JsonStore(self.raw, prefix, signer=self.signer, reconnect=self.reconnect,
+                          retry_s=self.retry_s, lost=self.lost, on_reject=self.on_reject)
+        child._conn = self._conn
+        return child
 
     def with_client(self, client: TCPStore) -> JsonStore:
         """The same prefix and secret on another client, without reconnection: for a
@@ -306,6 +325,22 @@ class JsonStore:
             return None
         return self.check_record(name, self._call("get", self.key(name)))
 
+    def set_records(self, bodies: dict[str, dict[str, Any]]) -> None:
+        """Overwrite several keys with signed records in one request (torch's
+        ``multi_set``): a generation's per-node assignments."""
+        if not bodies:
+            return
+        keys = [self.key(name) for name in bodies]
+        lines = [json.dumps(self.signer.wrap(key, body), separators=(",", ":"))
+                 for key, body in zip(keys, bodies.values(), strict=True)]
+        self._call("multi_set", keys, lines)
+
+    def read_record(self, name: str) -> dict[str, Any] | None:
+        """A :meth:`set_record` record of a key known to exist (one ``get``, no ``check``:
+        torch's ``get`` waits for a missing key up to the client's timeout, then fails
+        with :class:`StoreError`); None if invalid."""
+        return self.check_record(name, self._call("get", self.key(name)))
+
     def get_records(self, names: list[str]) -> list[dict[str, Any] | None]:
         """Several :meth:`set_record` records in one round trip when all exist."""
         if not names:
@@ -356,6 +391,8 @@ class JsonStore:
         """Block up to ``timeout_s`` until ``name`` exists, in one server-side wait (no
         polling); False on timeout. A timed-out wait is cancelled in-protocol by torch's
         client, so the connection stays in step and is reused."""
+        if self._conn.failed:
+            self._replace_client()  # StoreError when the store cannot be reached
         try:
             self.raw.wait([self.key(name)], timedelta(seconds=max(timeout_s, 0.001)))
             return True
@@ -365,7 +402,8 @@ class JsonStore:
             detail = _first_line(error)
             if self.reconnect is None or self.lost():
                 raise StoreError(f"store request failed: {detail}") from None
-            self.raw = self.reconnect()  # never reuse a client that may be out of step
+            self._conn.failed = True  # never used again, even if this reconnect fails
+            self._replace_client()
             return False
 
     def check_record(self, name: str, raw: bytes) -> dict[str, Any] | None:
@@ -400,20 +438,40 @@ class JsonStore:
             raise StoreValueError(f"store key {self.key(name)!r} is not a JSON object")
         return value
 
+    def _replace_client(self) -> None:
+        """A new connection in place of a failed one; StoreError if it cannot be made (the
+        failed one stays marked, so the next request tries again instead of using it)."""
+        assert self.reconnect is not None
+        self.raw = self.reconnect()
+
     def _call(self, method: str, *args: Any) -> Any:
         first_failure: float | None = None
+        detail = "the last request failed and no new connection could be made yet"
         while True:
+            if not self._conn.failed:
+                try:
+                    return getattr(self.raw, method)(*args)
+                except (RuntimeError, ValueError) as error:  # torch's DistStoreError too
+                    detail = _first_line(error)
+                    if self.reconnect is not None:
+                        self._conn.failed = True
+            now = time.monotonic()
+            first_failure = first_failure if first_failure is not None else now
+            if self.reconnect is None or self.lost() or now - first_failure >= self.retry_s:
+                raise StoreError(f"store request failed: {detail}") from None
             try:
-                return getattr(self.raw, method)(*args)
-            except (RuntimeError, ValueError) as error:  # torch's DistStoreError too
-                detail = _first_line(error)
-                now = time.monotonic()
-                first_failure = first_failure if first_failure is not None else now
-                if self.reconnect is None or self.lost() or now - first_failure >= self.retry_s:
-                    raise StoreError(f"store request failed: {detail}") from None
-            if self.lost():
-                raise StoreError("store request failed: the store host is lost")
-            try:
-                self.raw = self.reconnect()
-            except StoreError:
+                self._replace_client()
+            except StoreError as error:
+                detail = str(error)
                 time.sleep(0.05)
+
+
+class _Connection:
+    """One store client shared by a JsonStore and its :meth:`~JsonStore.scoped` views;
+    ``failed``: its last request failed, so it must not be used again."""
+
+    __slots__ = ("client", "failed")
+
+    def __init__(self, client: TCPStore) -> None:
+        self.client = client
+        self.failed = False
