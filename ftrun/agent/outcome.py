@@ -43,6 +43,9 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
     return f"rank {cause.get('rank')} on {cause.get('node')} ({what})"
 
 
+_OBSERVED_LATE_S = 0.05
+
+
 def mark_root_cause(exits: list[WorkerExit]) -> list[WorkerExit]:
     """Mark as ``first`` the failed worker that recorded its error (its error file's time)
     before the exit the agent saw first: a rank that raises can take longer to exit than
@@ -52,8 +55,13 @@ def mark_root_cause(exits: list[WorkerExit]) -> list[WorkerExit]:
     first = next((e for e in exits if e.first), None)
     if first is None:
         return exits
+    # The agent sees an exit a few milliseconds after it happens (its main thread waits for
+    # the GIL behind the log pumps; a forked worker's status comes from the fork server), while
+    # a peer whose connection the dead rank closed writes its error at once: errors within
+    # that slack of the exit seen are its consequences (seen: 4 ms under --preload).
+    seen_by = min(first.time - _OBSERVED_LATE_S, first.error_at or first.time)
     earlier = [e for e in exits if not e.ok and e is not first and e.error_at is not None
-               and e.error_at < min(first.time, first.error_at or first.time)]
+               and e.error_at < seen_by]
     if not earlier:
         return exits
     root = min(earlier, key=lambda e: e.error_at or 0.0)
