@@ -13,6 +13,9 @@ Keys under ``ftrun/<run id>/``:
 ``gen/N/count``        c10d: join counter; an agent's ``add`` returns its slot number K
 ``gen/N/slot/K``       c10d: the slot of the agent that drew K
 ``gen/N``              the generation record (written by the leader)
+``gen/N/as/<node id>`` one node's assignment in generation N: its rank, the world size,
+                       the worker store and the digest of ``gen/N`` (written by the
+                       leader in one ``multi_set`` just before ``gen/N``)
 ``gen/N/end``          the first valid cause that ended generation N
 ``gen/N/done``         counter: nodes whose workers all finished successfully
 ``latest``             the number of the newest generation record (for newcomers)
@@ -37,6 +40,13 @@ Two ways to form a generation:
   draws a slot in the next one; the leader sees it and ends the running generation with
   the cause ``join`` (when the job has room), and everyone re-forms with the newcomer.
 
+Why assignments: an agent needs its own place to start its workers, not the whole
+membership, whose record grows with the job (600 KB at 4,096 nodes). Were every agent to
+fetch, verify and parse it at once, a join would cost the store host and the agents
+O(N^2) bytes. So each agent waits on its own small record and reads the full one only
+when something asks for the membership (:attr:`Generation.nodes`), checking it against
+the digest its assignment carries; the leader, which wrote it, holds it already.
+
 Waiting is done in short slices so a signal to the agent is never stuck behind the store,
 and every wait also gives up when the agent's heartbeat thread reports the store lost.
 A wait that lasts says so every ``WAIT_REPORT_S`` (what it waits for, who is missing, how
@@ -45,11 +55,14 @@ long until ``join_timeout``): a job that cannot re-form is otherwise silent for 
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
-from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, overload
 
+from ftrun.control.auth import canonical
 from ftrun.control.errors import StoreValueError, require
 from ftrun.control.heartbeat import HeartbeatMonitor
 from ftrun.control.store import JsonStore
@@ -57,6 +70,10 @@ from ftrun.control.store import JsonStore
 
 class RendezvousError(RuntimeError):
     """The generation could not be formed (timeout, store lost, inconsistent records)."""
+
+
+def assignment_key(number: int, node_id: str) -> str:
+    return f"gen/{number}/as/{node_id}"
 
 
 @dataclass(frozen=True)
@@ -91,24 +108,119 @@ class NodeSlot:
 
 
 @dataclass(frozen=True)
-class Generation:
-    """One membership of the job; immutable once written."""
+class Assignment:
+    """One node's place in a generation: everything its agent needs to start its workers,
+    and the digest of the full record (``gen/N``) it belongs to."""
 
     number: int
     restart_count: int
-    nodes: tuple[NodeSlot, ...]  # ordered by node rank
+    node: NodeSlot  # with its node rank in this generation
+    rank_offset: int
+    nnodes: int
+    world_size: int
     worker_store_host: str
     worker_store_port: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["node"] = asdict(self.node)
+        return body
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Assignment:
+        numbers = {name: require(data, name, int) for name in (
+            "number", "restart_count", "rank_offset", "nnodes", "world_size",
+            "worker_store_port")}
+        made = cls(node=NodeSlot.from_json(require(data, "node", dict)),
+                   worker_store_host=require(data, "worker_store_host", str),
+                   digest=require(data, "digest", str), **numbers)
+        node = made.node
+        if not (0 <= node.node_rank < made.nnodes and made.rank_offset >= 0
+                and made.rank_offset + node.local_world_size <= made.world_size):
+            raise StoreValueError("assignment with a rank outside its generation")
+        if not 0 < made.worker_store_port < 65536:
+            raise StoreValueError("assignment with an invalid worker store port")
+        return made
+
+
+def record_digest(record: dict[str, Any]) -> str:
+    """SHA-256 of a generation record's canonical JSON (what an assignment names)."""
+    return hashlib.sha256(canonical(record)).hexdigest()
+
+
+class LazyNodes(Sequence[NodeSlot]):
+    """A generation's node list read from the store on first use (see the module
+    docstring: an agent holds its assignment; the membership is fetched when asked for).
+    ``load`` returns the nodes or raises :class:`RendezvousError`/``StoreError``."""
+
+    def __init__(self, load: Callable[[], tuple[NodeSlot, ...]]) -> None:
+        self._load = load
+        self._nodes: tuple[NodeSlot, ...] | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> tuple[NodeSlot, ...]:
+        with self._lock:
+            if self._nodes is None:
+                self._nodes = self._load()
+            return self._nodes
+
+    @property
+    def loaded(self) -> bool:
+        return self._nodes is not None
+
+    @overload
+    def __getitem__(self, index: int) -> NodeSlot: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[NodeSlot]: ...
+
+    def __getitem__(self, index: int | slice) -> NodeSlot | Sequence[NodeSlot]:
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[NodeSlot]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LazyNodes({self._nodes!r})" if self.loaded else "LazyNodes(<not read>)"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the job; immutable once written. A non-leader's generation is
+    built from its :class:`Assignment`: its own place, the world size and the node count
+    are known at once, ``nodes`` is a :class:`LazyNodes` read on first use."""
+
+    number: int
+    restart_count: int
+    nodes: Sequence[NodeSlot]  # ordered by node rank
+    worker_store_host: str
+    worker_store_port: int
+    own: Assignment | None = field(default=None, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
+        if self.own is not None:
+            return self.own.world_size
         return sum(node.local_world_size for node in self.nodes)
 
     @property
     def nnodes(self) -> int:
+        if self.own is not None:
+            return self.own.nnodes
         return len(self.nodes)
 
     def rank_offset(self, node_rank: int) -> int:
+        if self.own is not None and node_rank == self.own.node.node_rank:
+            return self.own.rank_offset
         offset = 0
         for node in self.nodes:
             if node.node_rank == node_rank:
@@ -117,7 +229,20 @@ class Generation:
         raise RendezvousError(f"node rank {node_rank} is not in generation {self.number}")
 
     def node(self, node_id: str) -> NodeSlot | None:
+        if self.own is not None and node_id == self.own.node.node_id:
+            return self.own.node
         return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def assignment(self, node_id: str, digest: str) -> Assignment:
+        """The assignment of node ``node_id`` in this (complete) generation."""
+        offset = 0
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return Assignment(self.number, self.restart_count, node, offset,
+                                  len(self.nodes), self.world_size, self.worker_store_host,
+                                  self.worker_store_port, digest)
+            offset += node.local_world_size
+        raise RendezvousError(f"node {node_id} is not in generation {self.number}")
 
     @property
     def node_ids(self) -> frozenset[str]:
@@ -210,18 +335,72 @@ class Rendezvous:
                 slots = self._collect(number, slot, deadline, expected)
                 host, port = open_worker_store()
                 generation = Generation(number, restart_count, tuple(slots), host, port)
-                self.store.put_record(f"gen/{number}", generation.to_json())
+                record = generation.to_json()
+                digest = record_digest(record)
+                # the assignments first: a node that finds gen/N without its own is not in it
+                self.store.set_records({
+                    assignment_key(number, n.node_id):
+                        generation.assignment(n.node_id, digest).to_json()
+                    for n in slots if n.node_id != slot.node_id})
+                self.store.put_record(f"gen/{number}", record)
                 self.store.set_record("latest", {"number": number})
                 return generation
-            record = self._wait_record(f"gen/{number}", deadline,
-                                       f"the leader's record of generation {number}")
-            generation = Generation.from_json(record)
-            if generation.number != number:
-                raise RendezvousError(f"record gen/{number} claims generation "
-                                      f"{generation.number}")
-            if generation.node(slot.node_id) is not None:
-                return generation
+            found = self._wait_assignment(number, slot.node_id, deadline)
+            if found is not None:
+                return found
             number += 1  # it formed without us (full, or we came too late): the next one
+
+    def _wait_assignment(self, number: int, node_id: str, deadline: float
+                         ) -> Generation | None:
+        """This node's generation ``number`` once the leader assigned it a place; None when
+        the generation formed without it. Blocks in the store's ``wait`` on the node's own
+        assignment key (one small record to read when it comes), in slices; after each
+        slice that passed without it, a ``check`` of ``gen/N``, which the leader writes
+        after every assignment: if it exists and does not name this node, the node is out."""
+        name = assignment_key(number, node_id)
+        what = f"the leader's record of generation {number}"
+        while True:
+            if self.store.wait_for(name, min(self.WAIT_SLICE_S,
+                                             max(deadline - time.monotonic(), 0.001))):
+                body = self.store.read_record(name)
+                if body is not None:
+                    try:
+                        own = Assignment.from_json(body)
+                    except StoreValueError as error:
+                        raise RendezvousError(f"{name}: {error}") from None
+                    if own.number != number or own.node.node_id != node_id:
+                        raise RendezvousError(f"{name} names generation {own.number} and "
+                                              f"node {own.node.node_id}")
+                    return Generation(number, own.restart_count,
+                                      LazyNodes(lambda a=own: self._read_nodes(a, deadline)),
+                                      own.worker_store_host, own.worker_store_port, own=own)
+                time.sleep(self.poll_s)  # only forged records so far: the key exists
+            elif self.store.exists(f"gen/{number}"):
+                record = self.store.first_record(f"gen/{number}")
+                if record is not None:
+                    generation = self._generation_from(number, record)
+                    if generation.node(node_id) is None:
+                        return None
+            self._check_waiting(deadline, what)
+
+    def _generation_from(self, number: int, record: dict[str, Any]) -> Generation:
+        generation = Generation.from_json(record)
+        if generation.number != number:
+            raise RendezvousError(f"record gen/{number} claims generation "
+                                  f"{generation.number}")
+        return generation
+
+    def _read_nodes(self, own: Assignment, deadline: float) -> tuple[NodeSlot, ...]:
+        """The full membership of ``own``'s generation, checked against its digest."""
+        name = f"gen/{own.number}"
+        record = self._wait_record(name, max(deadline, time.monotonic() + 60.0),
+                                   f"the record of generation {own.number}")
+        if record_digest(record) != own.digest:
+            raise RendezvousError(f"{name} does not match this node's assignment (digest)")
+        generation = self._generation_from(own.number, record)
+        if generation.node(own.node.node_id) != own.node:
+            raise RendezvousError(f"{name} does not place this node as its assignment does")
+        return tuple(generation.nodes)
 
     def _offer(self, number: int, slot: NodeSlot) -> None:
         raise NotImplementedError
@@ -433,15 +612,8 @@ class DynamicRendezvous(Rendezvous):
                     break  # re-forming: every member still alive is back
                 if not expected and now - min_reached >= self.last_call_s:
                     break
-            joined = ", ".join(sorted(f"{s.hostname} ({s.addr})" for _, s in slots.values()))
-            parts = []
-            if waiting:
-                parts.append(f"{len(waiting)} member(s) of the last generation still beat")
-            if len(slots) < self.min_nodes:
-                parts.append(f"{self.min_nodes - len(slots)} more needed")
-            status = f"{len(slots)} joined: {joined}; {'; '.join(parts) or 'last call'}"
             self._check_waiting(deadline, f"at least {self.min_nodes} nodes",
-                                lambda s=status: s)
+                                lambda w=waiting: self._join_status(slots, w))
             time.sleep(self.poll_s)
         if self.monitor is not None:
             self.monitor.watch(())
@@ -457,6 +629,17 @@ class DynamicRendezvous(Rendezvous):
 
         chosen = sorted(slots.items(), key=order)[: self.max_nodes]
         return [slot.with_rank(rank) for rank, (_, (_, slot)) in enumerate(chosen)]
+
+    def _join_status(self, slots: dict[str, tuple[int, NodeSlot]], waiting: set[str]) -> str:
+        """Who joined and what is missing (built only when a wait is reported: at 4,096
+        nodes a string of every node on each poll would cost the leader milliseconds)."""
+        joined = ", ".join(sorted(f"{s.hostname} ({s.addr})" for _, s in slots.values()))
+        parts = []
+        if waiting:
+            parts.append(f"{len(waiting)} member(s) of the last generation still beat")
+        if len(slots) < self.min_nodes:
+            parts.append(f"{self.min_nodes - len(slots)} more needed")
+        return f"{len(slots)} joined: {joined}; {'; '.join(parts) or 'last call'}"
 
     def pending_join(self, generation: Generation,
                      left_out: Collection[str] = ()) -> NodeSlot | None:

@@ -1,0 +1,123 @@
+"""Rendezvous at scale: each agent waits for its own assignment, not the whole record.
+
+A generation record names every node (600 KB at 4,096 nodes); had every agent to fetch,
+verify and parse it, a join would cost O(N^2) bytes. The leader instead writes one small
+signed assignment per node (``gen/N/as/<node id>``, one ``multi_set``) before the record,
+and an agent reads the record only when something asks for the membership, checked against
+the digest in its assignment. These tests run the real join on a real TCPStore with real
+agents (threads, each on a connection of its own, as the benchmark's light agents are).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import pytest
+
+from ftrun.control.auth import Signer
+from ftrun.control.rendezvous import (
+    DynamicRendezvous,
+    Generation,
+    LazyNodes,
+    NodeSlot,
+    RendezvousError,
+    assignment_key,
+)
+from ftrun.control.store import JsonStore, connect_store, serve_store
+
+TOKEN = b"scale-test-token"
+
+
+@pytest.fixture
+def server() -> Iterator[object]:
+    yield serve_store(0, 30)
+
+
+def _rdzv(port: int, run: str, *, leader: bool, n: int) -> DynamicRendezvous:
+    client = connect_store("127.0.0.1", port, 10, op_timeout_s=5)
+    store = JsonStore(client, f"ftrun/{run}", signer=Signer(TOKEN))
+    return DynamicRendezvous(store, min_nodes=n, max_nodes=n, last_call_s=0,
+                             is_leader=leader, poll_s=0.01, interrupted=lambda: False)
+
+
+def _slot(i: int, workers: int = 2) -> NodeSlot:
+    return NodeSlot(-1, workers, f"10.0.{i // 250}.{i % 250}", f"h{i}", 1000 + i, f"node-{i}")
+
+
+def _join_all(port: int, run: str, n: int, *, extra: int = 0, timeout_s: float = 20.0
+              ) -> tuple[Generation, dict[int, Generation | BaseException]]:
+    """The leader (node-0) and ``n - 1 + extra`` agents join a generation of ``n``."""
+    results: dict[int, Generation | BaseException] = {}
+
+    def agent(i: int) -> None:
+        try:
+            results[i] = _rdzv(port, run, leader=False, n=n).join(
+                0, _slot(i), timeout_s, lambda: ("unused", 1))
+        except BaseException as error:  # reported by the test
+            results[i] = error
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(1, n + extra)]
+    for t in threads:
+        t.start()
+    leader = _rdzv(port, run, leader=True, n=n).join(
+        0, _slot(0), timeout_s, lambda: ("10.9.9.9", 4242))
+    for t in threads:
+        t.join(timeout_s + 10)
+    return leader, results
+
+
+def test_agents_hold_their_assignment_and_read_the_membership_only_when_asked(
+        server) -> None:  # type: ignore[no-untyped-def]
+    """32 agents join a generation of 32 (a 33rd is left out and asks for the next one):
+    each knows its rank offset, the world size, the node count and the worker store from
+    its assignment alone; the full membership, read on demand, equals the leader's."""
+    port = int(server.port)  # type: ignore[attr-defined]
+    n = 32
+    leader, results = _join_all(port, "scale", n, extra=1, timeout_s=8.0)
+    assert leader.nnodes == n and leader.world_size == 2 * n
+    joined = {i: g for i, g in results.items() if isinstance(g, Generation)}
+    assert len(joined) == n - 1, results  # the leader is the 32nd
+    for i, generation in joined.items():
+        node = generation.node(f"node-{i}")
+        assert node is not None and generation.world_size == 2 * n and generation.nnodes == n
+        assert generation.rank_offset(node.node_rank) == 2 * node.node_rank
+        assert (generation.worker_store_host, generation.worker_store_port) == \
+            ("10.9.9.9", 4242)
+        assert isinstance(generation.nodes, LazyNodes) and not generation.nodes.loaded
+    left_out = [i for i, g in results.items() if not isinstance(g, Generation)]
+    assert len(left_out) == 1 and isinstance(results[left_out[0]], RendezvousError), results
+    assert "timed out" in str(results[left_out[0]]) and "generation" in str(
+        results[left_out[0]])  # it waited in generation 1, which never formed
+    some = next(iter(joined.values()))
+    assert tuple(some.nodes) == tuple(leader.nodes) and some.nodes.loaded
+    assert [n_.node_rank for n_ in leader.nodes] == list(range(n))
+    assert sorted(leader.nodes, key=lambda s: s.node_rank)[0].node_id == "node-0"
+
+
+def test_forged_assignments_are_ignored_and_a_record_that_does_not_match_is_refused(
+        server) -> None:  # type: ignore[no-untyped-def]
+    """An assignment written without the job's token is ignored (the agent goes on waiting
+    for the leader's); a generation record changed after the assignments were written
+    (its digest differs) is refused when the membership is read."""
+    port = int(server.port)  # type: ignore[attr-defined]
+    forger = JsonStore(connect_store("127.0.0.1", port, 10), "ftrun/forge",
+                       signer=Signer(b"not-the-token"))
+    forged = {"number": 0, "restart_count": 0, "node": asdict(_slot(1).with_rank(1)),
+              "rank_offset": 0, "nnodes": 1, "world_size": 2,
+              "worker_store_host": "6.6.6.6", "worker_store_port": 666, "digest": "0" * 64}
+    forger.set_record(assignment_key(0, "node-1"), forged)
+    leader, results = _join_all(port, "forge", 2)
+    generation = results[1]
+    assert isinstance(generation, Generation), results
+    assert generation.worker_store_host == "10.9.9.9"
+    # rewrite the record under the token (as a compromised writer could): digest mismatch
+    signed = JsonStore(connect_store("127.0.0.1", port, 10), "ftrun/forge",
+                       signer=Signer(TOKEN))
+    signed.raw.delete_key(signed.key("gen/0"))
+    body = leader.to_json()
+    body["worker_store_port"] = 1
+    signed.put_record("gen/0", body)
+    with pytest.raises(RendezvousError, match="digest"):
+        list(generation.nodes)
