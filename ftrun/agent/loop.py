@@ -214,7 +214,10 @@ class Agent:
             joining = (result.outcome is Outcome.REMOTE_FAILED
                        and why.get("kind") in ("join", "dropped"))
             lost = why.get("node_id") if why.get("kind") == "node lost" else None
-            expected = tuple(n.node_id for n in generation.nodes if n.node_id != lost)
+            # only the leader waits for the survivors (a non-leader's generation reads its
+            # membership from the store when asked: control/rendezvous.py, LazyNodes)
+            expected = tuple(n.node_id for n in generation.nodes if n.node_id != lost) \
+                if rdzv.is_leader else ()
             number = generation.number + 1
             self._drop_old_worker_stores()
             if joining:
