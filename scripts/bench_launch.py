@@ -12,6 +12,9 @@ For each repeat and launcher, one run of ``scripts/train_ddp.py`` on N workers m
   learns of the hang only when that timeout fails the collective; ftrun sees every worker
   idle, reads their stacks and restarts (``--hang-timeout`` auto). ``--no-hang`` skips it.
 
+``ftrun_preload`` is ftrun with ``--preload torch`` (``--preload``): a per-node fork server
+imports torch once, and every worker of every generation is forked from it.
+
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it its restarted
 workers read the dead generation's addresses from the shared store and do not recover on
 this machine (pytorch/pytorch#135712). A run that does not recover within the timeout
@@ -21,7 +24,8 @@ counts as a failure to recover and gives no figure.
     python scripts/bench_launch.py --repeats 5 --json     # one JSON object
 
 JSON: {"torchrun": {"first_step_s": [...], "restart_s": [...], "hang_s": [...],
-"failed_to_recover": n, "hang_failed_to_recover": n}, "ftrun": {...}, "config": {...}}.
+"failed_to_recover": n, "hang_failed_to_recover": n}, "ftrun": {...}, "ftrun_preload":
+{...}, "config": {...}}.
 Note: on this sandbox about 3-8% of TCPStore connects stall exactly 5 s in a reverse-DNS
 lookup inside torch; an outlier of ~5 s is that quirk.
 """
@@ -44,12 +48,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "scripts" / "train_ddp.py"
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+)")
-LAUNCHERS = ("torchrun", "ftrun")
+LAUNCHERS = ("torchrun", "ftrun", "ftrun_preload")
+PRELOAD = "torch"
 
 
 def launcher_path(name: str) -> str:
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
+
+
+def launcher_argv(name: str) -> list[str]:
+    if name == "ftrun_preload":
+        return [launcher_path("ftrun"), "--preload", PRELOAD]
+    return [launcher_path(name)]
 
 
 class Run:
@@ -102,7 +113,7 @@ def measure(name: str, nproc: int, kill_after: int, timeout: float) -> dict[str,
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as ckpt:
-        argv = [launcher_path(name), "--nproc-per-node", str(nproc), "--max-restarts", "1",
+        argv = [*launcher_argv(name), "--nproc-per-node", str(nproc), "--max-restarts", "1",
                 str(TRAIN), "--steps", "1000000", "--step-sleep", "0.01",
                 "--checkpoint-dir", ckpt, "--checkpoint-every", "1000000"]
         run = Run(argv, env)
@@ -133,7 +144,7 @@ def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="bench_hang_") as scratch:
-        argv = [launcher_path(name), "--nproc-per-node", str(nproc), "--max-restarts", "1",
+        argv = [*launcher_argv(name), "--nproc-per-node", str(nproc), "--max-restarts", "1",
                 str(TRAIN), "--steps", "1000000", "--step-sleep", "0.01",
                 "--fail-at-step", str(hang_at), "--fail-rank", "1", "--fail-mode", "hang",
                 "--fail-once-marker", str(Path(scratch) / "hung-once"),
@@ -185,7 +196,8 @@ def main() -> int:
                "hang_failed_to_recover": 0} for name in LAUNCHERS
     }
     for repeat in range(args.repeats):
-        order = LAUNCHERS if repeat % 2 == 0 else tuple(reversed(LAUNCHERS))
+        shift = repeat % len(LAUNCHERS)
+        order = LAUNCHERS[shift:] + LAUNCHERS[:shift]
         for name in order:
             figures = measure(name, args.nproc, args.kill_after_step, args.timeout)
             entry = results[name]
@@ -211,7 +223,7 @@ def main() -> int:
         "timeout_s": args.timeout, "torch_disable_share_rdzv_tcp_store": True,
         "hang_at_step": None if args.no_hang else args.hang_at_step,
         "hang_pg_timeout_s": None if args.no_hang else args.hang_pg_timeout,
-        "cpus": os.cpu_count(),
+        "cpus": os.cpu_count(), "preload": PRELOAD,
     }
     if args.json:
         print(json.dumps(results))

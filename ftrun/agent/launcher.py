@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, EventLog, WorkerExit, read_error_file
+from ftrun.agent.forkserver import ForkServer, ForkServerError
 from ftrun.config import LaunchConfig, Std
 from ftrun.control.rendezvous import Generation
 from ftrun.protocol import SURVIVOR_TORCH_ENV, MemberEnv, WorkerEnv
@@ -53,6 +55,79 @@ class Launcher:
         self.node_rank = config.node_rank  # this node's rank in the current job generation
         self.control_addr = f"{config.rdzv_host}:{config.rdzv_port}"
         self._shim_unavailable = False
+        self._fork_server: ForkServer | None = None
+        self._notes: list[tuple[str, str]] = []  # said at the first spawn (the agent's
+        # console is not ready while it constructs its launcher)
+        self.start_preload()  # now, so that the imports overlap the rendezvous
+
+    # -- --preload ---------------------------------------------------------------------
+    def start_preload(self) -> None:
+        """Start the fork server for ``--preload`` (its imports overlap the rendezvous), or
+        say why this job's workers cannot be forked and start them the normal way."""
+        config = self.config
+        if not config.preload:
+            return
+        reason = self._preload_unsupported()
+        if reason is not None:
+            self._notes.append((f"--preload ignored: {reason}; workers start the normal way",
+                                "yellow"))
+            return
+        path0 = os.getcwd() if config.module else \
+            os.path.dirname(os.path.abspath(config.entrypoint))
+        # numpy's OpenBLAS starts a thread pool when imported (torch imports numpy), and a
+        # fork copies one thread: the server imports with a pool of one. Forked workers'
+        # numpy BLAS then runs on one thread; torch's own math (MKL, OpenMP) is unaffected.
+        env = {"OPENBLAS_NUM_THREADS": "1", **self._common_env()}
+        self._fork_server = ForkServer(config.preload, env=env, path0=path0)
+        if config.use_shim and os.path.exists("/dev/nvidiactl"):
+            self._notes.append(("--preload: forked workers run without the NCCL shim (it "
+                                "must load before NCCL); hung NCCL calls end by torch's "
+                                "timeout", "yellow"))
+
+    def _preload_unsupported(self) -> str | None:
+        if self.config.no_python:
+            return "--no-python runs no Python to fork from"
+        python_exec = os.environ.get("PYTHON_EXEC")
+        if python_exec and os.path.realpath(python_exec) != os.path.realpath(sys.executable):
+            return f"PYTHON_EXEC={python_exec} is not the interpreter ftrun runs in"
+        return None
+
+    def _common_env(self) -> dict[str, str]:
+        """What every worker's environment shares, as libraries read it at import time."""
+        env = dict(os.environ)
+        if "OMP_NUM_THREADS" not in os.environ and self.config.nproc_per_node > 1:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def _forked(self, launch: local.WorkerLaunch) -> local.Child:
+        assert self._fork_server is not None
+        config = self.config
+        return self._fork_server.spawn([config.entrypoint, *config.args],
+                                       module=bool(config.module), env=launch.env,
+                                       cwd=os.getcwd())
+
+    def _fork_server_ready(self) -> ForkServer | None:
+        while self._notes:
+            text, style = self._notes.pop(0)
+            self.say(text, style=style)
+        server = self._fork_server
+        if server is None or server.import_s is not None:
+            return server
+        try:
+            import_s = server.wait_ready(timeout_s=max(self.config.join_timeout_s, 60.0))
+        except ForkServerError as error:
+            self.close()
+            raise WorkerStartError(str(error)) from None
+        self.say(f"preload: imported {', '.join(server.modules)} once in {import_s:.2f} s; "
+                 f"workers are forked from pid {server.pid}")
+        return server
+
+    def close(self) -> None:
+        """Stop the fork server, if any (call once every worker is stopped; an agent that
+        exits without it still leaves nothing: the server dies with it by PDEATHSIG)."""
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None
 
     def spawn_worker(
         self,
@@ -70,7 +145,8 @@ class Launcher:
         rank_dir = attempt_dir / (log_name or str(local_rank))
         rank_dir.mkdir(parents=True, exist_ok=True)
         env = self._worker_env(generation, local_rank, rank, rank_dir / "error.json", member)
-        shim = self._shim_control(f"rank{rank}")
+        server = self._fork_server_ready()
+        shim = self._shim_control(f"rank{rank}") if server is None else None
         if shim is not None:
             env = shim.worker_env(env)
         redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)
@@ -90,7 +166,8 @@ class Launcher:
             duplicate_stderr=config.duplicate_stderr_filters,
         )
         try:
-            worker = local.spawn(launch)
+            worker = local.spawn(launch, self._forked) if server is not None else \
+                local.spawn(launch)
         except OSError as error:
             program = launch.argv[0]
             hint = " (is the interpreter in its #! line installed?)" if (
@@ -128,7 +205,7 @@ class Launcher:
     ) -> dict[str, str]:
         """torchrun's worker variables with torchrun's values, plus ftrun's own."""
         config = self.config
-        env = dict(os.environ)
+        env = self._common_env()
         env.update(
             {
                 "RANK": str(rank),
@@ -164,8 +241,6 @@ class Launcher:
             user_torch_env=frozenset(k for k in SURVIVOR_TORCH_ENV if k in os.environ),
             member=member,
         ).to_env())
-        if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
-            env["OMP_NUM_THREADS"] = "1"
         if config.virtual_local_rank:
             env["LOCAL_RANK"] = "0"
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -25,10 +25,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import psutil
 
@@ -56,11 +56,27 @@ class WorkerLaunch:
     duplicate_stderr: tuple[str, ...] = ()
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec: SIGKILL us when the agent dies."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect
         os._exit(1)
+
+
+class Child(Protocol):
+    """What the agent needs of a started worker: ``subprocess.Popen`` for one it spawned,
+    :class:`ftrun.agent.forkserver.ForkedChild` for one its fork server forked."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+
+    @property
+    def stderr(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
 
 
 @dataclass
@@ -68,7 +84,7 @@ class WorkerProcess:
     """One running (or finished) worker."""
 
     launch: WorkerLaunch
-    popen: subprocess.Popen[bytes]
+    popen: Child
     pidfd: int
     started: float
     returncode: int | None = None
@@ -96,7 +112,7 @@ class WorkerProcess:
             code = self.popen.poll()
             if code is not None:
                 self.returncode = code
-                self.ended = time.time()
+                self.ended = getattr(self.popen, "exited_at", None) or time.time()
                 self._close_pidfd()
                 if self.shim is not None:
                     self.shim.close()
@@ -122,23 +138,32 @@ class WorkerProcess:
             self.pidfd = -1
 
 
-def spawn(launch: WorkerLaunch) -> WorkerProcess:
-    """Start one worker. Must be called from the agent's main thread: PDEATHSIG follows the
-    thread that forked, not the process."""
-    if launch.log_dir is not None:
-        launch.log_dir.mkdir(parents=True, exist_ok=True)
+def _exec(launch: WorkerLaunch) -> Child:
     agent_pid = os.getpid()
-    popen = subprocess.Popen(
+    return subprocess.Popen(
         list(launch.argv),
         env=dict(launch.env),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        preexec_fn=lambda: _die_with_parent(agent_pid),
+        preexec_fn=lambda: die_with_parent(agent_pid),
         close_fds=True,
     )
-    worker = WorkerProcess(launch, popen, os.pidfd_open(popen.pid), time.time())
+
+
+def spawn(launch: WorkerLaunch, start: Callable[[WorkerLaunch], Child] = _exec) -> WorkerProcess:
+    """Start one worker (``start``: exec the argv, or ask the fork server). Must be called
+    from the agent's main thread: PDEATHSIG follows the thread that forked, not the
+    process."""
+    if launch.log_dir is not None:
+        launch.log_dir.mkdir(parents=True, exist_ok=True)
+    popen = start(launch)
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except ProcessLookupError:  # a forked worker that already ended and was reaped
+        pidfd = -1
+    worker = WorkerProcess(launch, popen, pidfd, time.time())
     assert popen.stdout is not None and popen.stderr is not None
     for stream, pipe, bit in (
         ("stdout", popen.stdout, Std.OUT),
