@@ -18,6 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, cast
 
+from ftrun.faultspec import Schedule
 from ftrun.hostnet import port_bind_error
 
 DEFAULT_MASTER_PORT = 29500
@@ -124,6 +125,10 @@ class LaunchConfig:
     events_file: Path | None = None
     event_log_console: bool = False
     start_method: str = "spawn"
+    # Observing a job (issue 13): faults injected on purpose (ftrun.faultspec), the
+    # Prometheus endpoint's port (None: off; 0: any free port).
+    inject: Schedule | None = None
+    metrics_port: int | None = None
 
     @property
     def nnodes(self) -> int:
