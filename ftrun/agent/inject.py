@@ -1,0 +1,259 @@
+"""Executing injected faults on this node: ``--inject SPEC`` and ``ftrun inject`` requests.
+
+An :class:`Injector` runs beside the agent's loop in a thread of its own. It learns which
+process holds which rank, the job's committed steps and its first step from the agent's
+own events (:meth:`EventLog.add_listener`: spawn, epoch, exit, failure, progress), fires
+the scheduled faults that target this node's workers when they are due, and executes the
+requests that ``ftrun inject`` writes into the control store.
+
+Every fault is announced with an ``inject`` event *before* the signal is sent, so its
+record (ftrun.agent.faults) counts from the injection: ``happened`` is when ftrun acted,
+``detected`` when the agent noticed.
+
+Store keys (under the job's prefix ``ftrun/<run id>``, signed like every control record):
+``inject/next`` (a counter: ``ftrun inject`` takes the next number), ``inject/<n>`` (the
+request: a :class:`ftrun.faultspec.Fault`), ``inject/<n>/done/<node rank>`` (the result:
+``{"ok": bool, "detail": str}``). The leader also keeps ``ftrun/job`` (outside the run's
+prefix, so that a client given only HOST:PORT finds it): the run id, world size and nodes.
+A request whose signature fails is refused by the store wrapper (said once, a
+``rejected`` event) and never executed. Store errors end the thread quietly: the job's own
+loop notices a lost store.
+
+Timeouts and cost: each store request is bounded by the client's request timeout; the
+thread looks at its schedule every 0.1 s, and at the store (one ``add`` of 0) every
+0.25 s on the leader (a single node's agent) and every 2 s on the other agents, so a
+request reaches a worker on another node within about 2 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ftrun.agent.events import Event, EventLog
+from ftrun.control.errors import StoreError
+from ftrun.control.store import JsonStore
+from ftrun.faultspec import Fault, FaultSpecError, Schedule
+
+#: The key (under the ``ftrun`` prefix) that names the job to ``ftrun inject``/``status``.
+JOB_KEY = "job"
+#: Signals a script handles to take an injected hang or raise (scripts/train_elastic.py).
+HANG_SIGNAL = signal.SIGUSR1
+RAISE_SIGNAL = signal.SIGUSR2
+TICK_S = 0.1
+POLL_STORE_S = 0.25  # the leader
+POLL_STORE_OTHERS_S = 2.0  # every other agent (the store's load grows with the nodes)
+
+
+def request_key(number: int) -> str:
+    return f"inject/{number}"
+
+
+def done_key(number: int, node_rank: int) -> str:
+    return f"inject/{number}/done/{node_rank}"
+
+
+def handles_signal(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its /proc SigCgt mask)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+class Injector:
+    """See the module docstring. ``node_rank`` reads this agent's node rank when asked."""
+
+    def __init__(self, schedule: Schedule | None, events: EventLog,
+                 say: Callable[..., None], node_rank: Callable[[], int]) -> None:
+        self.schedule = schedule
+        self.pending = list(enumerate(schedule.faults)) if schedule else []
+        self.events = events
+        self.say = say
+        self.node_rank = node_rank
+        self._lock = threading.Lock()
+        self.member_pid: dict[str, int] = {}
+        self.rank_pid: dict[int, int] = {}  # from spawn events (restart path, first epoch)
+        self.epoch_members: list[str] = []  # the latest member epoch, in rank order
+        self.gone: set[int] = set()  # pids that exited
+        self.step = 0
+        self.first_step_at: float | None = None
+        self.world_size = 0
+        self.nnodes = 1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._poll_s = POLL_STORE_S
+        events.add_listener(self.observe)
+
+    # --- what the events say -------------------------------------------------------------
+
+    def observe(self, record: dict[str, Any]) -> None:
+        kind = record.get("event")
+        with self._lock:
+            if kind == Event.SPAWN.value:
+                pid, rank, member = record.get("pid"), record.get("rank"), record.get("member")
+                if isinstance(pid, int):
+                    if isinstance(member, str):
+                        self.member_pid[member] = pid
+                    if isinstance(rank, int) and (member is None or not self.epoch_members):
+                        self.rank_pid[rank] = pid
+            elif kind == Event.EPOCH.value and isinstance(record.get("members"), list):
+                self.epoch_members = [m for m in record["members"] if isinstance(m, str)]
+                self.world_size = len(self.epoch_members)
+            elif kind == Event.GENERATION.value:
+                world, nnodes = record.get("world_size"), record.get("nnodes")
+                if isinstance(world, int):
+                    self.world_size = world
+                if isinstance(nnodes, int):
+                    self.nnodes = nnodes
+                self.epoch_members = []
+                self.rank_pid = {}
+            elif kind in (Event.EXIT.value, Event.FAILURE.value):
+                if isinstance(record.get("pid"), int):
+                    self.gone.add(record["pid"])
+            elif kind in (Event.PROGRESS.value, Event.FORMED.value):
+                step = record.get("step")
+                if isinstance(step, int):
+                    self.step = max(self.step, step)
+                    if step >= 1 and self.first_step_at is None:
+                        self.first_step_at = time.monotonic()
+
+    def pid_of(self, rank: int) -> int | None:
+        """The live local process that holds ``rank`` now, or None."""
+        with self._lock:
+            pid = None
+            if self.epoch_members and rank < len(self.epoch_members):
+                pid = self.member_pid.get(self.epoch_members[rank])
+            elif not self.epoch_members:
+                pid = self.rank_pid.get(rank)
+            if pid is None or pid in self.gone:
+                return None
+            return pid
+
+    # --- the thread ----------------------------------------------------------------------
+
+    def start(self, store: Callable[[], JsonStore] | None, job: dict[str, Any] | None) -> None:
+        """Start the thread. ``store`` opens this thread's own client (None: no requests);
+        ``job``: the ``ftrun/job`` record to keep (the leader only)."""
+        self._poll_s = POLL_STORE_S if job is not None else POLL_STORE_OTHERS_S
+        self._thread = threading.Thread(target=self._run, args=(store, job),
+                                        name="ftrun-inject", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self, open_store: Callable[[], JsonStore] | None,
+             job: dict[str, Any] | None) -> None:
+        store: JsonStore | None = None
+        handled = 0
+        next_poll = 0.0
+        job_written: tuple[int, int] | None = None
+        while not self._stop.wait(TICK_S):
+            self._fire_due()
+            if open_store is None or time.monotonic() < next_poll:
+                continue
+            next_poll = time.monotonic() + self._poll_s
+            try:
+                if store is None:
+                    store = open_store()
+                if job is not None and job_written != (self.world_size, self.nnodes):
+                    job_written = (self.world_size, self.nnodes)
+                    store.scoped("ftrun").set_record(JOB_KEY, {
+                        **job, "world_size": self.world_size, "nnodes": self.nnodes})
+                handled = self._requests(store, handled)
+            except StoreError:
+                return  # the agent's own loop deals with a lost store
+
+    def _fire_due(self) -> None:
+        if not self.pending:
+            return
+        for index, fault in list(self.pending):
+            if not self._due(fault):
+                continue
+            self.pending.remove((index, fault))
+            if fault.random_rank and self.schedule is not None:
+                rank = self.schedule.pick_rank(fault, index, self.world_size)
+                fault = replace(fault, rank=rank, random_rank=False)
+            if not self._mine(fault):
+                continue
+            ok, detail = self.fire(fault)
+            if not ok:
+                self.say(f"--inject {fault.text!r}: {detail}", style="yellow")
+
+    def _due(self, fault: Fault) -> bool:
+        if fault.step is not None:
+            return self.step >= fault.step
+        if fault.after_s is not None:
+            return self.first_step_at is not None and \
+                time.monotonic() - self.first_step_at >= fault.after_s
+        return True
+
+    def _mine(self, fault: Fault) -> bool:
+        if fault.kind == "kill-agent":
+            return fault.node == self.node_rank()
+        return fault.rank is not None and self.pid_of(fault.rank) is not None
+
+    def _requests(self, store: JsonStore, handled: int) -> int:
+        latest = store.add("inject/next", 0)
+        while handled < latest:
+            number = handled + 1
+            if not store.exists(request_key(number)):
+                break  # allocated, not written yet: look again next time
+            handled = number
+            record = store.get_record(request_key(number))
+            if record is None:
+                continue  # refused (bad signature): said by the store wrapper
+            try:
+                fault = Fault.from_json(record)
+            except FaultSpecError as error:
+                store.set_record(done_key(number, self.node_rank()),
+                                 {"ok": False, "detail": str(error)})
+                continue
+            if not self._mine(fault):
+                continue
+            ok, detail = self.fire(fault)
+            store.set_record(done_key(number, self.node_rank()), {"ok": ok, "detail": detail})
+        return handled
+
+    # --- acting --------------------------------------------------------------------------
+
+    def fire(self, fault: Fault) -> tuple[bool, str]:
+        """Inject ``fault`` now; (done, what was done or why not)."""
+        if fault.kind == "kill-agent":
+            self.events.emit(Event.INJECT, spec=fault.text, kind=fault.kind, node=fault.node,
+                             pid=os.getpid())
+            self.say(f"injected: kill-agent (pid {os.getpid()})", style="yellow")
+            os.kill(os.getpid(), signal.SIGKILL)
+            return True, "killed"
+        assert fault.rank is not None
+        pid = self.pid_of(fault.rank)
+        if pid is None:
+            return False, f"rank {fault.rank} is not running on this node"
+        sig = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "hang": HANG_SIGNAL,
+               "raise": RAISE_SIGNAL}[fault.kind]
+        if fault.kind in ("hang", "raise") and not handles_signal(pid, sig):
+            return False, (f"rank {fault.rank} (pid {pid}) does not handle {sig.name}: a "
+                           f"{fault.kind} needs a script that does (see "
+                           "scripts/train_elastic.py)")
+        self.events.emit(Event.INJECT, spec=fault.text, kind=fault.kind, rank=fault.rank,
+                         pid=pid)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False, f"rank {fault.rank} (pid {pid}) already exited"
+        with contextlib.suppress(Exception):
+            self.say(f"injected: {fault.kind} rank {fault.rank} (pid {pid})", style="yellow")
+        return True, f"{fault.kind} rank {fault.rank} (pid {pid}) on node {self.node_rank()}"
