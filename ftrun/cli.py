@@ -48,6 +48,7 @@ from ftrun.config import (
 )
 from ftrun.control.auth import TokenError, load_secret
 from ftrun.exitcodes import ExitCode
+from ftrun.faultspec import FaultSpecError, Schedule, parse_schedule
 
 SUBCOMMANDS = ("doctor", "report")
 
@@ -142,6 +143,11 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--hang-timeout", "hang_timeout", "FTRUN_HANG_TIMEOUT", "auto",
      "Restart: seconds every worker may sit idle before their stacks are read for a hang "
      "(auto: at least 5 s, more after slow steps; 0: off)."),
+    ("--inject", "inject", "FTRUN_INJECT", "",
+     "Inject faults on a schedule, e.g. 'kill rank=1 step=20; freeze rank=2 after=30; seed=7' "
+     "(kinds: kill, freeze, hang, raise, kill-agent; see ftrun/faultspec.py)."),
+    ("--metrics-port", "metrics_port", "FTRUN_METRICS_PORT", "",
+     "Serve Prometheus metrics on this port (0: any free port; unset: off)."),
     ("--preload", "preload", "FTRUN_PRELOAD", "",
      "Modules (comma-separated, e.g. torch) a per-node fork server imports once; every "
      "worker of every generation is forked from it instead of starting Python again."),
@@ -357,6 +363,8 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         events_file=Path(ns.events_file) if ns.events_file else None,
         event_log_console=handler == "console",
         start_method=start_method,
+        inject=_inject_schedule(ns.inject),
+        metrics_port=_metrics_port(ns.metrics_port),
     )
     # A c10d agent whose address merely matches the endpoint takes the store only if the
     # port is free (another agent on this host may already serve it), as torchrun does.
@@ -416,6 +424,23 @@ def _refuse_unsupported(ns: argparse.Namespace) -> None:
         raise ConfigError(
             "--numa-binding is not supported yet; wrap the script in numactl with --no-python"
         )
+
+
+def _inject_schedule(text: str) -> Schedule | None:
+    if not text.strip():
+        return None
+    try:
+        return parse_schedule(text)
+    except FaultSpecError as error:
+        raise ConfigError(f"--inject: {error}") from None
+
+
+def _metrics_port(text: str) -> int | None:
+    if not text.strip():
+        return None
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise ConfigError(f"--metrics-port={text!r}: expected a port number (0: any free port)")
+    return int(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
