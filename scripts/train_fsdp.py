@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -144,6 +145,33 @@ def dp_rank_of(args: argparse.Namespace, rank: int) -> int:
     return rank // args.tp
 
 
+def disk_checkpoint(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any,
+                    step: int | None) -> int:
+    """torch.distributed.checkpoint to ``--ckpt-dir``: save at ``step``, or (None) load
+    the newest complete one and return its step (0 when there is none)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    assert args.ckpt_dir is not None
+    if step is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd},
+                 checkpoint_id=str(args.ckpt_dir / f"step{step}"))
+        if dist.get_rank() == 0:  # complete once every rank saved (dcp.save is collective)
+            (args.ckpt_dir / f"step{step}" / "complete").touch()
+        return step
+    done = [int(p.parent.name[4:]) for p in args.ckpt_dir.glob("step*/complete")]
+    if not done:
+        return 0
+    newest = max(done)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(args.ckpt_dir / f"step{newest}"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return newest
+
+
 def train(ft: Any, args: argparse.Namespace) -> None:
     world, rank = ft.world_size, ft.rank
     model, _mesh = build(args, world)
@@ -152,6 +180,10 @@ def train(ft: Any, args: argparse.Namespace) -> None:
     ft.register("model", model)
     ft.register("optimizer", optimizer)
     ft.register("loader", loader)
+    if args.ckpt_dir is not None:
+        ft.step = disk_checkpoint(args, model, optimizer, None)
+        if ft.step:
+            print(f"resumed step={ft.step} rank={rank}", flush=True)
     while ft.step < args.steps:
         step = ft.step
         optimizer.zero_grad()
@@ -165,6 +197,8 @@ def train(ft: Any, args: argparse.Namespace) -> None:
         print(f"step={step + 1} loss={loss.item():.6f} rank={rank} pid={os.getpid()} "
               f"t={time.time():.3f}", flush=True)
         ft.step_done()
+        if args.ckpt_every and ft.step % args.ckpt_every == 0:
+            disk_checkpoint(args, model, optimizer, ft.step)
     print(f"done rank={rank} steps={ft.step} param_sum={digest(model)}", flush=True)
 
 

@@ -69,17 +69,19 @@ class TensorEntry:
 # --- capture: state tree -> manifest tree + tensors ------------------------------------------
 
 
-def _path(parts: list[str]) -> str:
-    return "state" + "".join(parts)
-
-
-def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """The manifest tree of ``state`` and its tensors in order (DTensors as themselves).
+def flatten(state: Any, *, root: str = "state",
+            tensors: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
+    """The manifest tree of ``state`` and its tensors in order (DTensors as themselves),
+    appended to ``tensors`` when given (several trees share one list of tensors).
 
     Raises :class:`SnapshotValueError` naming the first leaf that is neither a tensor nor a
-    JSON scalar, and a dict key that is neither ``str`` nor ``int``.
+    JSON scalar, or a dict key that is neither ``str`` nor ``int``, by its path from
+    ``root`` (``state['loader']['recent']``).
     """
-    tensors: list[torch.Tensor] = []
+    tensors = [] if tensors is None else tensors
+
+    def _path(parts: list[str]) -> str:
+        return root + "".join(parts)
 
     def walk(node: Any, parts: list[str]) -> Any:
         if isinstance(node, torch.Tensor):
@@ -116,7 +118,10 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
 
 def placement_json(placement: Any) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
+    if isinstance(placement, _StridedShard):  # FSDP2 over tensor parallel's shards
+        return {"shard": placement.dim, "split_factor": int(placement.split_factor)}
     if isinstance(placement, Shard):
         return {"shard": placement.dim}
     if isinstance(placement, Replicate):
@@ -231,7 +236,9 @@ def _entry(raw: Any, data_bytes: int) -> TensorEntry:
                 raise SnapshotFormatError(f"dtensor {key} is not a list")
         for p in info["placements"]:
             if not (isinstance(p, dict) and (p == {"replicate": True} or (
-                    set(p) == {"shard"} and isinstance(p["shard"], int)))):
+                    set(p) <= {"shard", "split_factor"} and "shard" in p
+                    and all(isinstance(v, int) and not isinstance(v, bool)
+                            for v in p.values())))):
                 raise SnapshotFormatError(f"unknown placement {p!r}")
         for key in ("global_shape", "global_stride", "mesh_shape"):
             for d in info[key]:
@@ -313,8 +320,16 @@ def parse(blob: bytes | bytearray | memoryview) -> Snapshot:
 
 def placements_of(info: dict[str, Any]) -> list[Any]:
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [Replicate() if "replicate" in p else Shard(p["shard"]) for p in info["placements"]]
+    def one(p: dict[str, Any]) -> Any:
+        if "replicate" in p:
+            return Replicate()
+        if "split_factor" in p:
+            return _StridedShard(p["shard"], split_factor=p["split_factor"])
+        return Shard(p["shard"])
+
+    return [one(p) for p in info["placements"]]
 
 
 def unflatten(snapshot: Snapshot, find_mesh: Any, node: Any = None) -> Any:

@@ -77,6 +77,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ftrun import protocol as P
@@ -118,6 +119,31 @@ def shutdown_peer_connections(keep_port: int) -> int:
                     sock.shutdown(socket.SHUT_RDWR)
                     count += 1
     return count
+
+
+def forget_meshes() -> None:
+    """Drop torch's DTensor caches that hold device meshes of an earlier entry.
+
+    A re-entered training function builds a new mesh equal (by torch's ``__eq__``: same
+    ranks, dims and device) to the old one, so the sharding propagator and the
+    redistribution planner would answer from their caches with specs that point at the old
+    mesh, whose process groups were destroyed ("Could not resolve the process group"). These
+    are private caches of torch 2.13: each is cleared if it exists.
+    """
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clears = [
+        torch._C._clear_DTensor_sharding_propagator_cache,  # the C++ fast path's
+        lambda: propagator.propagate_op_sharding.cache_clear(),
+        lambda: propagator._propagate_tensor_meta_cached.cache_clear(),
+        lambda: _redistribute._gen_transform_infos.cache_clear(),
+        lambda: _redistribute.clear_redistribute_planner_cache(),
+        lambda: _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear(),
+    ]
+    for clear in clears:
+        with contextlib.suppress(AttributeError):
+            clear()
 
 
 class Session:
@@ -180,8 +206,12 @@ class Session:
         runner.check_ended()
         if runner.writer is None:
             return
-        state = {name: obj.state_dict() for name, obj in self._registered.items()}
-        tree, tensors = fmt.flatten({"ftrun": {"step": self.step}, "state": state})
+        tensors: list[Any] = []
+        items = [[name, fmt.flatten(obj.state_dict(), root=f"registered {name!r}: state",
+                                    tensors=tensors)[0]]
+                 for name, obj in self._registered.items()]
+        tree = {"dict": [["ftrun", {"dict": [["step", {"value": self.step}]]}],
+                         ["state", {"dict": items}]]}
         runner.writer.capture(self.step, tree, tensors)
 
     # --- restoring ----------------------------------------------------------------------
@@ -218,6 +248,7 @@ class _Runner:
         self.fault_grace_s = fault_grace_s
         self.max_regroups = max_regroups
         self.progress = 0
+        self.rank = int(os.environ.get("RANK", "-1"))  # in the current member epoch
         self.writer: SnapshotWriter | None = None
         self.history: list[tuple[int, int]] = []  # snapshots held: published or restored
         self.host = socket.gethostname()
@@ -248,8 +279,10 @@ class _Runner:
             self.cap = memory.cap_bytes()
 
     def warn(self, text: str) -> None:
-        rank = self.membership.member_id if self.membership else os.environ.get("RANK", "?")
-        print(f"ftrun: member {rank}: {text}", file=sys.stderr, flush=True)
+        """One line on stderr naming this worker: its rank, member id and node."""
+        member = f" (member {self.membership.member_id})" if self.membership else ""
+        print(f"ftrun: rank {self.rank}{member} on {self.host}: {text}", file=sys.stderr,
+              flush=True)
 
     # --- the end of a member epoch ------------------------------------------------------
 
@@ -351,6 +384,7 @@ class _Runner:
         membership = self.membership
         rank = epoch.rank_of(membership.member_id)
         assert rank is not None
+        self.rank = rank
         membership.members = tuple(m.id for m in epoch.members)
         membership.epoch = self._epoch = epoch.number
         self._ended.clear()
@@ -389,6 +423,7 @@ class _Runner:
         self._epoch = -1
         with contextlib.suppress(RuntimeError, ValueError, AssertionError):
             dist.destroy_process_group()
+        forget_meshes()
         gc.collect()
 
     def _restore_choice(self, epoch: P.MemberEpoch, rank: int) -> records.Restore:
