@@ -440,7 +440,7 @@ class ProgressReport:
                  formed: Callable[[int], bool],
                  last_commit: Callable[[int, int], int] | None = None,
                  clock: Callable[[], float] = time.time,
-                 every_s: float = PROGRESS_EVERY_S) -> None:
+                 every_s: float = PROGRESS_EVERY_S, marks: Iterable[int] = ()) -> None:
         self.events = events
         self.generation = generation
         self.formed = formed  # member epoch number -> whether its formed record exists
@@ -456,6 +456,8 @@ class ProgressReport:
         self.sent: dict[int, int] = {}
         self.stepped = False
         self.highest = 0  # the highest committed step reported
+        # Steps at which a progress event goes out at once (--inject's step triggers).
+        self.marks = sorted(set(marks))
 
     def published(self, epoch: int, world_size: int) -> None:
         self.epoch, self.world = epoch, world_size
@@ -480,7 +482,10 @@ class ProgressReport:
         if not steps or steps == self.sent:
             return
         first = not self.stepped and max(steps.values()) >= 1  # the job's first step
-        if first or now - self.sent_at >= self.every_s:
+        marked = bool(self.marks) and max(steps.values()) >= self.marks[0]
+        while self.marks and max(steps.values()) >= self.marks[0]:
+            self.marks.pop(0)
+        if first or marked or now - self.sent_at >= self.every_s:
             self.stepped = self.stepped or first
             self.sent, self.sent_at = dict(steps), now
             self.events.emit(Event.PROGRESS, generation=self.generation, epoch=self.epoch,

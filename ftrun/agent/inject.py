@@ -183,12 +183,12 @@ class Injector:
         for index, fault in list(self.pending):
             if not self._due(fault):
                 continue
-            self.pending.remove((index, fault))
             if fault.random_rank and self.schedule is not None:
                 rank = self.schedule.pick_rank(fault, index, self.world_size)
                 fault = replace(fault, rank=rank, random_rank=False)
             if not self._mine(fault):
-                continue
+                continue  # another node's, or its rank is not in the job yet: stays due
+            self.pending = [p for p in self.pending if p[0] != index]
             ok, detail = self.fire(fault)
             if not ok:
                 self.say(f"--inject {fault.text!r}: {detail}", style="yellow")
