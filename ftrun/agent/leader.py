@@ -86,8 +86,10 @@ class RegroupLeader:
         self.ready_checked: set[str] = set()  # failed members whose readiness was looked up
         self.finishing = False
         # The recovery record's half that only the leader sees: formed epochs, steps.
+        marks = [f.step for f in config.inject.faults if f.step is not None] \
+            if config.inject is not None else []
         self.report = ProgressReport(events, generation.number, self._formed,
-                                     self._last_commit)
+                                     self._last_commit, marks=marks)
 
     @property
     def latest(self) -> P.MemberEpoch:
