@@ -35,6 +35,7 @@ from rich.markup import escape
 
 from ftrun.agent.events import Event, EventLog, WorkerExit
 from ftrun.agent.faults import FaultBook
+from ftrun.agent.inject import Injector
 from ftrun.agent.launcher import Launcher, WorkerStartError
 from ftrun.agent.nodes import NodeWatch
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
@@ -60,6 +61,7 @@ from ftrun.control.rendezvous import (
 from ftrun.control.store import JsonStore, connect_store, serve_store
 from ftrun.exitcodes import ExitCode, for_signal
 from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
+from ftrun.jobref import register, unregister
 
 
 class Agent:
@@ -91,6 +93,9 @@ class Agent:
         self.faults = FaultBook(on_line=lambda text: self.say(text, style="green"),
                                 on_record=lambda f: self.events.emit(Event.FAULT, **f.to_json()))
         self.events.add_listener(self.faults.observe)
+        # Faults injected on purpose (--inject, ftrun inject), and the run's registration.
+        self.injector = Injector(config.inject, self.events, self.say, lambda: self.node_rank)
+        self._registration: Path | None = None
         self.events.emit(Event.STARTED, run_id=self.run_id,
                          nproc_per_node=config.nproc_per_node)
         self.launcher = Launcher(config, hostname=self.hostname, run_log_dir=run_log_dir,
@@ -150,6 +155,8 @@ class Agent:
             self.snapshots.close()
             if self.heartbeat is not None:
                 self.heartbeat.stop(0.0 if self.store_lost else 2.0 * self._op_timeout)
+            self.injector.stop()
+            unregister(self._registration)
             self.inbox.close()
             self.events.close()
 
@@ -300,6 +307,7 @@ class Agent:
             lost=lambda: self._lost_reason() is not None,
             on_reject=self._rejected_record,
         )
+        self._start_injector(host, port, signer, hosting, op_timeout)
         if multi and not signer.enabled and hosting:
             self.say("control records are unauthenticated: anyone who reaches "
                      f"{host}:{port} can steer this job (set FTRUN_JOB_TOKEN on every node)",
@@ -331,6 +339,22 @@ class Agent:
                                      max_nodes=config.nnodes_max, last_call_s=last_call, **common)
         return StaticRendezvous(jstore, node_rank=config.node_rank, nnodes=config.nnodes,
                                 **common)
+
+    def _start_injector(self, host: str, port: int, signer: Signer, hosting: bool,
+                        op_timeout: float) -> None:
+        """The injector's thread on a store client of its own (ftrun inject's requests);
+        the leader keeps the job's record for ftrun inject and status and registers the
+        run id on this host (ftrun.jobref)."""
+        def open_store() -> JsonStore:
+            client = connect_store(host, port, op_timeout, op_timeout_s=op_timeout)
+            return JsonStore(client, f"ftrun/{self.run_id}", signer=signer,
+                             on_reject=self._rejected_record)
+
+        job = {"run_id": self.run_id, "host": host, "port": port,
+               "started": time.time()} if hosting else None
+        if hosting:
+            self._registration = register(self.run_id, host, port)
+        self.injector.start(open_store, job)
 
     def _lost_reason(self) -> str | None:
         """Why the store host counts as lost (this agent's heartbeats fail), or None."""
