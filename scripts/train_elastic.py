@@ -14,7 +14,9 @@ Output, one line each, parsed by tests and benchmarks:
     resumed step=S rank=R
     done rank=R steps=N param_sum=C
 Fault injection for tests: --raise-at-step, --sleep-at-step (the main thread stops making
-progress while the process stays alive), each on --fault-rank, once per job.
+progress while the process stays alive), each on --fault-rank, once per job. For
+``ftrun --inject`` / ``ftrun inject``: SIGUSR1 makes the process hang at its next step (the
+main thread sleeps, the heartbeat goes on), SIGUSR2 makes it raise at its next step.
 
 Disk checkpoints, for restart-based recovery (torchrun, ``ftrun --recovery restart``):
 ``--checkpoint-dir D --checkpoint-every K`` makes rank 0 save ``ft.state_dict()`` to
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -105,8 +108,16 @@ def main() -> None:
             ft.load_state_dict(torch.load(checkpoint, weights_only=True))
             print(f"resumed step={ft.step} rank={ft.rank}", flush=True)
 
+    injected: list[str] = []  # ftrun's injected hang (SIGUSR1) or raise (SIGUSR2)
+    signal.signal(signal.SIGUSR1, lambda *_: injected.append("hang"))
+    signal.signal(signal.SIGUSR2, lambda *_: injected.append("raise"))
+
     def compute() -> float:
         step, rank, world = ft.step, ft.rank, ft.world_size
+        if "raise" in injected:
+            raise ValueError(f"injected by ftrun: raise at step {step} on rank {rank}")
+        while "hang" in injected:  # alive, beating, but no progress
+            time.sleep(1)
         if faulty and ft.generation <= 0 and step == args.raise_at_step:
             raise ValueError(f"injected error at step {step} on rank {rank}")
         if faulty and ft.generation <= 0 and step == args.sleep_at_step:
