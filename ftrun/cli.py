@@ -50,7 +50,7 @@ from ftrun.control.auth import TokenError, load_secret
 from ftrun.exitcodes import ExitCode
 from ftrun.faultspec import FaultSpecError, Schedule, parse_schedule
 
-SUBCOMMANDS = ("doctor", "report")
+SUBCOMMANDS = ("doctor", "report", "inject")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -483,4 +483,8 @@ def _run_subcommand(name: str, args: list[str]) -> int:
         from ftrun.report.command import main as report
 
         return report(args)
+    if name == "inject":  # a fault, now, in a running job (through its control store)
+        from ftrun.inject import main as inject
+
+        return inject(args)
     raise AssertionError(name)
