@@ -86,9 +86,10 @@ def _env_by_rank(launch: Launch) -> dict[str, dict[str, str]]:
 def test_worker_environment_matches_torchrun(job_dir: Path, flags: list[str]) -> None:
     script = job_dir / "dump_env.py"
     script.write_text(ENV_DUMP.format(names=sorted(TORCHRUN_NAMES)))
-    seen = {}
+    seen, ports = {}, {}
     for index, program in enumerate(("torchrun", "ftrun")):
-        filled = [f.format(port=29631 + index) for f in flags]
+        ports[program] = str(29631 + index)
+        filled = [f.format(port=ports[program]) for f in flags]
         run = Launch([*filled, str(script)], program=program, cwd=job_dir)
         assert run.wait(120) == 0, run.output
         seen[program] = _env_by_rank(run)
@@ -99,6 +100,9 @@ def test_worker_environment_matches_torchrun(job_dir: Path, flags: list[str]) ->
         differing = {k for k in theirs if theirs[k] != ours[k]}
         assert differing <= VARIES, {k: (theirs[k], ours[k]) for k in differing - VARIES}
         assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        if "--master-port" in flags:  # torchrun's one-port contract: the port given
+            assert theirs["MASTER_PORT"] == ports["torchrun"] and \
+                ours["MASTER_PORT"] == ports["ftrun"], (theirs, ours)
         assert seen["ftrun"][rank]["FTRUN_GENERATION"] == "0"
 
 
@@ -147,13 +151,16 @@ def test_killed_worker_restarts_and_resumes_from_checkpoint(job_dir: Path) -> No
     assert back < RESTART_BOUND_S, back
 
 
-def test_many_consecutive_restarts_always_recover(job_dir: Path) -> None:
+@pytest.mark.parametrize("port", [[], ["--master-port", "29681"]], ids=["fresh", "one-port"])
+def test_many_consecutive_restarts_always_recover(job_dir: Path, port: list[str]) -> None:
     """The failure torchrun shows here (pytorch#135712): a restart reading stale addresses.
-    Each generation has its own worker store, so every restart must form its group."""
+    Each generation has its own worker store (fresh), or, with an explicit --master-port,
+    the one store at that port with every worker key of the dead generation deleted
+    (one-port): either way every restart must form its group."""
     script = copy_train_script(job_dir)
     kills = 5
     run = Launch(
-        ["--nproc-per-node", "2", "--max-restarts", str(kills), str(script),
+        [*port, "--nproc-per-node", "2", "--max-restarts", str(kills), str(script),
          "--steps", "100000", "--step-sleep", "0.02"],
         cwd=job_dir,
     )

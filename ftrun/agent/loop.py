@@ -104,6 +104,7 @@ class Agent:
         self.snapshots = NodeSnapshots(self.run_id, self.hostname)
         os.environ.update(self.snapshots.env())
         self.control_server: Any = None
+        self._control_raw: Any = None  # this agent's raw client of the control store
         self.worker_stores: list[Any] = []
         self.history: list[WorkerExit] = []
         # Multi-node: this agent's identity in the store; its node rank in the current
@@ -294,6 +295,7 @@ class Agent:
             self.control_endpoint = (config.rdzv_host, config.rdzv_port)
         if interrupted():
             return None
+        self._control_raw = store
         host, port = self.control_endpoint
         self.launcher.control_addr = f"{host}:{port}"
         signer = Signer(load_secret())
@@ -384,6 +386,25 @@ class Agent:
                      "node's address to listen on that one only)", style="yellow")
 
     def _open_worker_store(self) -> tuple[str, int]:
+        """Where the workers of the generation being formed find their store (called by the
+        agent that forms it, once every worker of the previous one has stopped).
+
+        With an explicit ``--master-port``/``--rdzv-endpoint`` port, torchrun's one-port
+        contract: the workers are given that port (sites may open no other between nodes),
+        and the store keeps no key of a dead generation, because every key outside ftrun's
+        own ``ftrun/`` space is deleted first (pytorch#135712 was restarted workers reading
+        a dead attempt's addresses from a shared store). Otherwise each generation gets a
+        fresh store on a port of its own, which no stale worker can ever reach."""
+        if self.config.rdzv_port_explicit and self._control_raw is not None:
+            try:
+                stale = [k for k in self._control_raw.list_keys() if not k.startswith("ftrun/")]
+                for key in stale:
+                    self._control_raw.delete_key(key)
+            except (AttributeError, RuntimeError) as error:
+                self.say(f"cannot clear the job store's worker keys ({error}); workers get a "
+                         "port of their own instead of the one given", style="yellow")
+            else:
+                return self.control_endpoint
         server = serve_store(0, self.config.join_timeout_s, host=self.store_bind)
         self.worker_stores.append(server)
         return self.store_host, int(server.port)
