@@ -344,7 +344,10 @@ class FaultBook:
         epoch, step = _int(ev.get("epoch")), _int(ev.get("step"))
         world = _int(ev.get("world_size"))
         for record in self.faults:
-            if record.epoch == epoch and record.recovered is None:
+            # An epoch superseded before it formed (a joiner admitted at once, another
+            # fault) is recovered by the later one that forms.
+            if record.epoch is not None and epoch is not None and record.epoch <= epoch \
+                    and record.recovered is None:
                 record.recovered, record.recovered_how = ts, "formed"
                 record.step = step
                 if world is not None:
