@@ -13,6 +13,10 @@ parameter shard's bytes gathered on rank 0, equal text for equal parameters).
 
 Fault injection for tests: ``--kill-rank R --kill-step S`` SIGKILLs rank R inside the
 backward of step S, once per job (a marker file in ``--kill-dir`` says it happened);
+``--kill R:S:WHERE`` (repeatable, each once per job, marker ``killed-<i>``) also kills rank
+R ``backward`` of step S, while the snapshot of step S is being ``capture``d (inside the
+registered loader's ``state_dict``: before that rank's file exists), or while the snapshot
+of step S is being ``restore``d (inside its ``load_state_dict``: during a recovery);
 ``--bad-state-step S`` makes a registered object's state hold a ``set`` at step S (a leaf a
 snapshot cannot keep). ``--ckpt-dir D --ckpt-every N`` writes torch.distributed.checkpoint
 to disk instead (the benchmark's torchrun baseline), resuming from the newest one.
@@ -49,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-dir", type=Path, default=None)
+    parser.add_argument("--kill", action="append", default=[], metavar="R:S:WHERE",
+                        help="WHERE: backward, capture or restore")
     parser.add_argument("--bad-state-step", type=int, default=-1)
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
@@ -66,21 +72,47 @@ class Block(torch.nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+def die(marker: Path) -> None:
+    """Leave a marker (pid, time), say so, and SIGKILL this process."""
+    marker.write_text(f"{os.getpid()} {time.time()}\n")
+    print(f"victim pid={os.getpid()}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def due_kill(args: argparse.Namespace, rank: int, step: int, where: str) -> Path | None:
+    """The marker of a ``--kill`` due here that has not happened yet, or None."""
+    if args.kill_dir is None:
+        return None
+    for index, spec in enumerate(args.kill):
+        r, s, w = spec.split(":")
+        marker = args.kill_dir / f"killed-{index}"
+        if (int(r), int(s), w) == (rank, step, where) and not marker.exists():
+            return marker
+    return None
+
+
 class Loader:
     """The data position, as a registered Stateful (a JSON-able state)."""
 
-    def __init__(self, bad_step: int) -> None:
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
         self.seen = 0
-        self.bad_step = bad_step
+        self.args = args
+        self.rank = rank
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"seen": self.seen}
-        if self.seen == self.bad_step:
+        if self.seen == self.args.bad_state_step:
             state["recent"] = {self.seen}  # a set: not a JSON value
+        marker = due_kill(self.args, self.rank, self.seen, "capture")
+        if marker is not None:
+            die(marker)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seen = int(state["seen"])
+        marker = due_kill(self.args, self.rank, self.seen, "restore")
+        if marker is not None:
+            die(marker)
 
 
 def build(args: argparse.Namespace, world: int) -> tuple[torch.nn.Module, Any]:
@@ -122,16 +154,17 @@ def digest(model: torch.nn.Module) -> str:
 
 def kill_in_backward(args: argparse.Namespace, step: int, rank: int,
                      model: torch.nn.Module) -> None:
-    if rank != args.kill_rank or step != args.kill_step or args.kill_dir is None:
-        return
-    marker = args.kill_dir / "killed"
-    if marker.exists():
+    marker: Path | None = None
+    if (rank, step) == (args.kill_rank, args.kill_step) and args.kill_dir is not None:
+        marker = args.kill_dir / "killed"
+        marker = None if marker.exists() else marker
+    marker = marker or due_kill(args, rank, step, "backward")
+    if marker is None:
         return
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        marker.write_text(f"{os.getpid()} {time.time()}\n")
-        print(f"victim pid={os.getpid()}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        assert marker is not None
+        die(marker)
         return grad
 
     def on_output(module: Any, inputs: Any, output: torch.Tensor) -> None:
@@ -176,7 +209,7 @@ def train(ft: Any, args: argparse.Namespace) -> None:
     world, rank = ft.world_size, ft.rank
     model, _mesh = build(args, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = Loader(args.bad_state_step)
+    loader = Loader(args, rank)
     ft.register("model", model)
     ft.register("optimizer", optimizer)
     ft.register("loader", loader)

@@ -35,14 +35,15 @@ JOB_TIMEOUT_S = 240.0
 _reference: dict[tuple[str, ...], str] = {}
 
 
-def _run(job_dir: Path, args: list[str], name: str) -> tuple[int, Launch]:
+def _run(job_dir: Path, args: list[str], name: str,
+         env: dict[str, str] | None = None) -> tuple[int, Launch]:
     script = job_dir / "train_fsdp.py"
     if not script.exists():
         shutil.copy(SCRIPT, script)
     work = job_dir / name
     work.mkdir()
     launch = Launch(["--nproc-per-node", "4", "--recovery", "regroup", str(script),
-                     "--steps", str(STEPS), "--kill-dir", str(work), *args])
+                     "--steps", str(STEPS), "--kill-dir", str(work), *args], env=env)
     code = launch.wait(JOB_TIMEOUT_S)
     return code, launch
 
@@ -147,3 +148,48 @@ def test_bad_state_keeps_the_last_good_snapshot(job_dir: Path) -> None:
     assert not any("Traceback" in line for line in launch.lines), launch.output[-3000:]
     _check_recovery(launch, kill_step=3, every=2, good_step=2)
     assert _digest(launch) == reference
+
+
+def test_fault_while_snapshotting_then_two_more_one_during_recovery(job_dir: Path) -> None:
+    """Three faults in one job: rank 1 dies while the snapshot of step 2 is being taken
+    (inside its capture: its file never exists, the other ranks' do), so every member
+    restores step 1, not the half-taken 2; rank 2 dies in the backward of step index 5,
+    every member restores step 5; the replacement dies while restoring it (a fault during
+    the recovery), and the next member epoch restores step 5 again. The job still ends
+    with the fault-free parameters."""
+    reference = _reference_digest(job_dir, [])
+    code, launch = _run(job_dir, ["--kill", "1:2:capture", "--kill", "2:5:backward",
+                                  "--kill", "3:5:restore"], "fault")
+    assert code == 0, launch.output[-3000:]
+    records = parse(launch.lines)
+    assert len([r for r in records if isinstance(r, Victim)]) == 3, launch.output[-3000:]
+    by_epoch: dict[int, list[Restored]] = {}
+    for r in records:
+        if isinstance(r, Restored):
+            by_epoch.setdefault(r.epoch, []).append(r)
+    steps = []
+    for _, restored in sorted(by_epoch.items()):
+        assert len({(r.step, r.taken_in) for r in restored}) == 1, \
+            [r.where() for r in restored]
+        assert len({r.rank for r in restored}) == len(restored), [r.where() for r in restored]
+        steps.append(restored[0].step)
+    assert steps == [1, 5, 5], {e: [r.where() for r in rs] for e, rs in by_epoch.items()}
+    last = by_epoch[max(by_epoch)]
+    assert sorted(r.rank for r in last) == [0, 1, 2, 3], [r.where() for r in last]
+    assert _digest(launch) == reference
+    assert _snapshot_dirs_of(launch.proc.pid) == []
+
+
+def test_snapshots_over_the_cap_are_said_once_and_training_goes_on(job_dir: Path) -> None:
+    """FTRUN_SNAPSHOT_CAP_BYTES below what two snapshots of every local rank need: each rank
+    says so once, in one line with the sizes, and the job runs to its end."""
+    code, launch = _run(job_dir, [], "cap", env={"FTRUN_SNAPSHOT_CAP_BYTES": "1000"})
+    assert code == 0, launch.output[-3000:]
+    said = [line for line in launch.lines if "more than the cap 1000 bytes" in line]
+    assert len(said) == 4, launch.output[-3000:]
+    for rank in range(4):
+        assert any(f"rank {rank} " in line and "4 local ranks x 2 x" in line
+                   for line in said), said
+    assert not any("Traceback" in line for line in launch.lines), launch.output[-3000:]
+    assert not find(launch.lines, Restored)
+    _digest(launch)

@@ -113,7 +113,7 @@ class SnapshotWriter:
         self._free.set()
         self._stop = threading.Event()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._checked_capacity = False
+        self._checked_size = -1
         self._thread = threading.Thread(target=self._run, name="ftrun-snapshot", daemon=True)
         self._thread.start()
 
@@ -122,11 +122,11 @@ class SnapshotWriter:
     def capture(self, step: int, tree: Any, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` out and queue snapshot ``step`` (see the module for the wait)."""
         entries, locals_, size = fmt.layout(tensors)
-        if not self._checked_capacity:
-            memory.check_capacity(self.directory, per_rank_bytes=size + 4096,
+        if size != self._checked_size:  # the first, and when the state grows (optimizer)
+            memory.check_capacity(self.directory, per_rank_bytes=size + 4096 + 512 * len(entries),
                                   local_ranks=self.local_ranks, rank=self.where.rank,
                                   node=self.where.host, cap=self.cap)
-            self._checked_capacity = True
+            self._checked_size = size
         if not self._free.wait(self.timeout_s):
             raise SnapshotBusyError(f"rank {self.where.rank}: the previous snapshot is still "
                                     f"being written after {self.timeout_s:g} s")

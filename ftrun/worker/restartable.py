@@ -197,7 +197,10 @@ class Session:
                 self.snapshot()
             except (fmt.SnapshotValueError, memory.SnapshotMemoryError,
                     SnapshotBusyError) as error:
-                runner.warn(f"snapshot of step {self.step} not taken: {error}")
+                if str(error) != runner.last_error:  # once, not at every step
+                    runner.last_error = str(error)
+                    runner.warn(f"snapshot of step {self.step} not taken: {error} (the last "
+                                "complete snapshot stays the one a recovery uses)")
 
     def snapshot(self) -> None:
         """Snapshot every registered object's state now (asynchronously: returns once the
@@ -248,6 +251,7 @@ class _Runner:
         self.fault_grace_s = fault_grace_s
         self.max_regroups = max_regroups
         self.progress = 0
+        self.last_error = ""  # the last snapshot error said (said once)
         self.rank = int(os.environ.get("RANK", "-1"))  # in the current member epoch
         self.writer: SnapshotWriter | None = None
         self.history: list[tuple[int, int]] = []  # snapshots held: published or restored
@@ -276,7 +280,10 @@ class _Runner:
                 raise SystemExit(f"ftrun.restartable: {memory.ENV}={text!r} is not the "
                                  "agent's snapshot directory (an ftrun older than this API?)")
             self.directory = Path(text)
-            self.cap = memory.cap_bytes()
+            try:
+                self.cap = memory.cap_bytes()
+            except memory.SnapshotMemoryError as error:
+                raise SystemExit(f"ftrun.restartable: {error}") from None
 
     def warn(self, text: str) -> None:
         """One line on stderr naming this worker: its rank, member id and node."""
