@@ -5,7 +5,9 @@ End to end on real jobs (gloo workers, the real agent, real signals):
   happened (the victim's rank and pid, the kill time, detection before recovery, the
   survivors' world and step from their own regroup lines, no step lost, the replacement's
   join), one console line when the survivors regrouped and one when the replacement
-  joined, and a success summary with wall time, productive time and goodput;
+  joined, and a success summary with wall time, productive time and goodput; the
+  ``--metrics-port`` endpoint scraped before the kill and during the run after it shows
+  the member epoch change, the regroup, the failed member and the recovery's seconds;
 * restart: a script without the worker API fails once: the record's path is restart, the
   line says how long the restart took, and with no restart left the console never says
   "restarting all" before "job failed (no restart)".
@@ -21,12 +23,14 @@ import re
 import shutil
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ftrun.agent.faults import FaultBook
-from tests.launch import REPO, Launch
+from tests.launch import REPO, Launch, wait_until
 from tests.lines import ElasticStep, Regroup, find
 
 ELASTIC = REPO / "scripts" / "train_elastic.py"
@@ -43,6 +47,18 @@ SUMMARY = re.compile(r"ftrun: wall (?P<wall>[\d.]+) s, (?:productive (?P<prod>[\
                      r"goodput (?P<goodput>[\d.]+)%|goodput unknown[^,]*), (?P<n>\d+) faults?")
 
 
+def _scrape(port: int) -> dict[str, float]:
+    """One scrape of the agent's metrics endpoint: 'name{labels}' -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            found[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return found
+
+
 def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -56,13 +72,25 @@ def _copy(script: Path, job_dir: Path) -> Path:
 def test_a_killed_worker_gets_one_record_a_line_and_the_success_summary(job_dir: Path) -> None:
     events = job_dir / "events.jsonl"
     run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", "--events-file",
-                  str(events), str(_copy(ELASTIC, job_dir)), "--steps", "90", "--hidden", "128",
-                  "--step-sleep", "0.05"], cwd=job_dir)
+                  str(events), "--metrics-port", "0", str(_copy(ELASTIC, job_dir)), "--steps",
+                  "90", "--hidden", "128", "--step-sleep", "0.05"], cwd=job_dir)
     victim = run.wait_for(lambda lines: next((s.pid for s in find(lines, ElasticStep)
                                               if s.step >= 12 and s.rank == 1), None),
                           120, "rank 1 at step 12")
+    port = int(run.wait_for(lambda lines: next((m[1] for x in lines if (m := re.search(
+        r"metrics: http://\S+:(\d+)/metrics", x))), None), 10, "the metrics line"))
+    before = _scrape(port)
+    assert (before["ftrun_world_size"], before["ftrun_member_epoch"]) == (3, 0), before
+    assert before['ftrun_members{state="ready"}'] == 3 and before["ftrun_regroups_total"] == 0
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: any(e["event"] == "fault" for e in _events(events)), 60,
+               "the fault record")
+    after = _scrape(port)  # the job still runs: the regroup shows in the live metrics
+    assert after["ftrun_member_epoch"] >= 1 and after["ftrun_regroups_total"] == 1, after
+    assert after["ftrun_faults_total"] == 1 and after["ftrun_recovery_seconds_last"] > 0
+    assert after['ftrun_members{state="failed"}'] == 1, after
+    assert after['ftrun_rank_step_rate{rank="0"}'] > 0, after
     assert run.wait(240) == 0, run.output
     records = [e for e in _events(events) if e["event"] == "fault"]
     assert len(records) == 1, records
@@ -72,6 +100,7 @@ def test_a_killed_worker_gets_one_record_a_line_and_the_success_summary(job_dir:
     assert killed - 0.05 <= fault["happened"] <= fault["detected"] <= fault["recovered"]
     assert fault["recovered"] - killed < KILL_TO_FORMED_S, fault
     assert fault["recovery_s"] == round(fault["recovered"] - fault["happened"], 6)
+    assert after["ftrun_recovery_seconds_last"] == pytest.approx(fault["recovery_s"], abs=1e-5)
     # The survivors' own lines: they regrouped into world 2 after committing step S.
     regroups = [r for r in find(run.lines, Regroup) if r.world == 2]
     assert regroups, run.output
