@@ -37,6 +37,7 @@ from ftrun.agent.events import Event, EventLog, WorkerExit
 from ftrun.agent.faults import FaultBook
 from ftrun.agent.inject import Injector
 from ftrun.agent.launcher import Launcher, WorkerStartError
+from ftrun.agent.metrics import Metrics, MetricsError
 from ftrun.agent.nodes import NodeWatch
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
 from ftrun.agent.regroup import RegroupSupervisor
@@ -96,6 +97,10 @@ class Agent:
         # Faults injected on purpose (--inject, ftrun inject), and the run's registration.
         self.injector = Injector(config.inject, self.events, self.say, lambda: self.node_rank)
         self._registration: Path | None = None
+        self.metrics: Metrics | None = None
+        if config.metrics_port is not None:  # served once the run starts (_run)
+            self.metrics = Metrics()
+            self.events.add_listener(self.metrics.observe)
         self.events.emit(Event.STARTED, run_id=self.run_id,
                          nproc_per_node=config.nproc_per_node)
         self.launcher = Launcher(config, hostname=self.hostname, run_log_dir=run_log_dir,
@@ -157,11 +162,21 @@ class Agent:
             if self.heartbeat is not None:
                 self.heartbeat.stop(0.0 if self.store_lost else 2.0 * self._op_timeout)
             self.injector.stop()
+            if self.metrics is not None:
+                self.metrics.close()
             unregister(self._registration)
             self.inbox.close()
             self.events.close()
 
     def _run(self) -> int:
+        if self.metrics is not None:
+            assert self.config.metrics_port is not None
+            try:
+                port = self.metrics.serve(self.config.metrics_port)
+            except MetricsError as error:  # bad input: one line, nothing started
+                print(f"ftrun: error: {error}", file=sys.stderr)
+                return ExitCode.USAGE
+            self.say(f"metrics: http://{self.hostname}:{port}/metrics")
         rdzv = self._connect()
         if rdzv is None:
             return for_signal(self._signal())
