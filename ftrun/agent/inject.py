@@ -50,6 +50,7 @@ RAISE_SIGNAL = signal.SIGUSR2
 TICK_S = 0.1
 POLL_STORE_S = 0.25  # the leader
 POLL_STORE_OTHERS_S = 2.0  # every other agent (the store's load grows with the nodes)
+JOB_EVERY_S = 1.0  # the leader refreshes the job's record (ftrun status reads it)
 
 
 def request_key(number: int) -> str:
@@ -93,6 +94,7 @@ class Injector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poll_s = POLL_STORE_S
+        self._status: Callable[[], dict[str, Any]] | None = None
         events.add_listener(self.observe)
 
     # --- what the events say -------------------------------------------------------------
@@ -142,10 +144,13 @@ class Injector:
 
     # --- the thread ----------------------------------------------------------------------
 
-    def start(self, store: Callable[[], JsonStore] | None, job: dict[str, Any] | None) -> None:
+    def start(self, store: Callable[[], JsonStore] | None, job: dict[str, Any] | None,
+              status: Callable[[], dict[str, Any]] | None = None) -> None:
         """Start the thread. ``store`` opens this thread's own client (None: no requests);
-        ``job``: the ``ftrun/job`` record to keep (the leader only)."""
+        ``job``: the ``ftrun/job`` record to keep (the leader only), refreshed every
+        second with ``status()`` (ftrun.agent.statusboard) for ``ftrun status``."""
         self._poll_s = POLL_STORE_S if job is not None else POLL_STORE_OTHERS_S
+        self._status = status
         self._thread = threading.Thread(target=self._run, args=(store, job),
                                         name="ftrun-inject", daemon=True)
         self._thread.start()
@@ -160,7 +165,7 @@ class Injector:
         store: JsonStore | None = None
         handled = 0
         next_poll = 0.0
-        job_written: tuple[int, int] | None = None
+        job_due = 0.0
         while not self._stop.wait(TICK_S):
             self._fire_due()
             if open_store is None or time.monotonic() < next_poll:
@@ -169,10 +174,12 @@ class Injector:
             try:
                 if store is None:
                     store = open_store()
-                if job is not None and job_written != (self.world_size, self.nnodes):
-                    job_written = (self.world_size, self.nnodes)
-                    store.scoped("ftrun").set_record(JOB_KEY, {
-                        **job, "world_size": self.world_size, "nnodes": self.nnodes})
+                if job is not None and time.monotonic() >= job_due:
+                    job_due = time.monotonic() + JOB_EVERY_S
+                    record = {**job, "world_size": self.world_size, "nnodes": self.nnodes}
+                    if self._status is not None:
+                        record.update(self._status())
+                    store.scoped("ftrun").set_record(JOB_KEY, record)
                 handled = self._requests(store, handled)
             except StoreError:
                 return  # the agent's own loop deals with a lost store
