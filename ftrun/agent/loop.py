@@ -46,6 +46,7 @@ from ftrun.agent.restart import RestartSupervisor
 from ftrun.agent.services import AgentServices, Supervisor
 from ftrun.agent.signals import SignalInbox
 from ftrun.agent.snapshots import NodeSnapshots
+from ftrun.agent.statusboard import StatusBoard
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
@@ -97,6 +98,8 @@ class Agent:
         # Faults injected on purpose (--inject, ftrun inject), and the run's registration.
         self.injector = Injector(config.inject, self.events, self.say, lambda: self.node_rank)
         self._registration: Path | None = None
+        self.board = StatusBoard()  # what ftrun status shows (the leader publishes it)
+        self.events.add_listener(self.board.observe)
         self.metrics: Metrics | None = None
         if config.metrics_port is not None:  # served once the run starts (_run)
             self.metrics = Metrics()
@@ -371,7 +374,7 @@ class Agent:
                "started": time.time()} if hosting else None
         if hosting:
             self._registration = register(self.run_id, host, port)
-        self.injector.start(open_store, job)
+        self.injector.start(open_store, job, self.board.snapshot)
 
     def _lost_reason(self) -> str | None:
         """Why the store host counts as lost (this agent's heartbeats fail), or None."""
