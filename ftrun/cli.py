@@ -50,7 +50,7 @@ from ftrun.control.auth import TokenError, load_secret
 from ftrun.exitcodes import ExitCode
 from ftrun.faultspec import FaultSpecError, Schedule, parse_schedule
 
-SUBCOMMANDS = ("doctor", "report", "inject")
+SUBCOMMANDS = ("doctor", "report", "inject", "status")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -487,4 +487,8 @@ def _run_subcommand(name: str, args: list[str]) -> int:
         from ftrun.inject import main as inject
 
         return inject(args)
+    if name == "status":  # one look at a running job (its leader's record in the store)
+        from ftrun.status import main as status
+
+        return status(args)
     raise AssertionError(name)
