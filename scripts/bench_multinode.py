@@ -872,7 +872,7 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
                 if time.time() >= start:
                     scans.append(time.monotonic() - t0)
                     lost.update(found)
-                store.add("gen/1/count", 0)
+                store.drain_records("gen/1/slots")  # the newcomer check: one queue_len
             time.sleep(_MONITOR_INTERVAL_S)
         host = _cpu_s(os.getpid()) - cpu.get("host", 0.0)
         agents_cpu = sum(_cpu_s(w.pid) for w in workers if w.pid) - cpu.get("agents", 0.0)
@@ -959,6 +959,253 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
     }
 
 
+# --- rendezvous of many light agents (many per process, a connection each) ----------------
+
+#: Light agents run in at least this many processes, about _LIGHT_PER_PROC agents each.
+_LIGHT_PROCS, _LIGHT_PER_PROC = 8, 64
+
+
+def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict[str, Any],
+                       out: mp.Queue, go: Any, leave: Any) -> None:
+    """The light agents ``ids`` of one rendezvous run, in this process: each makes what a
+    non-leader agent makes before it joins (ftrun/agent/loop.py): a store client of its own
+    with the agent's request timeout, signed records, a HeartbeatSender on a second
+    connection; then, at the harness's signal, a thread per agent runs the real
+    DynamicRendezvous.join() for generation 0. Reports when each agent's offer (its slot
+    record) was in the store and when its join returned, and what it was given."""
+    from ftrun.control.auth import Signer
+    from ftrun.control.heartbeat import HeartbeatSender
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+    from ftrun.control.store import JsonStore, connect_store
+
+    class Timed(DynamicRendezvous):
+        """The real rendezvous; notes the moment this agent's offer is in the store."""
+
+        offered = 0.0
+
+        def _offer(self, number: int, slot: NodeSlot) -> None:
+            super()._offer(number, slot)
+            self.offered = time.time()
+
+    try:
+        # A real agent is a process of its own; here a hundred share one interpreter, and a
+        # thread woken from a store call waits for the GIL up to the switch interval (5 ms
+        # by default) behind each other runnable one: shortened, so that the figure is the
+        # protocol's and not this harness's queue.
+        sys.setswitchinterval(cfg["switch_interval"])
+        op_timeout = _agent_op_timeout(cfg["heartbeat_timeout"])
+
+        def dial() -> Any:
+            return connect_store("127.0.0.1", port, op_timeout, op_timeout_s=op_timeout)
+
+        began = time.monotonic()
+        agents = []
+        for i in ids:
+            client = connect_store("127.0.0.1", port, 300, op_timeout_s=op_timeout)
+            beat: HeartbeatSender | None = None
+            store = JsonStore(client, f"ftrun/{run_id}", signer=Signer(b"bench-token"),
+                              reconnect=dial, retry_s=cfg["heartbeat_timeout"] * 3)
+            if cfg["heartbeats"]:
+                first = [connect_store("127.0.0.1", port, 300, op_timeout_s=op_timeout)]
+                beat = HeartbeatSender(lambda f=first: f.pop() if f else dial(), store,
+                                       f"light-{i}", cfg["interval"],
+                                       cfg["heartbeat_timeout"])
+            rdzv = Timed(store, min_nodes=n, max_nodes=n, last_call_s=30, is_leader=False,
+                         poll_s=_FTRUN_POLL_S, interrupted=lambda: False,
+                         lost=lambda b=beat: "store lost" if b is not None and b.lost()
+                         else None)
+            slot = NodeSlot(-1, 1, "127.0.0.1", f"light{i}", os.getpid(), f"light-{i}")
+            agents.append((rdzv, slot, beat))
+        for _, _, beat in agents:
+            if beat is not None:
+                beat.start()
+        out.put(("ready", ids[0], round(time.monotonic() - began, 1)))
+        go.wait()
+        results: dict[int, Any] = {}
+
+        def join(k: int) -> None:
+            rdzv, slot, _ = agents[k]
+            try:
+                generation = rdzv.join(0, slot, cfg["timeout"], lambda: ("unused", 0))
+                node = generation.node(slot.node_id)
+                assert node is not None
+                results[k] = (rdzv.offered, time.time(), node.node_rank,
+                              generation.rank_offset(node.node_rank), generation.world_size,
+                              generation.nnodes, generation.worker_store_port)
+            except BaseException as error:  # reported to the harness
+                results[k] = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+
+        threads = [threading.Thread(target=join, args=(k,), daemon=True)
+                   for k in range(len(agents))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(cfg["timeout"] + 30)
+        for _, _, beat in agents:
+            if beat is not None:
+                beat.stop(0.0)
+        errors = [r for r in results.values() if isinstance(r, str)]
+        done = [r for r in results.values() if not isinstance(r, str)]
+        out.put(("done", ids[0], {"joined": done, "errors": errors[:3],
+                                  "failed": len(errors) + len(agents) - len(results)}))
+    except BaseException as error:  # reported to the harness, then this process exits
+        out.put(("error", ids[0] if ids else -1, f"{type(error).__name__}: {error}"[:300]))
+    leave.wait()
+    out.close()
+    out.join_thread()
+    os._exit(0)  # skip torch's teardown of thousands of clients
+
+
+def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
+                     heartbeats: bool = True, switch_interval: float = 0.0005
+                     ) -> dict[str, Any]:
+    """One rendezvous of ``n`` agents: the leader in this process (it serves the store, as
+    the store host's agent does, and opens the generation's worker store), ``n - 1`` light
+    agents in ``procs`` processes (see :func:`_light_rdzv_agents`). The figure ``s`` is
+    from the last join (the last agent's slot record in the store) to every agent holding
+    its generation (its join returned with its rank, the world size and the worker store);
+    None when not all returned within ``timeout_s``."""
+    import resource
+
+    from ftrun.control.auth import Signer
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+    from ftrun.control.store import JsonStore, serve_store
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 3 * n + 256
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, wanted), hard))
+    procs = max(1, min(procs or max(_LIGHT_PROCS, n // _LIGHT_PER_PROC), n - 1))
+    server = serve_store(0, timeout_s + 60)
+    run_id = f"light-{n}-{time.time_ns()}"
+    ctx = mp.get_context("forkserver")  # forking this process (it serves a store) can deadlock
+    ctx.set_forkserver_preload(_AGENT_PRELOAD)
+    out: mp.Queue = ctx.Queue()
+    go, leave = ctx.Event(), ctx.Event()
+    cfg = {"interval": _HB_INTERVAL_S, "heartbeat_timeout": _HB_TIMEOUT_S,
+           "timeout": timeout_s, "heartbeats": heartbeats, "switch_interval": switch_interval}
+    workers = [ctx.Process(target=_light_rdzv_agents, daemon=True,
+                           args=(server.port, list(range(1 + k, n, procs)), n, run_id, cfg,
+                                 out, go, leave))
+               for k in range(procs)]
+    info: dict[str, Any] = {"agents": n, "s": None, "processes": procs,
+                            "switch_interval_s": switch_interval,
+                            "connections": (2 if heartbeats else 1) * (n - 1),
+                            "heartbeats": heartbeats,
+                            "resolver_options": os.environ.get("RES_OPTIONS")}
+    try:
+        began = time.monotonic()
+        for w in workers:
+            _start_agent(w)
+        ready = 0
+        while ready < procs:
+            try:
+                kind, first, value = out.get(timeout=600)
+            except queue.Empty:
+                raise RuntimeError(f"only {ready} of {procs} agent processes ready") from None
+            if kind == "error":
+                raise RuntimeError(f"agents from {first} failed in set-up: {value}")
+            ready += 1
+        info["setup_s"] = round(time.monotonic() - began, 1)
+        leader_store = JsonStore(server, f"ftrun/{run_id}", signer=Signer(b"bench-token"))
+        class TimedLeader(DynamicRendezvous):
+            """The real leader; notes when it has every slot (before it writes)."""
+
+            collected = 0.0
+
+            def _collect(self, *args: Any, **kwargs: Any) -> list[NodeSlot]:
+                slots = super()._collect(*args, **kwargs)
+                self.collected = time.time()
+                return slots
+
+        leader = TimedLeader(leader_store, min_nodes=n, max_nodes=n, last_call_s=30,
+                             is_leader=True, poll_s=_FTRUN_POLL_S, interrupted=lambda: False)
+        worker_stores: list[Any] = []
+
+        def open_worker_store() -> tuple[str, int]:  # as the real leader: a fresh store
+            worker_stores.append(serve_store(0, timeout_s))
+            return "127.0.0.1", int(worker_stores[-1].port)
+
+        busy, host_cpu = _machine_busy_s(), _cpu_s(os.getpid())
+        agents_cpu = sum(_cpu_s(w.pid) for w in workers if w.pid)
+        started = time.time()
+        go.set()
+        generation = leader.join(0, NodeSlot(-1, 1, "127.0.0.1", "leader", os.getpid(),
+                                             "leader"), timeout_s, open_worker_store)
+        written = time.time()
+        reports = []
+        while len(reports) < procs:
+            try:
+                kind, first, value = out.get(timeout=timeout_s + 60)
+            except queue.Empty:
+                raise RuntimeError(f"{len(reports)} of {procs} processes reported") from None
+            if kind == "error":
+                raise RuntimeError(f"agents from {first} failed: {value}")
+            reports.append(value)
+        window = max(0.001, time.time() - started)
+        info["store_host_cores"] = round((_cpu_s(os.getpid()) - host_cpu) / window, 2)
+        info["agents_cores"] = round((sum(_cpu_s(w.pid) for w in workers if w.pid)
+                                      - agents_cpu) / window, 2)
+        info["other_work_cores"] = round(max(0.0, _machine_busy_s() - busy) / window
+                                         - info["store_host_cores"] - info["agents_cores"], 2)
+    finally:
+        leave.set()
+        for w in workers:
+            if w.pid is None:
+                continue
+            w.join(15)
+            if w.is_alive():
+                w.kill()
+                w.join(5)
+        out.close()
+    joined = [r for report in reports for r in report["joined"]]
+    failed = sum(report["failed"] for report in reports)
+    info["errors"] = [e for report in reports for e in report["errors"]][:3]
+    info["failed"] = failed
+    if failed or len(joined) != n - 1:
+        return info
+    offered = [r[0] for r in joined]
+    held = [r[1] for r in joined]
+    ranks = sorted(r[2] for r in joined)
+    consistent = (ranks == list(range(1, n)) and all(
+        r[3] == r[2] and r[4] == n and r[5] == n and r[6] == generation.worker_store_port
+        for r in joined))
+    info["consistent"] = consistent  # every rank once, the same world and worker store
+    last_join = max(offered)
+    info["s"] = round(max(held) - last_join, 4)
+    info["first_join_to_all_held_s"] = round(max(held) - min(offered), 4)
+    info["leader_had_every_slot_after_last_join_s"] = round(leader.collected - last_join, 4)
+    info["record_written_after_last_join_s"] = round(written - last_join, 4)
+    info["held_median_after_last_join_s"] = round(statistics.median(held) - last_join, 4)
+    return info
+
+
+def measure_rendezvous_light(args: argparse.Namespace, result: dict[str, object]) -> None:
+    """Fills ``rendezvous_s["ftrun"]`` ({"N": median s}) and ``rendezvous_light_runs``."""
+    medians: dict[str, float | None] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for n in (int(x) for x in args.agents.split(",")):
+        for _ in range(args.rdzv_repeats):
+            try:
+                info = rendezvous_light(n, procs=args.light_procs, timeout_s=args.rdzv_timeout,
+                                        heartbeats=not args.light_no_heartbeats,
+                                        switch_interval=args.light_switch_interval)
+            except RuntimeError as error:
+                info = {"agents": n, "s": None, "failed": str(error)}
+            runs.setdefault(str(n), []).append(info)
+            notes = ", ".join(f"{k} {v}" for k, v in info.items()
+                              if k not in ("agents", "s") and v not in (None, [], 0))
+            print(f"  rendezvous (light agents), ftrun, {n} agents: {info['s']}  ({notes})",
+                  file=sys.stderr, flush=True)
+        valid = [i["s"] for i in runs[str(n)] if i.get("s") is not None
+                 and i.get("consistent")]
+        medians[str(n)] = _median(valid) if valid else None
+    rendezvous_s = result.setdefault("rendezvous_s", {})
+    assert isinstance(rendezvous_s, dict)
+    rendezvous_s["ftrun"] = medians
+    result["rendezvous_light_runs"] = runs
+
+
 # --- main ----------------------------------------------------------------------------------
 
 
@@ -1006,7 +1253,10 @@ def rendezvous(args: argparse.Namespace, result: dict[str, object]) -> None:
                 s_ = info["s"]
                 if isinstance(s_, float) and median is not None and 4.5 <= s_ - median <= 6:
                     info["suspect"] = "about 5 s above the median: possibly the connect stall"
-    result["rendezvous_s"] = medians
+    rendezvous_s = result.setdefault("rendezvous_s", {})
+    assert isinstance(rendezvous_s, dict)
+    rendezvous_s["ftrun_process"] = medians["ftrun"]  # one process per agent
+    rendezvous_s["torchrun"] = medians["torchrun"]
     result["rendezvous_runs"] = runs
     measured = [n for n in counts if runs["torchrun"].get(n)]
     quoted = {n: TORCHRUN_RDZV_ANCHORS[n] for n in counts
@@ -1071,7 +1321,8 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
 
 
 def print_rendezvous_table(result: dict[str, object]) -> None:
-    rd = result["rendezvous_s"]
+    rd = dict(result["rendezvous_s"])  # type: ignore[call-overload]
+    rd["ftrun"] = rd["ftrun_process"]
     runs = result["rendezvous_runs"]
     print("rendezvous of N agents, one process each (s): common start -> the last agent's "
           "join returned;")
@@ -1122,10 +1373,31 @@ def print_rendezvous_table(result: dict[str, object]) -> None:
               f"{result['torchrun_quoted']['source']}")  # type: ignore[index]
 
 
+def print_light_table(result: dict[str, object]) -> None:
+    runs = result["rendezvous_light_runs"]
+    assert isinstance(runs, dict)
+    print("rendezvous of N light agents (threads, a store connection each, heartbeats on a "
+          "second one): the last\n  join (slot record in the store) -> every agent holding "
+          "its generation (median of runs [every run], s)")
+    print(f"  {'N':>6} {'ftrun':>7} {'runs':<24} {'first join->all':>15} {'setup':>6} "
+          f"{'host cores':>10} {'other':>5}")
+    medians = result["rendezvous_s"]["ftrun"]  # type: ignore[index]
+    for n, infos in runs.items():
+        each = " ".join("fail" if i.get("s") is None else f"{i['s']:.3f}" for i in infos)
+        value = medians.get(n)
+        first = [i.get("first_join_to_all_held_s") for i in infos if i.get("s") is not None]
+        print(f"  {n:>6} {'n/a' if value is None else f'{value:.3f}':>7} {'[' + each + ']':<24} "
+              f"{(f'{statistics.median(first):.3f}' if first else '-'):>15} "
+              f"{infos[-1].get('setup_s', '-')!s:>6} "
+              f"{infos[-1].get('store_host_cores', '-')!s:>10} "
+              f"{infos[-1].get('other_work_cores', '-')!s:>5}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--only", choices=["recovery", "rendezvous", "store-load"])
+    parser.add_argument("--only", choices=["recovery", "rendezvous", "rendezvous-light",
+                                           "store-load"])
     parser.add_argument("--runs", type=int, default=2, help="node-loss runs per launcher")
     parser.add_argument("--cap", type=float, default=90.0, help="torchrun recovery cap (s)")
     parser.add_argument("--agents", default="64,128,256,512")
@@ -1143,6 +1415,13 @@ def main() -> None:
                              "machine uses fewer cores than this...")
     parser.add_argument("--rdzv-quiet-wait", type=float, default=60.0,
                         help="...but no longer than this (s); 0: do not wait")
+    parser.add_argument("--light-procs", type=int, default=0,
+                        help="rendezvous-light: processes the light agents are spread over "
+                             f"(0: N / {_LIGHT_PER_PROC}, at least {_LIGHT_PROCS})")
+    parser.add_argument("--light-switch-interval", type=float, default=0.0005,
+                        help="rendezvous-light: sys.setswitchinterval in agent processes")
+    parser.add_argument("--light-no-heartbeats", action="store_true",
+                        help="rendezvous-light: agents send no heartbeats while joining")
     parser.add_argument("--store-load", type=int, default=1000,
                         help="light agents (2 store connections each) for the store load")
     parser.add_argument("--store-load-procs", type=int, default=8,
@@ -1157,14 +1436,14 @@ def main() -> None:
                         help="agents poll the end key every 0.1 s (before the EndWatcher)")
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if args.only == "store-load" and "RES_OPTIONS" not in os.environ:
+    if args.only in ("store-load", "rendezvous-light") and "RES_OPTIONS" not in os.environ:
         os.environ["RES_OPTIONS"] = _RESOLVER_WORKAROUND  # before any lookup: see its comment
-        print(f"  store load: the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md) cut to 1 s "
+        print(f"  {args.only}: the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md) cut to 1 s "
               f"with RES_OPTIONS={_RESOLVER_WORKAROUND}", file=sys.stderr, flush=True)
     result: dict[str, object] = {
         "node_loss_recovery_s": {variant: [] for variant in VARIANTS},
         "node_loss_steps_lost": {variant: [] for variant in VARIANTS},
-        "rendezvous_s": {"ftrun": {}, "torchrun": {}},
+        "rendezvous_s": {"ftrun": {}, "ftrun_process": {}, "torchrun": {}},
         "censored": {"torchrun": []},
     }
     if args.only in (None, "recovery"):
@@ -1186,6 +1465,8 @@ def main() -> None:
                 recovery[program].append(round(took, 2))
     if args.only in (None, "rendezvous"):
         rendezvous(args, result)
+    if args.only in (None, "rendezvous-light"):
+        measure_rendezvous_light(args, result)
     if args.only in (None, "store-load"):
         measure_store_load(args, result)
     if args.json:
@@ -1202,8 +1483,10 @@ def main() -> None:
             lost = result["node_loss_steps_lost"][program]  # type: ignore[index]
             print(f"  {program:14} {' '.join(f'{v:7.2f}' for v in values)}"
                   f"   steps lost {lost}{note}")
-    if result["rendezvous_s"]["ftrun"]:  # type: ignore[index]
+    if result["rendezvous_s"]["ftrun_process"]:  # type: ignore[index]
         print_rendezvous_table(result)
+    if result.get("rendezvous_light_runs"):
+        print_light_table(result)
     if "store_load_model" in result:
         print("store load, a MODEL (arithmetic, not measured):")
         for key, value in result["store_load_model"].items():  # type: ignore[union-attr]

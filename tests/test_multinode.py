@@ -238,9 +238,7 @@ def _until(condition: Callable[[], object], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_leader_reads_slots_in_bulk_around_holes_and_agents_wait_in_the_store(store) -> None:  # type: ignore[no-untyped-def]
-    from dataclasses import asdict
-
+def test_leader_reads_each_slot_once_skips_forged_ones_and_agents_wait_in_the_store(store) -> None:  # type: ignore[no-untyped-def]
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
 
     client = _client(store.port)
@@ -251,12 +249,17 @@ def test_leader_reads_slots_in_bulk_around_holes_and_agents_wait_in_the_store(st
     def slot(i: int) -> NodeSlot:
         return NodeSlot(-1, 1, f"10.0.0.{i}", f"h{i}", 1, f"node-{i}")
 
-    for i in (1, 2, 4, 7, 8):  # 3, 5 and 6 drawn, not written yet
-        jstore.set_record(f"gen/0/slot/{i}", asdict(slot(i)))
-    store.set("ftrun/rd/gen/0/slot/5", "forged")
-    found = rdzv._read_slots(0, list(range(1, 9)))
-    assert sorted(found) == [1, 2, 4, 5, 7, 8]
-    assert found[5] is None and found[8] == slot(8)
+    for i in (1, 2):
+        rdzv._offer(0, slot(i))
+    store.append("ftrun/rd/gen/0/slots", "\n{forged")  # not a record: skipped
+    JsonStore(store, "ftrun/rd", signer=Signer(b"wrong")).put_record("gen/0/slots",
+                                                                     slot(9).to_json())
+    rdzv._offer(0, slot(3))
+    assert rdzv._arrivals(0) == [slot(1), slot(2), slot(3)]
+    read = rdzv._arrived[0][1]
+    rdzv._offer(0, slot(4))
+    assert rdzv._arrivals(0) == [slot(1), slot(2), slot(3), slot(4)]
+    assert rdzv._arrived[0][1] > read  # only the new bytes were parsed
     # An agent's wait for the generation record is one server-side wait per slice; a
     # timed-out wait leaves the connection in step for the next request.
     agent = JsonStore(client, "ftrun/rd", signer=Signer(TOKEN.encode()))

@@ -305,7 +305,7 @@ class JsonStore:
         Appending (never overwriting) means a writer without the job's secret cannot
         replace or pre-empt a valid record: what it appends is skipped by every reader.
         """
-        line = json.dumps(self.signer.wrap(self.key(name), body), separators=(",", ":"))
+        line = self.signer.line(self.key(name), body)
         self._call("append", self.key(name), "\n" + line)
 
     def first_record(self, name: str) -> dict[str, Any] | None:
@@ -316,7 +316,7 @@ class JsonStore:
 
     def set_record(self, name: str, body: dict[str, Any]) -> None:
         """Overwrite ``name`` with a signed record (heartbeats, slots, the latest pointer)."""
-        line = json.dumps(self.signer.wrap(self.key(name), body), separators=(",", ":"))
+        line = self.signer.line(self.key(name), body)
         self._call("set", self.key(name), line)
 
     def get_record(self, name: str) -> dict[str, Any] | None:
@@ -331,15 +331,19 @@ class JsonStore:
         if not bodies:
             return
         keys = [self.key(name) for name in bodies]
-        lines = [json.dumps(self.signer.wrap(key, body), separators=(",", ":"))
+        lines = [self.signer.line(key, body)
                  for key, body in zip(keys, bodies.values(), strict=True)]
         self._call("multi_set", keys, lines)
 
-    def read_record(self, name: str) -> dict[str, Any] | None:
-        """A :meth:`set_record` record of a key known to exist (one ``get``, no ``check``:
-        torch's ``get`` waits for a missing key up to the client's timeout, then fails
-        with :class:`StoreError`); None if invalid."""
-        return self.check_record(name, self._call("get", self.key(name)))
+    def records_after(self, name: str, offset: int) -> tuple[list[dict[str, Any] | None], int]:
+        """The records appended (:meth:`put_record`) to ``name`` past byte ``offset``, in
+        order, and the offset after them: a reader that keeps the offset parses each record
+        once (a ``check`` and a ``get``; None for a line that is not a valid record)."""
+        if not self.exists(name):
+            return [], offset
+        raw = self._call("get", self.key(name))
+        lines = raw[offset:].split(b"\n")
+        return [self.check_record(name, line) for line in lines if line.strip()], len(raw)
 
     def get_records(self, names: list[str]) -> list[dict[str, Any] | None]:
         """Several :meth:`set_record` records in one round trip when all exist."""
@@ -405,6 +409,32 @@ class JsonStore:
             self._conn.failed = True  # never used again, even if this reconnect fails
             self._replace_client()
             return False
+
+    def wait_record(self, name: str, timeout_s: float) -> tuple[bool, dict[str, Any] | None]:
+        """Block up to ``timeout_s`` until ``name`` exists, then read it, in one call
+        (torch's ``get`` waits for its key with the client's timeout, here ``timeout_s``):
+        (False, None) on timeout; (True, the :meth:`set_record` record or None if it is not
+        valid). One wake-up instead of two (a wait, then a get), which is what thousands of
+        agents woken at once by their assignments pay. Errors as :meth:`wait_for`."""
+        if self._conn.failed:
+            self._replace_client()
+        client = self.raw
+        bound = client.timeout
+        client.set_timeout(timedelta(seconds=max(timeout_s, 0.001)))
+        try:
+            raw = client.get(self.key(name))
+        except (RuntimeError, ValueError) as error:
+            if "wait timeout after" in str(error):
+                return False, None
+            if self.reconnect is None or self.lost():
+                raise StoreError(f"store request failed: {_first_line(error)}") from None
+            self._conn.failed = True
+            self._replace_client()
+            return False, None
+        finally:
+            if not self._conn.failed and client is self.raw:
+                client.set_timeout(bound)
+        return True, self.check_record(name, raw)
 
     def check_record(self, name: str, raw: bytes) -> dict[str, Any] | None:
         try:
