@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch
+from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch, JobHang, NodeView, WorkerView, judge_job
 from ftrun.agent.stacks import Frame, Stack
+from ftrun.control.errors import StoreValueError
 from tests.launch import REPO, Launch, copy_train_script
 from tests.lines import Start, find
 
@@ -59,6 +60,39 @@ def test_a_hung_rank_is_named_and_the_job_restarts_in_seconds(
     assert "stack (most recent call last)" in out
     assert "restarting (1/1)" in out
     # The floor is 5 s and a restart ~3 s here; torchrun needs the 10-minute timeout.
+    assert restarted_s < 60, f"hang to restart took {restarted_s:.1f}s"
+
+
+def test_a_hang_across_nodes_is_named_with_its_node_from_every_nodes_view(
+    job_dir: Path,
+) -> None:
+    """Two nodes (two agents on this host), one worker each: rank 1 sleeps in its own code
+    while rank 0 waits for it in DDP's backward. Neither node can judge alone (node 1 sees
+    only an idle rank, node 0 only a waiting one); node 0 judges both nodes' views."""
+    script = copy_train_script(job_dir)
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", "29691", "--recovery", "restart", "--max-restarts", "1"]
+    train = [str(script), "--steps", "40", "--step-sleep", "0.02", "--fail-at-step", "15",
+             "--fail-rank", "1", "--fail-mode", "hang", "--fail-once-marker",
+             str(job_dir / "hung-once")]
+    nodes = [Launch([*common, "--node-rank", str(rank), *train], cwd=job_dir)
+             for rank in (0, 1)]
+    hung = nodes[1].wait_for(lambda lines: next((x for x in lines if "hanging at step" in x),
+                                                None), 120, "the hang")
+    hung_at = time.monotonic()
+    victim = hung.split("pid=")[1].split()[0]
+    nodes[0].wait_for(lambda lines: any(s.restart == 1 for s in find(lines, Start)), 90,
+                      "the restart")
+    restarted_s = time.monotonic() - hung_at
+    print(f"hang to restarted workers across two nodes: {restarted_s:.1f}s")
+    for node in nodes:
+        assert node.wait(120) == 0, node.output
+    leader = nodes[0].output
+    assert f"rank 1 (node vm, pid {victim}) stuck in train_ddp.py:" in leader.replace(
+        f"node {os.uname().nodename},", "node vm,"), leader
+    assert "rank 0 waiting in backward (train_ddp.py:" in leader, leader
+    assert "(node" in leader and "stack (most recent call last)" in leader
+    assert "stuck in train_ddp.py:" in nodes[1].output  # the culprit's node is told why
     assert restarted_s < 60, f"hang to restart took {restarted_s:.1f}s"
 
 
@@ -251,3 +285,37 @@ def test_a_rank_blocked_inside_nccl_waits_for_the_one_that_stopped_calling(
     assert "rank 0 waiting in ncclAllReduce #" in out, out
     assert "released code=" in out and "released code=0" not in out  # freed by the abort
     assert "finished rank=0 attempt=1" in out and "finished rank=1 attempt=1" in out
+
+
+# --- the whole job's verdict from every node's view ----------------------------------------
+
+def _view(node_rank: int, idle_since: float, *workers: tuple[int, str]) -> dict:
+    return NodeView(node_rank, f"n{node_rank}", idle_since, 100.0, False, tuple(
+        WorkerView(rank, 1000 + rank, state, f"where {rank}", "stack" if state == "own" else "")
+        for rank, state in workers)).to_json()
+
+
+def test_job_verdict_from_node_views_follows_the_single_node_rules() -> None:
+    def judge(*records: dict, now: float = 100.0, timeout: float = 5.0) -> JobHang | None:
+        return judge_job([NodeView.from_json(r) for r in records], 2, timeout, now)
+
+    culprit = judge(_view(0, 90.0, (0, "waiting")), _view(1, 91.0, (1, "own")))
+    assert culprit is not None and [(w.rank, n) for w, n in culprit.culprits] == [(1, "n1")]
+    assert "rank 1 (node n1, pid 1001) stuck where 1" in culprit.describe()
+    assert judge(_view(0, 90.0, (0, "waiting"))) is None  # a node has no view yet
+    assert judge(_view(0, 90.0, (0, "waiting")), _view(1, 97.0, (1, "own"))) is None  # 3 s
+    assert judge(_view(0, 90.0, (0, "own")), _view(1, 90.0, (1, "own"))) is None  # slow step
+    waiting = (_view(0, 90.0, (0, "waiting")), _view(1, 90.0, (1, "waiting")))
+    assert judge(*waiting) is None  # all waiting: only after three timeouts
+    assert judge(*waiting, now=109.0) is None  # views older than 1.5 timeouts + 1 s: stale
+    assert judge(*waiting, timeout=3.0) is not None  # 10 s idle >= 3 x 3 s
+    unknown = (_view(0, 90.0, (0, "waiting")), _view(1, 90.0, (1, "unknown")))
+    assert judge(*unknown) is None
+    unnamed = judge(*unknown, timeout=3.0)
+    assert unnamed is not None and unnamed.culprits == ()
+    bad = _view(1, 90.0, (1, "own"))
+    bad["workers"][0]["state"] = "sleeping"
+    with pytest.raises(StoreValueError):
+        NodeView.from_json(bad)
+    with pytest.raises(StoreValueError):
+        NodeView.from_json({**bad, "idle_since": "yesterday"})

@@ -15,12 +15,20 @@ supervisor asks a :class:`HangWatch` instead, every half second:
     hang;
   - all wait in communication: on one node, a collective that never completes (a network
     fault): a hang after three timeouts (nobody to name, so no hurry to guess); on several
-    nodes the culprit may be elsewhere: left to its node (or the heartbeats, or the
-    collective timeout);
+    nodes the culprit may be elsewhere: see below;
   - none waits in communication: a slow step (every rank sleeps or reads): not a hang, and
     the timeout grows to twice that spell once it ends; ranks still forming their process
     group (``init_process_group``) are left to torch's own rendezvous timeout;
   - stacks unreadable (no py-spy, ptrace denied): a hang only after three timeouts, unnamed.
+
+Several nodes: a node whose workers are all idle cannot always judge alone (its ranks wait
+for a rank elsewhere, or its only rank idles in its own code while the ranks waiting for it
+are elsewhere). Each agent whose local spell reaches the timeout publishes its
+:class:`NodeView` (every local worker: waiting, in its own code, or unknown, with where) in
+the control store; the agent of node rank 0 reads them all and applies the same rules to the
+whole job (:func:`judge_job`): every node idle together for the timeout, ranks waiting in
+communication and ranks idle in their own code -> those are the culprits, named with their
+node and stack; all waiting -> a hang after three timeouts.
 
 The timeout (``--hang-timeout``): ``auto`` is max(5 s, twice the longest all-idle spell the
 job recovered from by itself); a number fixes it; 0 turns the watch off.
@@ -32,6 +40,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 
@@ -39,6 +48,7 @@ from ftrun.agent.events import Event
 from ftrun.agent.processes import WorkerProcess
 from ftrun.agent.services import AgentServices
 from ftrun.agent.stacks import Stack, read_stack
+from ftrun.control.errors import StoreValueError, require
 from ftrun.control.rendezvous import Generation
 from ftrun.shim import ShimError
 
@@ -84,6 +94,100 @@ class Hang:
         return "; ".join(parts) + f"; no CPU progress for {self.idle_s:.1f} s"
 
 
+@dataclass(frozen=True)
+class WorkerView:
+    """One idle worker as its agent saw it, for the other nodes."""
+
+    rank: int
+    pid: int
+    state: str  # "waiting" (in torch's communication or NCCL), "own" (its code), "unknown"
+    where: str
+    stack: str = ""  # the stack's text, for a worker idle in its own code
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node whose workers have all been idle for the hang timeout: what each does.
+
+    Published as a JSON record in the control store (``hang/<generation>/<node rank>``)
+    and validated when read: it comes from another process."""
+
+    node_rank: int
+    node: str
+    idle_since: float  # wall clock: when the last local worker stopped using CPU
+    at: float  # wall clock: when this view was taken
+    forming: bool  # a worker is still in init_process_group
+    workers: tuple[WorkerView, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_rank": self.node_rank, "node": self.node,
+                "idle_since": self.idle_since, "at": self.at, "forming": self.forming,
+                "workers": [{"rank": w.rank, "pid": w.pid, "state": w.state,
+                             "where": w.where[:300], "stack": w.stack[:4000]}
+                            for w in self.workers]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeView:
+        """Raises StoreValueError on any field of the wrong type."""
+        workers = require(data, "workers", list)
+        views = []
+        for item in workers:
+            if not isinstance(item, dict):
+                raise StoreValueError("hang view: a worker entry is not an object")
+            state = require(item, "state", str)
+            if state not in ("waiting", "own", "unknown"):
+                raise StoreValueError(f"hang view: unknown worker state {state!r}")
+            views.append(WorkerView(require(item, "rank", int), require(item, "pid", int),
+                                    state, require(item, "where", str),
+                                    require(item, "stack", str)))
+        return cls(require(data, "node_rank", int), require(data, "node", str),
+                   float(require(data, "idle_since", (int, float))),
+                   float(require(data, "at", (int, float))),
+                   require(data, "forming", bool), tuple(views))
+
+
+@dataclass(frozen=True)
+class JobHang:
+    """The whole job's verdict from every node's view (node rank 0 judges)."""
+
+    culprits: tuple[tuple[WorkerView, str], ...]  # (worker, its node)
+    waiting: tuple[WorkerView, ...]
+    idle_s: float
+
+    def describe(self) -> str:
+        parts = [f"rank {w.rank} (node {node}, pid {w.pid}) stuck {w.where}"
+                 for w, node in self.culprits]
+        if self.waiting:
+            ranks = ",".join(str(w.rank) for w in sorted(self.waiting, key=lambda w: w.rank))
+            plural = "s" if len(self.waiting) > 1 else ""
+            parts.append(f"rank{plural} {ranks} {self.waiting[0].where}")
+        if not parts:
+            parts.append("every rank idle (stacks not readable)")
+        return "; ".join(parts) + f"; no CPU progress on any node for {self.idle_s:.1f} s"
+
+
+def judge_job(views: Sequence[NodeView], nnodes: int, timeout_s: float,
+              now: float) -> JobHang | None:
+    """The single-node rules applied to every node's view at once (see the module
+    docstring); None while some node has no fresh view, works, or forms its group."""
+    fresh = [v for v in views if now - v.at <= 1.5 * timeout_s + 2 * SAMPLE_S]
+    if len({v.node_rank for v in fresh}) < nnodes or any(v.forming for v in fresh):
+        return None
+    idle_s = now - max(v.idle_since for v in fresh)
+    if idle_s < timeout_s:
+        return None  # the spells do not overlap for long enough
+    workers = [(w, v.node) for v in fresh for w in v.workers]
+    waiting = tuple(w for w, _ in workers if w.state == "waiting")
+    culprits = tuple((w, node) for w, node in workers if w.state == "own")
+    if any(w.state == "unknown" for w, _ in workers):
+        return JobHang((), waiting, idle_s) if idle_s >= 3 * timeout_s else None
+    if not waiting:
+        return None  # a slow step everywhere
+    if culprits:
+        return JobHang(culprits, waiting, idle_s)
+    return JobHang((), waiting, idle_s) if idle_s >= 3 * timeout_s else None
+
+
 @dataclass
 class _Activity:
     cpu_s: float
@@ -112,6 +216,10 @@ class HangWatch:
         self.spell_s = 0.0
         self.next_sample = clock()
         self.next_check = 0.0  # when a spell's stacks may be read (again)
+        self.view: NodeView | None = None  # several nodes: this node's idle spell, judged
+        self.node_rank = 0
+        self.node = ""
+        self.wall: Callable[[], float] = time.time
 
     @property
     def timeout_s(self) -> float:
@@ -147,6 +255,7 @@ class HangWatch:
         if idle_s < self.spell_s:  # someone worked again: the spell ended by itself
             self.longest_spell_s = max(self.longest_spell_s, self.spell_s)
             self.next_check = 0.0
+            self.view = None
         self.spell_s = idle_s
         if idle_s < self.timeout_s or now < self.next_check:
             return None
@@ -156,6 +265,8 @@ class HangWatch:
         stacks = {w.pid: s for w in live if (s := self.stack_of(w.pid)) is not None}
         nccl = {w.pid: c for w in live if (c := self.nccl_call_of(w)) is not None}
         self.next_check = now + self.timeout_s  # judged: look again after another timeout
+        if self.multi_node:
+            self.view = self._view(live, idle_s, stacks, nccl)
         if any(w.pid not in stacks and w.pid not in nccl for w in live):
             if idle_s >= 3 * self.timeout_s:
                 return Hang("hung", (), (), idle_s, stacks, nccl)
@@ -177,6 +288,23 @@ class HangWatch:
             self.next_check = now + SAMPLE_S
             return None
         return Hang("hung", (), waiting, idle_s, stacks, nccl)
+
+    def _view(self, live: list[WorkerProcess], idle_s: float, stacks: dict[int, Stack],
+              nccl: dict[int, str]) -> NodeView:
+        workers = []
+        for worker in live:
+            stack = stacks.get(worker.pid)
+            if worker.pid in nccl:
+                state, where = "waiting", f"waiting in {nccl[worker.pid]}"
+            elif stack is None:
+                state, where = "unknown", "stack not readable"
+            else:
+                state, where = ("waiting" if stack.waiting else "own"), stack.where
+            workers.append(WorkerView(worker.rank, worker.pid, state, where,
+                                      stack.text() if stack and state == "own" else ""))
+        wall = self.wall()
+        return NodeView(self.node_rank, self.node, wall - idle_s, wall,
+                        any(s.forming_group for s in stacks.values()), tuple(workers))
 
 
 def nccl_call(worker: WorkerProcess) -> str | None:
@@ -233,6 +361,12 @@ def announce_hang(services: AgentServices, generation: Generation, hang: Hang,
             idle_s=round(hang.idle_s, 2), detected=detected,
             stacks={w.rank: hang.stacks[w.pid].text() for w in group if w.pid in hang.stacks},
         )
+    release_nccl(services, group)
+
+
+def release_nccl(services: AgentServices, group: Sequence[WorkerProcess]) -> None:
+    """Abort every live worker's NCCL communicators through its shim, so that the stop
+    that follows is not stuck behind a collective."""
     for worker in group:
         if worker.shim is not None and worker.poll() is None:
             with contextlib.suppress(ShimError, OSError):

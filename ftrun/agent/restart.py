@@ -17,18 +17,27 @@ the job restarts.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import replace
 
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, WorkerExit
-from ftrun.agent.hangs import Hang, HangWatch, announce_hang
+from ftrun.agent.hangs import (
+    Hang,
+    HangWatch,
+    JobHang,
+    NodeView,
+    announce_hang,
+    judge_job,
+    release_nccl,
+)
 from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause, mark_root_cause
 from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
-from ftrun.control.errors import StoreError
+from ftrun.control.errors import StoreError, StoreValueError
 from ftrun.control.rendezvous import Generation, StoreLostError
 
 
@@ -65,6 +74,9 @@ class RestartSupervisor:
         next_poll = time.monotonic() + config.monitor_interval_s
         hangs = None if config.hang_timeout_s == 0 else HangWatch(
             timeout_s=config.hang_timeout_s, multi_node=remote)
+        if hangs is not None:
+            hangs.node_rank, hangs.node = services.node_rank, services.hostname
+        shared_view: float | None = None  # when the view last published was taken
         while True:
             if inbox.received is not None:
                 self._stop(group, inbox.received, "signal")
@@ -102,6 +114,13 @@ class RestartSupervisor:
             hang = hangs.sample(group) if hangs is not None else None
             if hang is not None:
                 return self._hung(generation, group, hang)
+            if hangs is not None and hangs.view is not None and remote:
+                if hangs.view.at != shared_view:
+                    shared_view = hangs.view.at
+                    self._publish_view(generation, hangs.view)
+                job_hang = self._judge_job(generation, hangs)
+                if job_hang is not None:
+                    return self._job_hung(generation, group, job_hang)
             timeout = max(0.0, next_poll - time.monotonic()) if remote else 3600.0
             if hangs is not None:
                 timeout = min(timeout, hangs.due_in())
@@ -202,6 +221,71 @@ class RestartSupervisor:
         except StoreError as error:
             self._stop(group, signal.SIGTERM, "store lost")
             raise StoreLostError(services.store_lost() or str(error)) from None
+
+    # -- hangs across nodes (see ftrun.agent.hangs) --------------------------------------
+    def _publish_view(self, generation: Generation, view: NodeView) -> None:
+        # a lost store is seen and acted on by the loop's own store reads
+        with contextlib.suppress(StoreError):
+            self.services.rdzv.store.set_record(
+                f"hang/{generation.number}/{self.services.node_rank}", view.to_json())
+
+    def _judge_job(self, generation: Generation, hangs: HangWatch) -> JobHang | None:
+        """On the leader, with every local worker idle: every node's view, judged."""
+        if not self.services.rdzv.is_leader:
+            return None
+        names = [f"hang/{generation.number}/{rank}" for rank in range(generation.nnodes)]
+        try:
+            records = self.services.rdzv.store.get_records(names)
+        except StoreError:
+            return None
+        views = []
+        for record in records:
+            if record is None:
+                return None
+            try:
+                views.append(NodeView.from_json(record))
+            except StoreValueError:
+                return None  # a record that is not a view: no verdict on it
+        return judge_job(views, generation.nnodes, hangs.timeout_s, time.time())
+
+    def _job_hung(self, generation: Generation, group: list[local.WorkerProcess],
+                  hang: JobHang) -> GenerationResult:
+        """A hang judged from every node's view: end the job generation naming the culprits
+        (with their node and stack), release and stop this node's workers."""
+        services = self.services
+        detected = time.time()
+        detail = hang.describe()
+        first = hang.culprits[0][0] if hang.culprits else None
+        cause = {
+            "kind": "hang", "node_rank": services.node_rank, "node_id": services.node_id,
+            "node": services.hostname, "rank": first.rank if first else None,
+            "pid": first.pid if first else None,
+            "culprits": [w.rank for w, _ in hang.culprits],
+            "waiting": [w.rank for w in hang.waiting], "detail": detail, "time": detected,
+        }
+        cause = self._end(generation, group, cause)
+        services.say(f"{detail}: stopping every worker", style="yellow")
+        for worker, node in hang.culprits:
+            if worker.stack:
+                services.say(f"rank {worker.rank} (node {node}) stack (most recent call "
+                             f"last):\n{worker.stack}")
+        services.events.emit(
+            Event.FAILURE, generation=generation.number, cause=detail, kind="hung",
+            rank=first.rank if first else None, pid=first.pid if first else None,
+            culprits=[w.rank for w, _ in hang.culprits],
+            waiting=[w.rank for w in hang.waiting], idle_s=round(hang.idle_s, 2),
+            detected=detected, stacks={w.rank: w.stack for w, _ in hang.culprits if w.stack},
+        )
+        release_nccl(services, group)
+        local_first = next((w for w in group if first is not None and w.pid == first.pid
+                            and w.rank == first.rank), None)
+        self._stop(group, signal.SIGTERM, f"rank {first.rank} hung" if first else "hang")
+        exits = self._exits(generation, group, local_first)
+        exits = [replace(e, message=f"hung: {detail}",
+                         traceback=first.stack if first and first.stack else e.traceback)
+                 if e.first else e for e in exits]
+        outcome = Outcome.FAILED if local_first is not None else Outcome.REMOTE_FAILED
+        return GenerationResult(outcome, exits, cause)
 
     def _stop(self, group: list[local.WorkerProcess], sig: int, why: str) -> None:
         self.services.launcher.stop_workers(group, sig, why)
