@@ -8,13 +8,16 @@
   within the stall limit), and training progressing again; the scheduled job finishes.
 * ``ftrun inject`` on a running job that signs its records: an unknown kind, a rank that
   does not exist, no token, a wrong token are one line and exit 2 with the job untouched
-  (no inject event, no failure); with the token the kill lands and gets its record.
+  (no inject event, no failure); with the token each fault lands and gets its record;
+  ``ftrun status`` then shows the live job (world, members, the same faults) and refuses
+  a reader without the token.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -118,16 +121,39 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(job_dir: Path) -
             run.wait_for(lambda lines, n=joined - 1: sum("replacement joined" in x
                                                          for x in lines) >= n,
                          120, f"replacement {joined - 1} joined")
-        victim = next(s.pid for s in reversed(find(run.lines, ElasticStep)) if s.rank == rank)
         done = inject(kind, f"rank={rank}", secret="inject-test-secret")
         assert done.returncode == 0, done.stderr
-        assert f"injected: {kind} rank {rank} (pid {victim}) on node 0" in done.stdout
+        said = re.search(rf"injected: {kind} rank {rank} \(pid (\d+)\) on node 0", done.stdout)
+        assert said, done.stdout
+        victim = int(said[1])  # the process that held the rank: a worker of this job
+        assert victim in {s.pid for s in find(run.lines, ElasticStep)}
         wait_until(lambda n=joined: len([e for e in _events(events)
                                          if e["event"] == "fault"]) >= n, 120,
                    f"the injected {kind}'s fault record")
         record = [e for e in _events(events) if e["event"] == "fault"][joined - 1]
         inj = [e for e in _events(events) if e["event"] == "inject"][joined - 1]
+        assert inj["pid"] == victim
         _check_record(record, inj, cause, bound)
         assert record["injected"] == f"{kind} rank={rank}"
+    # ftrun status on the same live job (single node): the token rule, the record's view.
+    def status(*args: str, secret: str | None = None) -> subprocess.CompletedProcess[str]:
+        extra = {"FTRUN_JOB_TOKEN": secret} if secret else {}
+        return subprocess.run([launcher(), "status", *args, run_id], env={**env, **extra},
+                              capture_output=True, text=True, timeout=60)
+
+    refused = status("--json")
+    assert refused.returncode == 2 and "set FTRUN_JOB_TOKEN" in refused.stderr
+    wait_until(lambda: len(json.loads(status("--json", secret="inject-test-secret").stdout)
+                           ["faults"]) == len(faults), 30, "the status record's faults")
+    view = json.loads(status("--json", secret="inject-test-secret").stdout)
+    records = [e for e in _events(events) if e["event"] == "fault"]
+    assert view["run_id"] == run_id and view["world_size"] == 2 and view["age_s"] < 10
+    assert view["epoch"] >= len(faults)  # a member epoch per regroup (and per join)
+    assert [m["rank"] for m in view["members"]] == [0, 1]
+    assert all(m["state"] == "ready" and m["pid"] > 0 for m in view["members"])
+    assert [(f["rank"], f["cause"], f["recovery_s"]) for f in view["faults"]] == \
+        [(r["rank"], r["cause"], r["recovery_s"]) for r in records]
+    table = status(secret="inject-test-secret")
+    assert table.returncode == 0 and "last faults" in table.stdout, table.stderr
     run.proc.terminate()
     assert run.wait(60) == 143
