@@ -32,7 +32,8 @@ STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=\d+ t=([\d.]+)")
 PORT = re.compile(r"metrics: http://\S+:(\d+)/metrics")
 
 
-def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float]:
+def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float] | None:
+    """One run's throughput; None when the job failed (said on stderr, counted)."""
     command = [str(FTRUN), "--nproc-per-node", str(args.nproc), "--recovery", "regroup"]
     if metrics:
         command += ["--metrics-port", "0"]
@@ -64,8 +65,10 @@ def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float]:
             times[int(step[1])] = float(step[3])
     stop.set()
     code = proc.wait()
-    if code != 0:
-        raise SystemExit(f"bench_metrics: the job exited {code}")
+    if code != 0 or len(times) <= args.warmup:
+        print(f"bench_metrics: a {'metrics-on' if metrics else 'metrics-off'} run exited "
+              f"{code}; the round is dropped", file=sys.stderr, flush=True)
+        return None
     last = max(times)
     span = times[last] - times[args.warmup]
     return {"steps_per_s": (last - args.warmup) / span, "scrapes": scrapes["count"],
@@ -84,14 +87,21 @@ def main() -> None:
     if not 0 < args.warmup < args.steps - 10:
         parser.error("--warmup must leave at least 10 measured steps")
     rounds = []
+    dropped = 0
     for index in range(args.rounds):
         order = (False, True) if index % 2 == 0 else (True, False)
-        result = {metrics: run_job(args, metrics) for metrics in order}
+        runs = {metrics: run_job(args, metrics) for metrics in order}
+        result = {k: v for k, v in runs.items() if v is not None}
+        if len(result) < 2:
+            dropped += 1
+            continue
         ratio = result[True]["steps_per_s"] / result[False]["steps_per_s"]
         rounds.append({"off": result[False], "on": result[True], "ratio": ratio})
         print(f"round {index}: off {result[False]['steps_per_s']:.2f} steps/s, on "
               f"{result[True]['steps_per_s']:.2f} steps/s ({result[True]['scrapes']} "
               f"scrapes), on/off {ratio:.4f}", file=sys.stderr, flush=True)
+    if not rounds:
+        raise SystemExit("bench_metrics: every round failed")
     ratios = [r["ratio"] for r in rounds]
     median = statistics.median(ratios)
     print(f"{'variant':<10} {'median steps/s':>15} {'min':>8} {'max':>8}")
@@ -103,7 +113,8 @@ def main() -> None:
           f"over {len(ratios)} paired rounds (overhead {100 * (1 - median):.2f}%)")
     print(json.dumps({"bench": "metrics", "rounds": rounds, "ratio_median": median,
                       "ratio_min": min(ratios), "ratio_max": max(ratios),
-                      "overhead_pct": 100 * (1 - median), "args": vars(args),
+                      "overhead_pct": 100 * (1 - median), "dropped_rounds": dropped,
+                      "args": vars(args),
                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
 
 

@@ -19,9 +19,19 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
+import torch.distributed as dist
+
+from ftrun import cli
+from ftrun.control.auth import Signer
+from ftrun.control.store import JsonStore
+from ftrun.faultspec import parse_schedule
+from ftrun.jobref import registry_dir
 from tests.launch import REPO, Launch, launcher, wait_until
 from tests.lines import ElasticStep, find
 
@@ -35,6 +45,10 @@ RAISE_DETECT_S = 5.0
 # A hang is a stall: max(--stall-floor 2 s, 20 x the median step) of no progress while the
 # others wait, then the leader's verdict (4.5 s measured with 0.05 s steps).
 HANG_DETECT_S = 20.0
+
+
+def _registration(run_id: str) -> Path:
+    return registry_dir() / f"{run_id}.json"
 
 
 def _events(path: Path) -> list[dict]:
@@ -110,8 +124,20 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(job_dir: Path) -
         done = inject(*args, secret=secret)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+    # A request written straight into the store without the token (no ftrun inject to
+    # stop it) is refused by the agent itself: said, a rejected event, nothing executed.
+    host, port = json.loads(_registration(run_id).read_text())["host"], \
+        json.loads(_registration(run_id).read_text())["port"]
+    forger = JsonStore(dist.TCPStore(host, port, is_master=False,
+                                     timeout=timedelta(seconds=30)),
+                       f"ftrun/{run_id}", signer=Signer(None))
+    number = forger.add("inject/next", 1)
+    forger.set_record(f"inject/{number}", {"kind": "kill", "rank": 1, "text": "forged"})
+    run.wait_for(lambda lines: any(f"inject/{number}" in x and "ignored" in x
+                                   for x in lines), 30, "the forged request refused")
     untouched = [e["event"] for e in _events(events)]
     assert "inject" not in untouched and "failure" not in untouched
+    assert "rejected" in untouched
     # Each kind that needs the script's help (raise, hang), then a kill, each once the
     # previous replacement joined (a fault during an admission is another matter).
     faults = (("raise", 0, "exit code 1", RAISE_DETECT_S), ("hang", 1, "stalled", HANG_DETECT_S),
@@ -157,3 +183,41 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(job_dir: Path) -
     assert table.returncode == 0 and "last faults" in table.stdout, table.stderr
     run.proc.terminate()
     assert run.wait(60) == 143
+
+
+def test_schedules_parse_with_their_seed_and_bad_specs_are_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    text = "kill rank=1 step=10..20; freeze rank=random after=1.5..3; seed=7"
+    schedule = parse_schedule(text)
+    assert schedule == parse_schedule(text) and schedule.seed == 7  # repeatable
+    kill, freeze = schedule.faults
+    assert (kill.kind, kill.rank) == ("kill", 1) and 10 <= kill.step <= 20
+    assert freeze.random_rank and 1.5 <= freeze.after_s <= 3
+    assert {schedule.pick_rank(freeze, 1, 4) for _ in range(3)} == \
+        {schedule.pick_rank(freeze, 1, 4)}
+    for bad, says in (("explode rank=1", "unknown fault kind 'explode'"),
+                      ("kill", "kill needs rank=N or rank=random"),
+                      ("kill rank=1 step=5 after=3", "give step or after, not both"),
+                      ("kill rank=x", "rank must be a whole number"),
+                      ("kill-agent rank=1", "kill-agent takes node=N"),
+                      ("kill rank=1 colour=red", "unknown key 'colour'"),
+                      ("seed=x; kill rank=1", "the seed is a whole number"),
+                      ("kill rank=1 step=9..3", "out of range"),
+                      (" ; ", "no fault in it")):
+        assert cli.main(["--inject", bad, str(ELASTIC)]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, (bad, err)
+
+
+def test_a_metrics_port_in_use_is_one_line_and_exit_2(job_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([launcher(), "--nproc-per-node", "1", "--metrics-port",
+                               str(port), str(ELASTIC)], capture_output=True, text=True,
+                              timeout=120, cwd=job_dir)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and f"--metrics-port {port}: cannot listen" \
+        in done.stderr, done.stderr
+    assert "step=" not in done.stdout  # nothing started
