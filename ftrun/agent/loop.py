@@ -397,7 +397,10 @@ class Agent:
         self.store_bind = store_bind_address(single_node=config.is_single_node,
                                              rdzv_host=config.rdzv_host,
                                              local_addr=config.local_addr)
-        self.store_host = LOOPBACK if config.is_single_node else config.rdzv_host
+        # A single node's workers are told the host name torchrun would tell them
+        # ("localhost") when it reaches the loopback store, else the loopback address.
+        self.store_host = config.rdzv_host if not config.is_single_node or \
+            _reaches_loopback(config.rdzv_host) else LOOPBACK
         if self.store_bind is None:
             self.say(f"the stores listen on every interface: {config.rdzv_host!r} is not an "
                      "address of this host other nodes can reach (set --local-addr to this "
@@ -484,6 +487,15 @@ class Agent:
         )
         print_job_summary(self.console, self.faults.summary())
         return ExitCode.WORKER_FAILED
+
+
+def _reaches_loopback(host: str) -> bool:
+    """Whether ``host`` resolves to the loopback address the single-node stores bind."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return any(info[4][0] == LOOPBACK for info in infos)
 
 
 def run_agent(config: LaunchConfig) -> int:
