@@ -566,3 +566,19 @@ def test_not_built_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
         shim.shim_library_path()
     assert isinstance(exc.value, RuntimeError) and "\n" not in str(exc.value)
     assert not shim.self_test(timeout_s=5).ok
+
+
+def test_control_pages_of_killed_agents_are_swept(tmp_path: Path) -> None:
+    """An agent killed with SIGKILL cannot unlink its workers' pages; the next agent that
+    makes one in the same directory removes those whose agent pid is gone, and no other."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid now belongs to no process
+    stale = tmp_path / f"ftrun-shim-rank0-{gone.pid}-0123abcd"
+    alive = tmp_path / f"ftrun-shim-rank1-{os.getppid()}-89abcdef"
+    unrelated = tmp_path / f"ftrun-snap-x-{gone.pid}"
+    for path in (stale, alive, unrelated):
+        path.write_bytes(b"page")
+    with shim.ShimControl(label="rank2", directory=tmp_path) as ctl:
+        assert ctl.path.exists() and alive.exists() and unrelated.exists()
+        assert not stale.exists()
+    assert not ctl.path.exists()

@@ -170,6 +170,31 @@ def _default_directory() -> Path:
 
 
 _UNSERVED = (ShimState.NONE, ShimState.WAITING, ShimState.DETACHED)
+_PAGE_NAME = re.compile(r"^ftrun-shim-.+-(\d+)-[0-9a-f]{8}$")
+_swept: set[Path] = set()  # directories already swept by this process
+
+
+def sweep_stale_pages(directory: Path) -> list[Path]:
+    """Remove control pages whose agent is gone (killed with SIGKILL, it cannot unlink
+    them: each is ~50 KB of tmpfs, i.e. memory, for good). The agent's pid is in the name;
+    a page is stale when no process has that pid. Returns what was removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in directory.iterdir():
+            match = _PAGE_NAME.match(path.name)
+            if match is None or int(match[1]) == os.getpid():
+                continue
+            try:
+                os.kill(int(match[1]), 0)
+                continue  # its agent (or a process with its pid) is alive: keep it
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # someone else's process is alive there
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 class ShimControl:
@@ -200,6 +225,9 @@ class ShimControl:
         self._lib = Path(library) if library is not None else shim_library_path()
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:64] or "worker"
         directory = Path(directory) if directory is not None else _default_directory()
+        if directory not in _swept:
+            _swept.add(directory)
+            sweep_stale_pages(directory)
         self.path = directory / f"ftrun-shim-{safe}-{os.getpid()}-{secrets.token_hex(4)}"
         size = ctypes.sizeof(Page)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
