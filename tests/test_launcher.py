@@ -332,3 +332,20 @@ def test_no_zombies_or_children_after_success(job_dir: Path) -> None:
     while processes_mentioning(str(job_dir)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for p in processes_mentioning(str(job_dir)) if p.status() != "zombie"] == []
+
+
+def test_cause_without_record_is_the_scripts_own_last_error(job_dir: Path) -> None:
+    """torchrun prints <N/A> for a script without @record; ftrun reads the failed rank's own
+    last traceback line from its stderr (the exception, not a chained one's first)."""
+    script = job_dir / "raiser.py"
+    script.write_text(
+        "import os, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    try:\n        {}['missing']\n"
+        "    except KeyError as e:\n        raise ValueError('boom on rank 1') from e\n"
+        "print('fine', file=sys.stderr)\n"
+    )
+    run = Launch(["--nproc-per-node", "2", str(script)], cwd=job_dir)
+    assert run.wait(60) == 1, run.output
+    first = next(line for line in run.lines if line.lstrip().startswith("first"))
+    assert "exit code 1: ValueError: boom on rank 1" in first, run.output

@@ -39,3 +39,18 @@ def test_errors_written_after_the_first_exit_are_its_consequences() -> None:
 def test_a_worker_that_succeeded_is_never_the_root_cause() -> None:
     exits = [_exit(0, 0, error_at=0.5), _exit(1, 1, first=True, error_at=10.5)]
     assert [e.rank for e in mark_root_cause(exits) if e.first] == [1]
+
+
+def test_last_error_is_the_final_line_of_the_last_traceback() -> None:
+    from ftrun.agent.processes import last_error
+
+    lines = ["[rank1]: warming up\n", "[rank1]: Traceback (most recent call last):\n",
+             '[rank1]:   File "a.py", line 3, in <module>\n', "[rank1]:     f()\n",
+             "[rank1]:     ^^^\n", "[rank1]: KeyError: 'x'\n", "\n",
+             "During handling of the above exception, another exception occurred:\n",
+             "Traceback (most recent call last):\n", '  File "a.py", line 5, in <module>\n',
+             "ValueError: boom\n", "exiting\n"]
+    assert last_error(lines) == "ValueError: boom"  # the last traceback's exception
+    assert last_error(lines[:-1]) == "ValueError: boom"
+    assert last_error(lines[:6]) == "KeyError: 'x'"
+    assert last_error(["just a line\n"]) is None

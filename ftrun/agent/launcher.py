@@ -267,6 +267,10 @@ class Launcher:
         supervisor's ``verdict`` for one it took out."""
         error_file = Path(worker.launch.env["TORCHELASTIC_ERROR_FILE"])
         message, traceback = read_error_file(error_file)
+        if message is None and worker.returncode not in (0, None) and not verdict:
+            # no @record in the script: its own last words, from its stderr
+            local.join_pumps([worker], timeout_s=0.2)
+            message = local.last_error(list(worker.stderr_tail))
         try:
             error_at: float | None = error_file.stat().st_mtime
         except OSError:

@@ -16,9 +16,11 @@ spawning raises ``OSError`` if the program cannot be executed at all.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
+import re
 import select
 import signal
 import subprocess
@@ -35,6 +37,7 @@ import psutil
 from ftrun.config import Std
 
 _PR_SET_PDEATHSIG = 1
+STDERR_TAIL_LINES = 40
 _libc = ctypes.CDLL(None, use_errno=True)
 _console_lock = threading.Lock()
 
@@ -93,6 +96,10 @@ class WorkerProcess:
     killed_frozen: bool = False
     pumps: list[threading.Thread] = field(default_factory=list)
     shim: Any = None  # ftrun.shim.ShimControl while the worker runs with the NCCL shim
+    # The last lines the worker wrote to stderr: its own last error when it wrote no
+    # error file (a script without @record), read by the cause record.
+    stderr_tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
 
     @property
     def pid(self) -> int:
@@ -165,13 +172,13 @@ def spawn(launch: WorkerLaunch, start: Callable[[WorkerLaunch], Child] = _exec) 
         pidfd = -1
     worker = WorkerProcess(launch, popen, pidfd, time.time())
     assert popen.stdout is not None and popen.stderr is not None
-    for stream, pipe, bit in (
-        ("stdout", popen.stdout, Std.OUT),
-        ("stderr", popen.stderr, Std.ERR),
+    for stream, pipe, bit, tail in (
+        ("stdout", popen.stdout, Std.OUT, None),
+        ("stderr", popen.stderr, Std.ERR, worker.stderr_tail),
     ):
         thread = threading.Thread(
             target=_pump,
-            args=(launch, stream, pipe, bit),
+            args=(launch, stream, pipe, bit, tail),
             name=f"ftrun-log-{launch.rank}-{stream}",
             daemon=True,
         )
@@ -180,8 +187,10 @@ def spawn(launch: WorkerLaunch, start: Callable[[WorkerLaunch], Child] = _exec) 
     return worker
 
 
-def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std) -> None:
-    """Copy one worker stream, line by line, to wherever it belongs."""
+def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std,
+          tail: collections.deque[str] | None) -> None:
+    """Copy one worker stream, line by line, to wherever it belongs (and its last lines to
+    ``tail``)."""
     console = sys.stdout if stream == "stdout" else sys.stderr
     show = bool(launch.console.value & bit.value)
     log_file = None
@@ -196,6 +205,8 @@ def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std) -> None:
             line = raw.decode(errors="replace")
             if not line.endswith("\n"):
                 line += "\n"
+            if tail is not None:
+                tail.append(line[:1000])
             if log_file is not None:
                 log_file.write(line)
             if show:
@@ -267,6 +278,24 @@ def reap_leftovers(workers: Iterable[WorkerProcess]) -> None:
     """Kill anything the workers started in their sessions and left behind (no orphans)."""
     for worker in workers:
         worker.signal_group(signal.SIGKILL)
+
+
+def last_error(lines: Iterable[str]) -> str | None:
+    """The exception a Python worker died of, from its last stderr lines: the final line of
+    its last traceback ("ValueError: boom"), without the rank prefix torch adds; None when
+    the lines hold no traceback."""
+    lines = [line.rstrip("\n") for line in lines]
+    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1:]:  # the first unindented line ends the traceback
+        bare = _RANK_PREFIX.sub("", line)
+        if bare.strip() and not bare.startswith((" ", "\t")):
+            return bare.strip()[:500]
+    return None
+
+
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
 
 
 def join_pumps(workers: Iterable[WorkerProcess], timeout_s: float = 2.0) -> None:
