@@ -295,7 +295,7 @@ def last_error(lines: Iterable[str]) -> str | None:
     return None
 
 
-_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]: ?)+")
 
 
 def join_pumps(workers: Iterable[WorkerProcess], timeout_s: float = 2.0) -> None:
