@@ -71,6 +71,15 @@ def _reference_digest(job_dir: Path, args: list[str]) -> str:
     return _reference[key]
 
 
+def _check_cap_said_once(launch: Launch) -> None:
+    said = [line for line in launch.lines if "more than the cap 1000 bytes" in line]
+    assert len(said) == 4, launch.output[-3000:]
+    for rank in range(4):
+        assert any(f"rank {rank} " in line and "4 local ranks x 2 x" in line
+                   for line in said), said
+    assert not any("Traceback" in line for line in launch.lines), launch.output[-3000:]
+
+
 def _check_recovery(launch: Launch, *, kill_step: int, every: int, good_step: int) -> None:
     """The invariants of one recovery (see the module): ``kill_step`` is the index of the
     step in whose backward the victim died (``kill_step`` steps were committed), the
@@ -119,10 +128,17 @@ def test_fsdp_sigkill_in_backward_restores_from_memory(job_dir: Path) -> None:
     assert _snapshot_dirs_of(launch.proc.pid) == []
 
 
-def test_fsdp_tp_2x2_sigkill_in_backward(job_dir: Path) -> None:
+def test_fsdp_tp_2x2_sigkill_in_backward_and_the_memory_cap(job_dir: Path) -> None:
     """FSDP2 on "dp" x tensor parallel on "tp" (a 2x2 mesh): the same recovery, DTensor
-    shards back onto their 2-D placements."""
-    reference = _reference_digest(job_dir, ["--tp", "2"])
+    shards back onto their 2-D placements. Its fault-free reference runs with
+    FTRUN_SNAPSHOT_CAP_BYTES below what two snapshots of every local rank need (snapshots
+    do not change the parameters): each rank says so once, in one line with the sizes, and
+    the job runs to its end."""
+    code, launch = _run(job_dir, ["--tp", "2"], "capped",
+                        env={"FTRUN_SNAPSHOT_CAP_BYTES": "1000"})
+    assert code == 0, launch.output[-3000:]
+    _check_cap_said_once(launch)
+    reference = _digest(launch)
     code, launch = _run(job_dir, ["--tp", "2", "--kill-rank", "2", "--kill-step", "4"],
                         "fault")
     assert code == 0, launch.output[-3000:]
@@ -131,36 +147,26 @@ def test_fsdp_tp_2x2_sigkill_in_backward(job_dir: Path) -> None:
     assert _snapshot_dirs_of(launch.proc.pid) == []
 
 
-def test_bad_state_keeps_the_last_good_snapshot(job_dir: Path) -> None:
-    """A registered state holding a ``set`` at step 3: each rank says so in one line naming
-    the object's path, that snapshot is not taken, and a fault during the next step
-    restores step 2 (the last good one); the job still ends with the fault-free
-    parameters."""
+def test_bad_state_then_faults_while_snapshotting_twice_and_during_recovery(
+        job_dir: Path) -> None:
+    """One job, bad input and three faults: rank 1 dies while the snapshot of step 2 is
+    being taken (inside its capture: its file never exists, the other ranks' do), so every
+    member restores step 1, not the half-taken 2; a registered state holds a ``set`` at
+    step 5: every rank says so in one line naming the object's path and that snapshot is
+    not taken; rank 2 dies in the backward of step index 5, so every member restores step
+    4, the last good one; the replacement dies while restoring it (a fault during the
+    recovery), and the next member epoch restores step 4 again. The job still ends with the
+    fault-free parameters."""
     reference = _reference_digest(job_dir, [])
-    code, launch = _run(job_dir, ["--bad-state-step", "3", "--kill-rank", "2",
-                                  "--kill-step", "3"], "fault")
+    code, launch = _run(job_dir, ["--bad-state-step", "5", "--kill", "1:2:capture",
+                                  "--kill", "2:5:backward", "--kill", "3:4:restore"],
+                        "fault")
     assert code == 0, launch.output[-3000:]
-    said = [line for line in launch.lines if "snapshot of step 3 not taken" in line]
+    said = [line for line in launch.lines if "snapshot of step 5 not taken" in line]
     assert said, launch.output[-3000:]
     for line in said:
         assert "registered 'loader': state['recent'] is a builtins.set" in line, line
-        assert "Traceback" not in line
     assert not any("Traceback" in line for line in launch.lines), launch.output[-3000:]
-    _check_recovery(launch, kill_step=3, every=2, good_step=2)
-    assert _digest(launch) == reference
-
-
-def test_fault_while_snapshotting_then_two_more_one_during_recovery(job_dir: Path) -> None:
-    """Three faults in one job: rank 1 dies while the snapshot of step 2 is being taken
-    (inside its capture: its file never exists, the other ranks' do), so every member
-    restores step 1, not the half-taken 2; rank 2 dies in the backward of step index 5,
-    every member restores step 5; the replacement dies while restoring it (a fault during
-    the recovery), and the next member epoch restores step 5 again. The job still ends
-    with the fault-free parameters."""
-    reference = _reference_digest(job_dir, [])
-    code, launch = _run(job_dir, ["--kill", "1:2:capture", "--kill", "2:5:backward",
-                                  "--kill", "3:5:restore"], "fault")
-    assert code == 0, launch.output[-3000:]
     records = parse(launch.lines)
     assert len([r for r in records if isinstance(r, Victim)]) == 3, launch.output[-3000:]
     by_epoch: dict[int, list[Restored]] = {}
@@ -173,23 +179,9 @@ def test_fault_while_snapshotting_then_two_more_one_during_recovery(job_dir: Pat
             [r.where() for r in restored]
         assert len({r.rank for r in restored}) == len(restored), [r.where() for r in restored]
         steps.append(restored[0].step)
-    assert steps == [1, 5, 5], {e: [r.where() for r in rs] for e, rs in by_epoch.items()}
+    assert steps == [1, 4, 4], {e: [r.where() for r in rs] for e, rs in by_epoch.items()}
     last = by_epoch[max(by_epoch)]
     assert sorted(r.rank for r in last) == [0, 1, 2, 3], [r.where() for r in last]
     assert _digest(launch) == reference
     assert _snapshot_dirs_of(launch.proc.pid) == []
 
-
-def test_snapshots_over_the_cap_are_said_once_and_training_goes_on(job_dir: Path) -> None:
-    """FTRUN_SNAPSHOT_CAP_BYTES below what two snapshots of every local rank need: each rank
-    says so once, in one line with the sizes, and the job runs to its end."""
-    code, launch = _run(job_dir, [], "cap", env={"FTRUN_SNAPSHOT_CAP_BYTES": "1000"})
-    assert code == 0, launch.output[-3000:]
-    said = [line for line in launch.lines if "more than the cap 1000 bytes" in line]
-    assert len(said) == 4, launch.output[-3000:]
-    for rank in range(4):
-        assert any(f"rank {rank} " in line and "4 local ranks x 2 x" in line
-                   for line in said), said
-    assert not any("Traceback" in line for line in launch.lines), launch.output[-3000:]
-    assert not find(launch.lines, Restored)
-    _digest(launch)

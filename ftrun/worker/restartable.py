@@ -146,6 +146,33 @@ def forget_meshes() -> None:
             clear()
 
 
+def warm_up() -> None:
+    """Run one tiny FSDP2 step on a group of this process alone, then drop it all.
+
+    A warm spare waits anyway; the first sharded model a process builds pays about a
+    second of one-time work (lazy imports, DTensor's operator tables), which would
+    otherwise fall inside the recovery it is there to shorten. Best effort: a failure is
+    said in one line and the spare goes on waiting."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        optimizer = torch.optim.AdamW(net.parameters())
+        net(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        del net, mesh, optimizer
+    finally:
+        dist.destroy_process_group()
+        forget_meshes()
+        gc.collect()
+
+
 class Session:
     """What ``train`` gets at each entry: its rank, the step to start from, registration
     and the step boundary."""
@@ -332,6 +359,15 @@ class _Runner:
                 membership, self._own_store(membership, host, port), port),
                 name="ftrun-epoch-watch", daemon=True),
         ]
+        # Everything alive now (torch's modules, the script's imports) lives as long as
+        # the process: out of the collector's way, a re-entry's collection takes
+        # milliseconds instead of most of a second.
+        gc.freeze()
+        if not member.initial:  # a replacement or spare: warm up while it waits
+            try:
+                warm_up()
+            except (RuntimeError, ValueError, ImportError) as error:
+                self.warn(f"warm-up skipped: {error}")
         membership.report()  # ready: past the imports, using the API
         for thread in threads:
             thread.start()
@@ -380,6 +416,13 @@ class _Runner:
                 membership.report()
                 self._leave()
                 return result
+            # Between member epochs every survivor reports the same progress (-1): the
+            # survivors of a fault may be a step apart (the ranks outside the victim's
+            # groups finished it), and the leader would take the one behind for stalled
+            # while they all wait for the replacement.
+            self.progress = -1
+            with contextlib.suppress(StoreError, RuntimeError):
+                membership.report()
             self._leave()
             self.warn(f"member epoch {epoch.number} ended: re-entering the training "
                       "function")
