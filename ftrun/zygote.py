@@ -18,8 +18,8 @@ the pipes the agent gave it, Python's default signal dispositions, and Python's 
 status rules (the script runs at the top of the process, so an uncaught exception, a
 ``SystemExit`` or a ``KeyboardInterrupt`` end it exactly as they would end ``python``).
 
-Started as ``python -u -m ftrun.zygote FD PATH0 MODULE...``: ``FD`` is its end of a Unix
-socket to the agent, ``PATH0`` what ``sys.path[0]`` is for the worker (the script's
+Started as ``python -u -m ftrun.zygote FD PATH0 MODULE... -- SCRIPT ARGS``: ``FD`` is its
+end of a Unix socket to the agent, ``PATH0`` what ``sys.path[0]`` is for the worker (the script's
 directory, or the working directory with ``-m``), so the preloaded imports resolve as the
 script's own would. This module imports nothing from ftrun (the package's ``__init__`` is
 lazy), so the workers' address space holds only what the script would import.
@@ -206,11 +206,15 @@ def run_worker(request: _Request) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3:
-        print("usage: python -m ftrun.zygote FD PATH0 [MODULE ...]", file=sys.stderr)
+        print("usage: python -m ftrun.zygote FD PATH0 [MODULE ...] [-- COMMAND]",
+              file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(argv[1]))
     sys.path[0] = argv[2]
-    request = serve(sock, argv[3:])
+    # after "--": the workers' command, only so that ps (and every tool that finds a job's
+    # processes by their command line) shows it for the server and its forks
+    modules = argv[3:argv.index("--")] if "--" in argv else argv[3:]
+    request = serve(sock, modules)
     if request is None:
         return 0
     run_worker(request)

@@ -51,13 +51,16 @@ class ForkServer:
     """One fork server per agent (main thread only)."""
 
     def __init__(self, modules: Sequence[str], *, env: Mapping[str, str], path0: str,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, shown: Sequence[str] = ()) -> None:
+        """``shown``: the workers' command, appended after ``--`` to the server's command
+        line (which its forks inherit), so that ``ps`` names the script."""
         self.modules = tuple(modules)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         agent_pid = os.getpid()
         try:
             self._process = subprocess.Popen(
-                [python, "-u", "-m", "ftrun.zygote", str(child.fileno()), path0, *modules],
+                [python, "-u", "-m", "ftrun.zygote", str(child.fileno()), path0, *modules,
+                 "--", *shown],
                 env=dict(env), stdin=subprocess.DEVNULL, pass_fds=(child.fileno(),),
                 start_new_session=True, preexec_fn=lambda: die_with_parent(agent_pid),
             )

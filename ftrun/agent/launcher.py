@@ -78,7 +78,8 @@ class Launcher:
         # fork copies one thread: the server imports with a pool of one. Forked workers'
         # numpy BLAS then runs on one thread; torch's own math (MKL, OpenMP) is unaffected.
         env = {"OPENBLAS_NUM_THREADS": "1", **self._common_env()}
-        self._fork_server = ForkServer(config.preload, env=env, path0=path0)
+        self._fork_server = ForkServer(config.preload, env=env, path0=path0,
+                                       shown=[config.entrypoint, *config.args])
         if config.use_shim and os.path.exists("/dev/nvidiactl"):
             self._notes.append(("--preload: forked workers run without the NCCL shim (it "
                                 "must load before NCCL); hung NCCL calls end by torch's "
