@@ -6,7 +6,10 @@ same job as bench_recovery's throughput rounds) runs back to back with and witho
 ``--scrape-every`` seconds (1 s: fifteen times Prometheus' default rate). Throughput is
 committed steps per second from step ``--warmup`` to the last step, read from the workers'
 own step lines (each line's ``t=``). Each round runs both variants in an alternating
-order; the figure is the median of the per-round on/off ratios, with its spread.
+order; the figure is the median of the per-round on/off ratios, with its spread. On a
+shared machine that ratio's noise is larger than 1%, so the agent's own CPU time (user +
+system of the ftrun process, sampled every 0.2 s until it exits) is reported beside it:
+what serving and scraping the metrics costs the node, per second of the run.
 
     .venv/bin/python scripts/bench_metrics.py --rounds 4 --steps 400
 
@@ -26,6 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 FTRUN = REPO / ".venv" / "bin" / "ftrun"
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=\d+ t=([\d.]+)")
@@ -44,6 +49,17 @@ def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float] | None:
     times: dict[int, float] = {}
     scrapes = {"count": 0, "failed": 0}
     stop = threading.Event()
+    cpu = {"s": 0.0}
+
+    def sample_cpu() -> None:
+        agent = psutil.Process(proc.pid)
+        while not stop.is_set():
+            try:
+                times = agent.cpu_times()
+                cpu["s"] = times.user + times.system
+            except psutil.Error:
+                return
+            stop.wait(0.2)
 
     def scrape(port: int) -> None:
         while not stop.wait(args.scrape_every):
@@ -56,6 +72,8 @@ def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float] | None:
                 scrapes["failed"] += 1
 
     assert proc.stdout is not None
+    started = time.monotonic()
+    threading.Thread(target=sample_cpu, daemon=True).start()
     scraper = None
     for line in proc.stdout:
         if scraper is None and (found := PORT.search(line)):
@@ -63,8 +81,9 @@ def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float] | None:
             scraper.start()
         if (step := STEP.search(line)) and int(step[2]) == 0:
             times[int(step[1])] = float(step[3])
-    stop.set()
     code = proc.wait()
+    stop.set()
+    wall = time.monotonic() - started
     if code != 0 or len(times) <= args.warmup:
         print(f"bench_metrics: a {'metrics-on' if metrics else 'metrics-off'} run exited "
               f"{code}; the round is dropped", file=sys.stderr, flush=True)
@@ -72,7 +91,8 @@ def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float] | None:
     last = max(times)
     span = times[last] - times[args.warmup]
     return {"steps_per_s": (last - args.warmup) / span, "scrapes": scrapes["count"],
-            "scrape_failures": scrapes["failed"]}
+            "scrape_failures": scrapes["failed"], "agent_cpu_s": cpu["s"], "wall_s": wall,
+            "agent_cpu_per_s": cpu["s"] / wall}
 
 
 def main() -> None:
@@ -109,11 +129,16 @@ def main() -> None:
         values = [r[name]["steps_per_s"] for r in rounds]
         print(f"{name:<10} {statistics.median(values):>15.2f} {min(values):>8.2f} "
               f"{max(values):>8.2f}")
+    cpu_off = statistics.median(r["off"]["agent_cpu_per_s"] for r in rounds)
+    cpu_on = statistics.median(r["on"]["agent_cpu_per_s"] for r in rounds)
+    print(f"agent CPU per second of run: off {cpu_off:.4f} s, on {cpu_on:.4f} s "
+          f"(+{cpu_on - cpu_off:.4f} cores)")
     print(f"on/off ratio: median {median:.4f}, range {min(ratios):.4f}-{max(ratios):.4f} "
           f"over {len(ratios)} paired rounds (overhead {100 * (1 - median):.2f}%)")
     print(json.dumps({"bench": "metrics", "rounds": rounds, "ratio_median": median,
                       "ratio_min": min(ratios), "ratio_max": max(ratios),
                       "overhead_pct": 100 * (1 - median), "dropped_rounds": dropped,
+                      "agent_cpu_per_s_off": cpu_off, "agent_cpu_per_s_on": cpu_on,
                       "args": vars(args),
                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
 
