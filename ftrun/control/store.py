@@ -394,9 +394,13 @@ class JsonStore:
     def wait_for(self, name: str, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until ``name`` exists, in one server-side wait (no
         polling); False on timeout. A timed-out wait is cancelled in-protocol by torch's
-        client, so the connection stays in step and is reused."""
-        if self._conn.failed:
-            self._replace_client()  # StoreError when the store cannot be reached
+        client, so the connection stays in step and is reused. Any other failure replaces
+        the connection and returns False too, also when no new one can be made yet (the
+        caller's loop, with its deadline and lost-store check, decides when to give up; a
+        waiting agent under load is not failed by one connect that timed out). StoreError
+        only without ``reconnect`` or once ``lost()``."""
+        if not self._usable(timeout_s):
+            return False
         try:
             self.raw.wait([self.key(name)], timedelta(seconds=max(timeout_s, 0.001)))
             return True
@@ -407,7 +411,7 @@ class JsonStore:
             if self.reconnect is None or self.lost():
                 raise StoreError(f"store request failed: {detail}") from None
             self._conn.failed = True  # never used again, even if this reconnect fails
-            self._replace_client()
+            self._usable(0.0)
             return False
 
     def wait_record(self, name: str, timeout_s: float) -> tuple[bool, dict[str, Any] | None]:
@@ -416,8 +420,8 @@ class JsonStore:
         (False, None) on timeout; (True, the :meth:`set_record` record or None if it is not
         valid). One wake-up instead of two (a wait, then a get), which is what thousands of
         agents woken at once by their assignments pay. Errors as :meth:`wait_for`."""
-        if self._conn.failed:
-            self._replace_client()
+        if not self._usable(timeout_s):
+            return False, None
         client = self.raw
         bound = client.timeout
         client.set_timeout(timedelta(seconds=max(timeout_s, 0.001)))
@@ -429,7 +433,7 @@ class JsonStore:
             if self.reconnect is None or self.lost():
                 raise StoreError(f"store request failed: {_first_line(error)}") from None
             self._conn.failed = True
-            self._replace_client()
+            self._usable(0.0)
             return False, None
         finally:
             if not self._conn.failed and client is self.raw:
@@ -467,6 +471,21 @@ class JsonStore:
         if not isinstance(value, dict):
             raise StoreValueError(f"store key {self.key(name)!r} is not a JSON object")
         return value
+
+    def _usable(self, pause_s: float) -> bool:
+        """Whether the connection can be used, replacing a failed one first; a reconnect
+        that fails is not an error here (see :meth:`wait_for`): False after a pause of up
+        to ``pause_s`` (a waiting loop does not spin), StoreError once ``lost()``."""
+        if not self._conn.failed:
+            return True
+        if self.reconnect is None or self.lost():
+            raise StoreError("store request failed: the store host is lost")
+        try:
+            self._replace_client()
+            return True
+        except StoreError:
+            time.sleep(min(max(pause_s, 0.0), 0.5))
+            return False
 
     def _replace_client(self) -> None:
         """A new connection in place of a failed one; StoreError if it cannot be made (the
