@@ -4,6 +4,7 @@
     python scripts/bench_multinode.py --json               # the same, as JSON
     python scripts/bench_multinode.py --only rendezvous --agents 64,256,512
     python scripts/bench_multinode.py --only rendezvous --agents 64,128 --torchrun-rendezvous
+    python scripts/bench_multinode.py --only rendezvous-light --agents 512,4096
     python scripts/bench_multinode.py --only store-load --store-load 1000
 
 * ``node_loss_recovery_s``: three network-namespace hosts (tests/infra/netns.py; needs root)
@@ -58,6 +59,21 @@
   the window (the new store of torch's rank 0 / ftrun's leader) can stall too, so a run
   4.5-6 s above the median is marked ``suspect`` and the median keeps it out of the
   figure. ``BENCH_RDZV_DEBUG=1`` prints torch's own rendezvous log per agent, timestamped.
+* ``rendezvous_s["ftrun"]`` (``{"N": s}``, ``--only rendezvous-light``): N agents join one
+  generation of exactly N: the leader in this process, which serves the store (as the
+  store host's agent does) and opens the worker store; N - 1 light agents as threads in
+  N/64 processes (at least 8), each with what a non-leader agent makes before it joins (a
+  store client of its own with the agent's request timeout, signed records, a
+  HeartbeatSender on a second connection unless ``--light-no-heartbeats``), running the real
+  DynamicRendezvous.join(). The figure is from the last join (the last agent's slot record
+  in the store) to every agent holding its generation (its join returned with rank, world
+  size and worker store), the median of ``--rdzv-repeats``; every run, with where the time
+  went (``leader_had_every_slot_after_last_join_s``, ``record_written_after_last_join_s``)
+  and the cores each side got, is in ``rendezvous_light_runs``. A run counts only if every
+  rank was given once with the same world and worker store (``consistent``). The agent
+  processes shorten the GIL switch interval (a hundred agents share an interpreter here).
+  The process-per-agent figures of ``--only rendezvous`` are under
+  ``rendezvous_s["ftrun_process"]``.
 * ``store_load``: the real load N agents put on one control store, measured: N light
   agents (default 1,000), spread over ``--store-load-procs`` processes (many per process),
   each running ftrun's own HeartbeatSender (a signed ``set`` of ``hb/<id>`` and a ``check``
