@@ -346,11 +346,10 @@ class Rendezvous:
         while True:
             self._offer(number, slot)
             if self.is_leader:
-                # opened before the wait, not after it: a new TCPStore connects to itself
-                # (a name lookup for its peer, milliseconds to seconds) and nobody should
-                # wait for that once the last node has joined
-                host, port = open_worker_store()
                 slots = self._collect(number, slot, deadline, expected)
+                # only now: every member is back, so every worker of the last generation
+                # has stopped (with the one-port contract the agent clears their keys here)
+                host, port = open_worker_store()
                 generation = Generation(number, restart_count, tuple(slots), host, port)
                 record = generation.to_json()
                 digest = record_digest(record)
