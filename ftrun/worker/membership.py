@@ -185,8 +185,16 @@ class Membership:
                 self.store.put_record(
                     key, {"value": P.COMMIT_REGROUP if joiner_waits else P.COMMIT})
         bound, late = _Bound(self.regroup_timeout_s), False
+        pause, look_at_end = POLL_S / 25, time.monotonic() + 0.05
         while True:
-            present = self.store.wait_for(key, 0.05)  # returns as soon as it is written
+            # check(), not a server-side wait: torch's client prints two "[c10d]
+            # waitForInput ... timed out" warnings for every wait that times out, which
+            # looked like errors in every rank's output, every step, on a loaded machine.
+            # The pause grows from 0.2 ms to POLL_S: a decision written at once is seen at once.
+            present = self.store.exists(key)
+            if not present:
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_S)
             if present:
                 record = self.store.first_record(key)
                 if record is not None:
@@ -196,15 +204,16 @@ class Membership:
                             f"the decision on step {step} (no valid vote yet from: "
                             f"{self._lacking(votes)})")
                     return decision
+                time.sleep(POLL_S)  # it holds only records without the job's secret
+            if time.monotonic() < look_at_end:
+                continue
+            look_at_end = time.monotonic() + 0.05  # as often as the 50 ms waits before
             if self.ended(epoch) is not None:
                 self.store.put_record(key, {"value": P.ABORT})
                 continue
             if not late and bound.passed():
                 late = True
                 self.store.put_record(key, {"value": P.ABORT})
-                continue
-            if present:  # it holds only records without the job's secret
-                time.sleep(POLL_S)
 
     # --- member epochs --------------------------------------------------------------------
 
