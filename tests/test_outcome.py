@@ -7,10 +7,11 @@ from ftrun.agent.outcome import mark_root_cause
 
 
 def _exit(rank: int, returncode: int, *, first: bool = False, stopped: bool = False,
-          error_at: float | None = None) -> WorkerExit:
+          error_at: float | None = None, message: str | None = None) -> WorkerExit:
     return WorkerExit(rank=rank, local_rank=rank, node="n", pid=100 + rank, generation=0,
                       returncode=returncode, time=10.0 + rank, stopped_by_agent=stopped,
-                      first=first, message=f"error of rank {rank}", error_at=error_at)
+                      first=first, message=message or f"error of rank {rank}",
+                      error_at=error_at)
 
 
 def test_the_rank_that_raised_first_is_the_root_cause_even_if_it_exited_later() -> None:
@@ -34,6 +35,21 @@ def test_errors_written_after_the_first_exit_are_its_consequences() -> None:
     # rank 0 was SIGKILLed at t=10 (no error file); rank 1's collective then failed.
     exits = [_exit(0, -9, first=True), _exit(1, -15, stopped=True, error_at=10.5)]
     assert mark_root_cause(exits) == exits
+
+
+def test_just_before_the_exit_seen_a_lost_peer_is_a_consequence_a_raise_is_a_cause() -> None:
+    # rank 0 SIGKILLed at ~9.99; the agent saw its exit at 10.0 (late by a GIL wait); rank 1
+    # wrote "connection closed" 5 ms before that: a consequence. An exception of the
+    # script's own 20 ms before a peer's SIGSEGV at exit is that crash's cause.
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    exits = [_exit(0, -9, first=True), _exit(1, -15, stopped=True, error_at=9.995,
+                                             message=lost)]
+    assert mark_root_cause(exits) == exits
+    raised = [_exit(0, -11, first=True), _exit(1, 1, error_at=9.98,
+                                               message="RuntimeError: injected failure")]
+    assert [e.rank for e in mark_root_cause(raised) if e.first] == [1]
+    long_before = [_exit(0, -9, first=True), _exit(1, 1, error_at=9.5, message=lost)]
+    assert [e.rank for e in mark_root_cause(long_before) if e.first] == [1]
 
 
 def test_a_worker_that_succeeded_is_never_the_root_cause() -> None:

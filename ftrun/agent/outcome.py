@@ -44,24 +44,35 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
 
 
 _OBSERVED_LATE_S = 0.05
+# What a rank's error says when a peer's death broke its collective (gloo, NCCL, the store).
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "Connection refused", "NCCL communicator was aborted", "remote process exited")
+
+
+def _lost_peer(exit_: WorkerExit, first: WorkerExit) -> bool:
+    """An error recorded just before the first exit the agent saw, saying that a peer went
+    away: a consequence of that exit, not its cause. The agent sees an exit a few
+    milliseconds after it happens (its main thread waits for the GIL behind the log pumps;
+    a forked worker's status comes from the fork server), while a peer whose connection the
+    dead rank closed writes its error at once (seen: 4 ms under --preload)."""
+    message = exit_.message or ""
+    close = exit_.error_at is not None and first.time - exit_.error_at <= _OBSERVED_LATE_S
+    return close and any(words in message for words in _LOST_PEER)
 
 
 def mark_root_cause(exits: list[WorkerExit]) -> list[WorkerExit]:
     """Mark as ``first`` the failed worker that recorded its error (its error file's time)
     before the exit the agent saw first: a rank that raises can take longer to exit than
     the peer its exception broke (seen: the raising rank still tearing down gloo while its
-    peer, whose collective failed, crashed at exit first). Errors recorded after that exit
-    are consequences of it (a SIGKILLed rank writes no error; its peers then do)."""
+    peer, whose collective failed, crashed with SIGSEGV at exit first). Errors recorded
+    after that exit, or just before it and saying that a peer went away, are its
+    consequences (a SIGKILLed rank writes no error; its peers then do)."""
     first = next((e for e in exits if e.first), None)
     if first is None:
         return exits
-    # The agent sees an exit a few milliseconds after it happens (its main thread waits for
-    # the GIL behind the log pumps; a forked worker's status comes from the fork server), while
-    # a peer whose connection the dead rank closed writes its error at once: errors within
-    # that slack of the exit seen are its consequences (seen: 4 ms under --preload).
-    seen_by = min(first.time - _OBSERVED_LATE_S, first.error_at or first.time)
+    seen_by = min(first.time, first.error_at or first.time)
     earlier = [e for e in exits if not e.ok and e is not first and e.error_at is not None
-               and e.error_at < seen_by]
+               and e.error_at < seen_by and not _lost_peer(e, first)]
     if not earlier:
         return exits
     root = min(earlier, key=lambda e: e.error_at or 0.0)
