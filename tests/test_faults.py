@@ -59,6 +59,9 @@ def _scrape(port: int) -> dict[str, float]:
     return found
 
 
+ENDED = r"(exit code 1|killed by SIGABRT)"
+
+
 def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -149,7 +152,9 @@ def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: P
     records = [e for e in _events(events) if e["event"] == "fault"]
     assert [(r["rank"], r["path"], r["recovered_how"]) for r in records] == \
         [(1, "restart", "restarted")], records
-    assert re.search(r"rank 1 exit code 1: every worker restarted in [\d.]+ s "
+    # The raising rank exits 1, or (torch tearing down a gloo group whose threads still
+    # run) aborts at exit: its cause is the same exception either way.
+    assert re.search(rf"rank 1 {ENDED}: every worker restarted in [\d.]+ s "
                      r"\(generation 1\)", run.output), run.output
     summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
     assert summary["prod"] is None and int(summary["n"]) == 1  # no steps seen: no goodput
@@ -164,7 +169,7 @@ def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: P
     assert "job failed (no restart)" in run.output
     summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
     assert int(summary["n"]) == 1
-    assert "first failure: rank 1 exit code 1" in run.output
+    assert re.search(rf"first failure: rank 1 {ENDED}", run.output), run.output
 
 
 def test_replay_builds_records_from_events_and_ignores_malformed_ones() -> None:
