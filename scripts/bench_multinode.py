@@ -907,13 +907,7 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
             reports.append(value)
     finally:
         leave.set()
-        for w in workers:
-            if w.pid is None:  # never started
-                continue
-            w.join(15)
-            if w.is_alive():
-                w.kill()
-                w.join(5)
+        _reap_agent_processes(workers)
         out.close()
     calls: dict[str, int] = dict(tally.calls)
     errors: dict[str, int] = dict(tally.errors)
@@ -1166,13 +1160,7 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                                          - info["store_host_cores"] - info["agents_cores"], 2)
     finally:
         leave.set()
-        for w in workers:
-            if w.pid is None:
-                continue
-            w.join(15)
-            if w.is_alive():
-                w.kill()
-                w.join(5)
+        _reap_agent_processes(workers)
         out.close()
     joined = [r for report in reports for r in report["joined"]]
     failed = sum(report["failed"] for report in reports)
@@ -1407,6 +1395,17 @@ def print_light_table(result: dict[str, object]) -> None:
               f"{infos[-1].get('setup_s', '-')!s:>6} "
               f"{infos[-1].get('store_host_cores', '-')!s:>10} "
               f"{infos[-1].get('other_work_cores', '-')!s:>5}")
+
+
+def _reap_agent_processes(workers: list) -> None:
+    """Join the light-agent processes that started; kill those that outlive 15 s."""
+    for w in workers:
+        if w.pid is None:  # never started
+            continue
+        w.join(15)
+        if w.is_alive():
+            w.kill()
+            w.join(5)
 
 
 def main() -> None:
