@@ -1,0 +1,146 @@
+"""A job generation's membership as each node receives it: a node's slot (:class:`NodeSlot`),
+its signed assignment (:class:`Assignment`, one small record per node, so thousands of agents
+need not each read the whole membership), and the whole record read lazily and checked
+against the assignment's digest (:class:`LazyNodes`). Split out of ``rendezvous.py``, which
+forms generations; this module only describes them."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+from ftrun.control.auth import canonical
+from ftrun.control.errors import StoreValueError, require
+
+
+def assignment_key(number: int, node_id: str) -> str:
+    return f"gen/{number}/as/{node_id}"
+
+
+@dataclass(frozen=True)
+class NodeSlot:
+    """One agent's offer to take part in a generation (c10d: ``node_rank`` is given by the
+    leader in the record; the agent offers -1)."""
+
+    node_rank: int
+    local_world_size: int
+    addr: str
+    hostname: str
+    pid: int
+    node_id: str = ""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeSlot:
+        slot = cls(
+            node_id=require(data, "node_id", str),
+            node_rank=require(data, "node_rank", int),
+            local_world_size=require(data, "local_world_size", int),
+            addr=require(data, "addr", str),
+            hostname=require(data, "hostname", str),
+            pid=require(data, "pid", int),
+        )
+        if slot.node_rank < -1 or slot.local_world_size < 1 or not slot.node_id:
+            raise StoreValueError("node slot with a bad rank, no workers or no id")
+        return slot
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's fields (``dataclasses.asdict`` deep-copies: 20x slower, and the
+        leader writes 4,096 of these per generation at that size)."""
+        return {"node_rank": self.node_rank, "local_world_size": self.local_world_size,
+                "addr": self.addr, "hostname": self.hostname, "pid": self.pid,
+                "node_id": self.node_id}
+
+    def with_rank(self, node_rank: int) -> NodeSlot:
+        return NodeSlot(node_rank, self.local_world_size, self.addr, self.hostname, self.pid,
+                        self.node_id)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One node's place in a generation: everything its agent needs to start its workers,
+    and the digest of the full record (``gen/N``) it belongs to."""
+
+    number: int
+    restart_count: int
+    node: NodeSlot  # with its node rank in this generation
+    rank_offset: int
+    nnodes: int
+    world_size: int
+    worker_store_host: str
+    worker_store_port: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"number": self.number, "restart_count": self.restart_count,
+                "node": self.node.to_json(), "rank_offset": self.rank_offset,
+                "nnodes": self.nnodes, "world_size": self.world_size,
+                "worker_store_host": self.worker_store_host,
+                "worker_store_port": self.worker_store_port, "digest": self.digest}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Assignment:
+        numbers = {name: require(data, name, int) for name in (
+            "number", "restart_count", "rank_offset", "nnodes", "world_size",
+            "worker_store_port")}
+        made = cls(node=NodeSlot.from_json(require(data, "node", dict)),
+                   worker_store_host=require(data, "worker_store_host", str),
+                   digest=require(data, "digest", str), **numbers)
+        node = made.node
+        if not (0 <= node.node_rank < made.nnodes and made.rank_offset >= 0
+                and made.rank_offset + node.local_world_size <= made.world_size):
+            raise StoreValueError("assignment with a rank outside its generation")
+        if not 0 < made.worker_store_port < 65536:
+            raise StoreValueError("assignment with an invalid worker store port")
+        return made
+
+
+def record_digest(record: dict[str, Any]) -> str:
+    """SHA-256 of a generation record's canonical JSON (what an assignment names)."""
+    return hashlib.sha256(canonical(record)).hexdigest()
+
+
+class LazyNodes(Sequence[NodeSlot]):
+    """A generation's node list read from the store on first use (see the module
+    docstring: an agent holds its assignment; the membership is fetched when asked for).
+    ``load`` returns the nodes or raises :class:`RendezvousError`/``StoreError``."""
+
+    def __init__(self, load: Callable[[], tuple[NodeSlot, ...]]) -> None:
+        self._load = load
+        self._nodes: tuple[NodeSlot, ...] | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> tuple[NodeSlot, ...]:
+        with self._lock:
+            if self._nodes is None:
+                self._nodes = self._load()
+            return self._nodes
+
+    @property
+    def loaded(self) -> bool:
+        return self._nodes is not None
+
+    @overload
+    def __getitem__(self, index: int) -> NodeSlot: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[NodeSlot]: ...
+
+    def __getitem__(self, index: int | slice) -> NodeSlot | Sequence[NodeSlot]:
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[NodeSlot]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LazyNodes({self._nodes!r})" if self.loaded else "LazyNodes(<not read>)"
