@@ -233,6 +233,22 @@ def test_a_busy_rank_means_no_hang(procs: dict[str, Proc]) -> None:
     assert run_watch(watch, [procs["idle0"], procs["busy"]], 4) is None
 
 
+def test_a_verdict_needs_two_looks_that_agree(procs: dict[str, Proc]) -> None:
+    """Rank 1 is read in its own code, then in a collective, then in its code again (a
+    slow step ending: it wakes while rank 0 already waits): no look is confirmed, no hang."""
+    looks = {procs["idle1"].pid: 0}
+
+    def stack_of(pid: int) -> Stack:
+        if pid not in looks:
+            return waiting_stack(pid)
+        looks[pid] += 1
+        return user_stack(pid) if looks[pid] % 2 else waiting_stack(pid)
+
+    watch = HangWatch(timeout_s=0.5, multi_node=False, stack_of=stack_of)
+    assert run_watch(watch, [procs["idle0"], procs["idle1"]], 3) is None
+    assert looks[procs["idle1"].pid] >= 3  # it did look, every sample once the spell began
+
+
 def test_nobody_waiting_is_a_slow_step_and_the_timeout_grows(procs: dict[str, Proc]) -> None:
     watch = HangWatch(timeout_s=None, multi_node=False, stack_of=user_stack)
     assert watch.timeout_s == HANG_FLOOR_S

@@ -216,6 +216,7 @@ class HangWatch:
         self.spell_s = 0.0
         self.next_sample = clock()
         self.next_check = 0.0  # when a spell's stacks may be read (again)
+        self.last_look: tuple[tuple[int, str], ...] = ()  # this spell's last states read
         self.view: NodeView | None = None  # several nodes: this node's idle spell, judged
         self.node_rank = 0
         self.node = ""
@@ -255,6 +256,7 @@ class HangWatch:
         if idle_s < self.spell_s:  # someone worked again: the spell ended by itself
             self.longest_spell_s = max(self.longest_spell_s, self.spell_s)
             self.next_check = 0.0
+            self.last_look = ()
             self.view = None
         self.spell_s = idle_s
         if idle_s < self.timeout_s or now < self.next_check:
@@ -264,6 +266,15 @@ class HangWatch:
     def _judge(self, live: list[WorkerProcess], idle_s: float, now: float) -> Hang | None:
         stacks = {w.pid: s for w in live if (s := self.stack_of(w.pid)) is not None}
         nccl = {w.pid: c for w in live if (c := self.nccl_call_of(w)) is not None}
+        look = tuple((w.pid, _state(w.pid, stacks, nccl)) for w in live)
+        if look != self.last_look:
+            # A verdict needs two looks, a sample apart, that agree: at the end of a slow
+            # step a rank can be read still in its sleep while its peer, awake a moment
+            # earlier, already waits for it in the next collective (its CPU since the
+            # sample too little to count).
+            self.last_look = look
+            self.next_check = now + SAMPLE_S
+            return None
         self.next_check = now + self.timeout_s  # judged: look again after another timeout
         if self.multi_node:
             self.view = self._view(live, idle_s, stacks, nccl)
@@ -294,17 +305,26 @@ class HangWatch:
         workers = []
         for worker in live:
             stack = stacks.get(worker.pid)
+            state = _state(worker.pid, stacks, nccl)
             if worker.pid in nccl:
-                state, where = "waiting", f"waiting in {nccl[worker.pid]}"
-            elif stack is None:
-                state, where = "unknown", "stack not readable"
+                where = f"waiting in {nccl[worker.pid]}"
             else:
-                state, where = ("waiting" if stack.waiting else "own"), stack.where
+                where = stack.where if stack is not None else "stack not readable"
             workers.append(WorkerView(worker.rank, worker.pid, state, where,
                                       stack.text() if stack and state == "own" else ""))
         wall = self.wall()
         return NodeView(self.node_rank, self.node, wall - idle_s, wall,
                         any(s.forming_group for s in stacks.values()), tuple(workers))
+
+
+def _state(pid: int, stacks: dict[int, Stack], nccl: dict[int, str]) -> str:
+    """"waiting" (in torch's communication or an NCCL call), "own" (its code), "unknown"."""
+    if pid in nccl:
+        return "waiting"
+    stack = stacks.get(pid)
+    if stack is None:
+        return "unknown"
+    return "waiting" if stack.waiting else "own"
 
 
 def nccl_call(worker: WorkerProcess) -> str | None:
