@@ -2,7 +2,8 @@
 # The whole test suite on a fresh machine: virtual environment, the pinned CPU build of torch
 # (installed first, so nothing pulls a multi-GB CUDA build), the project with its test
 # dependencies, the real services the infrastructure tests start (Slurm, munge, iproute2,
-# iptables; needs root), a lint, then pytest. Extra arguments go to pytest.
+# iptables; needs root), a lint, then pytest (FTRUN_TEST_WORKERS processes, default 2).
+# Extra arguments go to pytest.
 #
 #   bash scripts/test.sh            # everything
 #   bash scripts/test.sh -k launcher
@@ -20,4 +21,7 @@ else
     echo "test.sh: not root: Slurm and network-namespace tests will skip" >&2
 fi
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+# Most tests wait on processes (rendezvous, heartbeats, restarts) more than they compute: two
+# pytest workers halve the wall time on two cores; --dist loadgroup keeps the machine-wide
+# infrastructure tests on one worker (tests/conftest.py).
+exec .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-2}" --dist loadgroup "$@"
