@@ -447,11 +447,16 @@ def test_wrapper_shell_hands_over_to_the_nccl_process(
     build = builds["plain"]
     with control(build, tick_ms=2) as ctl:
         env = ctl.worker_env(worker_env(build, dict(os.environ)))
-        cmd = f"{build.worker} {build.scenario} block 1; exit $?"  # not exec'd: a real fork
-        p = Proc(["/bin/sh", "-c", cmd], env)
+        # The shell forks only once the test has seen it claim the page: the agent binds a
+        # pid after the fork, so a fast worker could otherwise claim first (then the shell
+        # never owns the page: fine in a job, but not the hand-over this test is about).
+        cmd = f"read go; {build.worker} {build.scenario} block 1; exit $?"  # a real fork
+        p = Proc(["/bin/sh", "-c", cmd], env, stdin=True)
         procs.append(p)
         ctl.bind(p.pid)
-        wait_until(lambda: ctl.status()["owner_pid"] != 0, 5, "a claim")
+        wait_until(lambda: ctl.status()["owner_pid"] == p.pid, 5, "the shell's claim")
+        assert p.popen.stdin is not None
+        p.popen.stdin.write(b"go\n")  # unbuffered: the shell reads it now
         p.expect("BLOCKED")
         status = ctl.status()
         assert status["owner_pid"] not in (0, p.pid) and status["state"] == "active"
