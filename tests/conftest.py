@@ -11,17 +11,6 @@ from tests.launch import Launch, assert_no_processes_mention
 
 pytest_plugins = ["tests.infra.fixtures"]
 
-# Tests on the machine-wide infrastructure (namespaces, a private Slurm) check that no
-# namespace or cluster process appears that they did not make: under pytest-xdist they share
-# one worker, so another worker's network never shows up in their checks.
-MACHINE_WIDE = {"netns_network", "netns_factory", "slurm_cluster", "infra_leak_check"}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if MACHINE_WIDE & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("machine-wide"))
-
 
 @pytest.fixture
 def job_dir(tmp_path: Path) -> Iterator[Path]:

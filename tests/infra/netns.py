@@ -116,9 +116,13 @@ def _list_netns() -> list[str]:
     return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
 
 
-def ftrun_namespaces() -> set[str]:
-    """Every namespace named by this module (any run's): what leak checks compare."""
-    return {n for n in _list_netns() if _NAME_RE.match(n)}
+def ftrun_namespaces(*, any_owner: bool = False) -> set[str]:
+    """The namespaces this process made (``any_owner``: any run's): what leak checks compare.
+    Only this process's own, so that a concurrent test process (a pytest-xdist worker) and
+    its networks never show up as another test's leak."""
+    me = str(os.getpid())
+    return {n for n in _list_netns()
+            if (m := _NAME_RE.match(n)) and (any_owner or m.group(1) == me)}
 
 
 def _delete_netns(names: Sequence[str], timeout: float) -> list[str]:

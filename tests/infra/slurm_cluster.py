@@ -121,10 +121,11 @@ def _free_port() -> int:
 def marked_processes(root: Path | str | None = None) -> list[int]:
     """Pids of live processes whose environment carries the cluster marker.
 
-    With ``root``, only that cluster's; without, any cluster's.  Reading another process's
-    environ needs root (the clusters run as root, so the test does too).
+    With ``root``, only that cluster's; without, those of every cluster this process owns or
+    whose directory is gone (a stopped cluster's leftovers); a concurrent test process's
+    live clusters are its own business.  Reading another process's environ needs root (the
+    clusters run as root, so the test does too).
     """
-    want = None if root is None else f"{MARKER_VAR}={root}".encode()
     prefix = f"{MARKER_VAR}=".encode()
     me = os.getpid()
     pids: list[int] = []
@@ -135,9 +136,15 @@ def marked_processes(root: Path | str | None = None) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(e == want if want else e.startswith(prefix) for e in environ) and pid_alive(
-            int(entry.name)
-        ):
+        marker = next((e[len(prefix):] for e in environ if e.startswith(prefix)), None)
+        if marker is None:
+            continue
+        cluster = Path(os.fsdecode(marker))
+        if root is None:
+            ours = not cluster.exists() or _owner_pid(cluster / "owner.pid") == me
+        else:
+            ours = cluster == Path(root)
+        if ours and pid_alive(int(entry.name)):
             pids.append(int(entry.name))
     return pids
 
@@ -192,6 +199,13 @@ def _start_time(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return ""
+
+
+def _owner_pid(owner_file: Path) -> int | None:
+    try:
+        return int(owner_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _owner_alive(owner_file: Path) -> bool:
