@@ -53,6 +53,7 @@ class Event(str, Enum):
     PROGRESS = "progress"  # regroup leader, once a second: each rank's committed steps
     FAULT = "fault"  # one fault's record, once its recovery completed (ftrun.agent.faults)
     INJECT = "inject"  # a fault was injected on purpose (spec, rank)
+    ERROR = "error"  # a failed worker's own last error, once read (rank, pid, message)
 
 
 def describe_returncode(code: int) -> str:
