@@ -9,8 +9,9 @@ End to end on real jobs (gloo workers, the real agent, real signals):
   ``--metrics-port`` endpoint scraped before the kill and during the run after it shows
   the member epoch change, the regroup, the failed member and the recovery's seconds;
 * restart: a script without the worker API fails once: the record's path is restart, the
-  line says how long the restart took, and with no restart left the console never says
-  "restarting all" before "job failed (no restart)".
+  line says how long the restart took, the cause (record, line, table row, first failure)
+  names the rank's own exception from its stderr, and with no restart left the console
+  never says "restarting all" before "job failed (no restart)".
 Without processes: replaying events (the report's path) with malformed fields, injected
 faults and overlapping faults.
 """
@@ -60,6 +61,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 ENDED = r"(exit code 1|killed by SIGABRT)"
+ERROR = r"RuntimeError: injected failure at step 4 on rank 1"
 
 
 def _events(path: Path) -> list[dict]:
@@ -153,9 +155,13 @@ def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: P
     assert [(r["rank"], r["path"], r["recovered_how"]) for r in records] == \
         [(1, "restart", "restarted")], records
     # The raising rank exits 1, or (torch tearing down a gloo group whose threads still
-    # run) aborts at exit: its cause is the same exception either way.
-    assert re.search(rf"rank 1 {ENDED}: every worker restarted in [\d.]+ s "
+    # run) aborts at exit: its cause is the same exception either way, read from its own
+    # stderr (train_ddp.py has no @record): the record, the line and the table say it.
+    assert re.fullmatch(rf"{ENDED}: {ERROR}", records[0]["cause"]), records[0]
+    assert re.search(rf"rank 1 {ENDED}: {ERROR}: every worker restarted in [\d.]+ s "
                      r"\(generation 1\)", run.output), run.output
+    rows = [x for x in run.lines if re.match(r"\s*0\s+\S+\s+rank 1\s", x)]
+    assert len(rows) == 1 and re.search(rf"{ENDED}: RuntimeError", rows[0]), run.output
     summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
     assert summary["prod"] is None and int(summary["n"]) == 1  # no steps seen: no goodput
     # No restart left: never "restarting all", then the failure summary and the record.
@@ -169,7 +175,7 @@ def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: P
     assert "job failed (no restart)" in run.output
     summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
     assert int(summary["n"]) == 1
-    assert re.search(rf"first failure: rank 1 {ENDED}", run.output), run.output
+    assert re.search(rf"first failure: rank 1 {ENDED}: {ERROR}", run.output), run.output
 
 
 def test_replay_builds_records_from_events_and_ignores_malformed_ones() -> None:

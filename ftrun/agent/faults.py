@@ -36,6 +36,7 @@ file is untrusted input and its bad fields are ignored.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -43,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ftrun import protocol as P
-from ftrun.agent.events import Event, EventLog, describe_returncode
+from ftrun.agent.events import Event, EventLog, WorkerExit, describe_returncode
 
 #: Seconds between two ``progress`` events while steps move (the report's resolution).
 PROGRESS_EVERY_S = 1.0
@@ -246,6 +247,7 @@ class FaultBook:
             "formed": self._formed,
             "progress": self._progress,
             "inject": self._inject,
+            Event.ERROR.value: self._error,
             Event.RESTART.value: self._restart,
             Event.GENERATION.value: self._generation,
             Event.STOP.value: self._stop,
@@ -303,6 +305,17 @@ class FaultBook:
         self._open(ts, f"lost: no heartbeat for {silent:.1f} s", detected=ts,
                    happened=ts - silent, node=str(node),
                    generation=_int(ev.get("generation")) or 0)
+
+    def _error(self, ts: float, ev: dict[str, Any]) -> None:
+        """A failed worker's own last error (read once its stderr drained): the record of
+        that process says it after its exit code, as the failure summary does."""
+        pid, message = _int(ev.get("pid")), _str(ev.get("message"))
+        if pid is None or not message:
+            return
+        for record in self.faults:
+            if record.pid == pid and _BARE_CAUSE.match(record.cause):
+                record.cause = f"{record.cause}: {message.splitlines()[0][:300]}"
+                return
 
     def _inject(self, ts: float, ev: dict[str, Any]) -> None:
         self.injections.append({**ev, "ts": ts})
@@ -421,6 +434,20 @@ class FaultBook:
         with self._lock:
             return JobSummary(self.started, self.ended or ended, self.first_step,
                               list(self.faults), self.succeeded)
+
+
+#: A cause that says only how the process ended (its error may be added).
+_BARE_CAUSE = re.compile(r"^(exit code -?\d+|killed by \S+)$")
+
+
+def explain_exits(events: EventLog, exits: Iterable[WorkerExit]) -> None:
+    """Emit an ``error`` event for each worker that failed on its own and left an error
+    (its error file's message, or the last exception in its stderr): the fault table's
+    cause then names it. Workers stopped by ftrun are consequences, not causes."""
+    for item in exits:
+        if not item.ok and item.message and not item.stopped_by_agent:
+            events.emit(Event.ERROR, rank=item.rank, pid=item.pid, node=item.node,
+                        message=item.message.splitlines()[0][:300])
 
 
 def _valid_member(text: str) -> bool:
