@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ftrun.agent.events import Event, EventLog, WorkerExit
-from ftrun.agent.faults import FaultBook
+from ftrun.agent.faults import FaultBook, explain_exits
 from ftrun.agent.inject import Injector
 from ftrun.agent.launcher import Launcher, WorkerStartError
 from ftrun.agent.metrics import Metrics, MetricsError
@@ -227,6 +227,7 @@ class Agent:
                 print(f"ftrun: error: {error}", file=sys.stderr)
                 return ExitCode.USAGE
             self.history.extend(result.exits)
+            explain_exits(self.events, result.exits)  # the fault table names each error
             if result.outcome is Outcome.SUCCEEDED:
                 return self._finish(rdzv, generation)
             if result.outcome is Outcome.SIGNALED:
