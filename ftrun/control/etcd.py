@@ -1,0 +1,485 @@
+"""The control store on an etcd v3 cluster (``--rdzv-backend etcd-v3``).
+
+Why: with the default backend the control store is a ``TCPStore`` served by one agent, so
+losing that host ends the job. Sites that run jobs on many nodes already run etcd, a
+replicated store with no single point of failure; torchrun's own etcd backend speaks the
+deprecated v2 API. This module gives the agent the operations it already uses on a
+``TCPStore`` client (``set``, ``get``, ``compare_set``, ``add``, ``append``, ``check``,
+``multi_get``, ``multi_set``, ``wait``, ``delete_key``, ``timeout``/``set_timeout``), so
+:class:`~ftrun.control.store.JsonStore` and everything above it (signed JSON records,
+rendezvous, heartbeats, end watches) run unchanged on etcd:
+
+* ``add``, ``append`` and ``compare_set`` are etcd transactions guarded by the key's
+  ``mod_revision`` (retried when another writer got in between);
+* ``check`` and ``multi_get`` are one transaction each (one round trip for many keys);
+* ``wait`` (and ``get`` of a missing key, which waits as torch's does) is a watch from the
+  revision just after the read that found the key missing, so no write is missed, bounded
+  by the timeout;
+* every key lives under the job's key prefix (``etcd_prefix`` in ``--rdzv-conf``).
+
+The client is etcd3gw (etcd's v3 JSON gateway, ``/v3/`` on etcd 3.4+; the path is
+discovered from ``/version`` by etcd3gw once per endpoint, not hand-written). Failover:
+the client talks to one endpoint at a time and moves to the next when a request to it
+fails (connection refused or reset, timed out, an error from a member without quorum);
+a request fails only when every endpoint failed it in turn.
+
+Election: :class:`Election` puts a key bound to a lease in a transaction that succeeds
+only if the key does not exist; the agent that wins is the job's single writer (it forms
+the generations and hosts their worker stores) and keeps its lease alive from a thread.
+
+Timeouts and errors: every request is bounded by the client's timeout (connect and read);
+a request that no endpoint answered raises ``RuntimeError`` naming each endpoint and why,
+as torch's store client does, so :class:`~ftrun.control.store.JsonStore` turns it into a
+:class:`~ftrun.control.errors.StoreError` and applies its reconnection rules. A wait that
+times out raises ``RuntimeError('wait timeout after ...')`` (torch's words, which
+``JsonStore`` reads as "not yet"). Bad options raise :class:`EtcdConfigError` with one line.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import requests
+from etcd3gw import exceptions as etcd_errors
+from etcd3gw.client import Etcd3Client
+
+DEFAULT_PREFIX = "/ftrun"
+DEFAULT_ETCD_PORT = 2379
+# What a key's prefix may hold: a path of printable ASCII without spaces.
+_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/_-.:")
+# Tries of a read-modify-write transaction before giving up (each lost try means another
+# writer changed the key in between: a handful is already an unusual pile-up).
+_CAS_TRIES = 200
+
+
+class EtcdConfigError(ValueError):
+    """An ``--rdzv-endpoint``/``--rdzv-conf`` value the etcd backend cannot use (one line)."""
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """Where the cluster is and how to talk to it (torchrun's etcd options)."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    protocol: str = "http"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    prefix: str = DEFAULT_PREFIX
+
+    @classmethod
+    def parse(cls, endpoint: str, conf: Mapping[str, str]) -> EtcdOptions:
+        """``host1:2379,host2:2379`` and ``protocol``, ``cacert``, ``cert``, ``key``,
+        ``etcd_prefix`` from ``--rdzv-conf``; EtcdConfigError naming the bad value."""
+        endpoints: list[tuple[str, int]] = []
+        for part in (p.strip() for p in endpoint.split(",")):
+            if not part:
+                continue
+            host, port = _split_host_port(part)
+            endpoints.append((host, port))
+        if not endpoints:
+            raise EtcdConfigError("--rdzv-endpoint: the etcd-v3 backend needs HOST[:PORT],... "
+                                  "(the etcd cluster's client endpoints)")
+        protocol = conf.get("protocol", "http").strip().lower()
+        if protocol not in ("http", "https"):
+            raise EtcdConfigError(f"--rdzv-conf protocol={protocol!r}: expected http or https")
+        files: dict[str, str | None] = {}
+        for name in ("cacert", "cert", "key"):
+            value = conf.get(name)
+            if value is not None and not os.path.isfile(value):
+                raise EtcdConfigError(f"--rdzv-conf {name}={value!r}: no such file")
+            files[name] = value
+        if (files["cert"] is None) != (files["key"] is None):
+            raise EtcdConfigError("--rdzv-conf: cert and key go together (a client "
+                                  "certificate and its private key)")
+        if protocol == "http" and any(files.values()):
+            raise EtcdConfigError("--rdzv-conf: cacert, cert and key need protocol=https")
+        prefix = conf.get("etcd_prefix", DEFAULT_PREFIX).strip()
+        if not prefix.startswith("/") or not set(prefix) <= _PREFIX_CHARS or "//" in prefix:
+            raise EtcdConfigError(f"--rdzv-conf etcd_prefix={prefix!r}: expected a path such "
+                                  "as /ftrun (letters, digits, / _ - . :)")
+        return cls(tuple(endpoints), protocol, files["cacert"], files["cert"], files["key"],
+                   prefix.rstrip("/") or "/")
+
+    def describe(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+def _split_host_port(part: str) -> tuple[str, int]:
+    if part.startswith("["):  # [v6]:port
+        host, _, rest = part[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif part.count(":") == 1:
+        host, port_text = part.split(":")
+    else:
+        host, port_text = part, ""
+    if not host:
+        raise EtcdConfigError(f"--rdzv-endpoint {part!r}: no host")
+    if not port_text:
+        return host, DEFAULT_ETCD_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise EtcdConfigError(f"--rdzv-endpoint {part!r}: the port is not in 1..65535")
+    return host, int(port_text)
+
+
+def _b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _next_key(key: bytes) -> bytes:
+    """The first key after every key that starts with ``key`` (a range's end)."""
+    return key[:-1] + bytes([key[-1] + 1]) if key and key[-1] < 0xFF else key + b"\0"
+
+
+class _Session(requests.Session):
+    """A requests session whose requests are all bounded: etcd3gw gives no timeout to the
+    request that opens a watch, which would block on a frozen member forever."""
+
+    def __init__(self, timeout: tuple[float, float]) -> None:
+        super().__init__()
+        self.bound = timeout
+
+    def request(self, *args: Any, **kwargs: Any) -> requests.Response:  # type: ignore[override]
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = self.bound
+        return super().request(*args, **kwargs)
+
+
+class EtcdClient:
+    """One connection's worth of the store, with ``TCPStore``'s client operations (see the
+    module docstring). Like a ``TCPStore`` client it is used by one thread at a time: each
+    thread that needs the store opens its own (:func:`connect_etcd`)."""
+
+    def __init__(self, options: EtcdOptions, timeout_s: float, *,
+                 connect_timeout_s: float | None = None) -> None:
+        self.options = options
+        self._timeout_s = timeout_s
+        self._connect_s = min(timeout_s, connect_timeout_s or timeout_s)
+        self._clients: list[Etcd3Client] = []
+        for host, port in options.endpoints:
+            session = _Session((self._connect_s, timeout_s))
+            if options.cacert is not None:
+                session.verify = options.cacert
+            if options.cert is not None and options.key is not None:
+                session.cert = (options.cert, options.key)
+            self._clients.append(Etcd3Client(host=host, port=port, protocol=options.protocol,
+                                             timeout=(self._connect_s, timeout_s),  # type: ignore[arg-type]
+                                             session=session))
+        self._current = 0
+        self._root = options.prefix.rstrip("/").encode() + b"/"
+
+    # --- torch's TCPStore surface ---------------------------------------------------------
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout_s)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The bound on a ``get`` of a missing key (as torch's); requests stay bounded by
+        the timeout the client was made with."""
+        self._get_wait_s = timeout.total_seconds()
+
+    _get_wait_s: float | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint requests go to now."""
+        host, port = self.options.endpoints[self._current]
+        return f"{host}:{port}"
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._post("/kv/put", {"key": self._key(key), "value": _b64(value)})
+
+    def get(self, key: str) -> bytes:
+        """The value; a missing key is waited for up to the timeout (as torch's ``get``)."""
+        wait_s = self._get_wait_s if self._get_wait_s is not None else self._timeout_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            found, revision = self._range(key)
+            if found is not None:
+                return found
+            self._watch_create(key, revision, deadline)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key exists, in one transaction."""
+        compare = [{"key": self._key(k), "target": "CREATE", "result": "GREATER",
+                    "create_revision": "0"} for k in keys]
+        return bool(self._txn(compare, [], []).get("succeeded", False))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of keys that exist, in one transaction (a missing key: RuntimeError,
+        callers check first, as with torch whose ``multi_get`` would wait)."""
+        result = self._txn([], [{"request_range": {"key": self._key(k)}} for k in keys], [])
+        values: list[bytes] = []
+        for name, response in zip(keys, result.get("responses", []), strict=False):
+            kvs = response.get("response_range", {}).get("kvs") or []
+            if not kvs:
+                raise RuntimeError(f"etcd: key {name!r} does not exist")
+            values.append(_unb64(kvs[0].get("value", "")))
+        if len(values) != len(keys):
+            raise RuntimeError("etcd: a transaction answered fewer reads than asked")
+        return values
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        puts = [{"request_put": {"key": self._key(k), "value": _b64(v)}}
+                for k, v in zip(keys, values, strict=True)]
+        self._txn([], puts, [])
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """torch's semantics: write ``desired`` if the key holds ``expected`` (or, with an
+        empty ``expected``, if it does not exist); return the value the key then holds."""
+        ekey = self._key(key)
+        expected_b = expected.encode() if isinstance(expected, str) else expected
+        if expected_b:
+            compare = [{"key": ekey, "target": "VALUE", "result": "EQUAL",
+                        "value": _b64(expected_b)}]
+        else:
+            compare = [{"key": ekey, "target": "CREATE", "result": "EQUAL",
+                        "create_revision": "0"}]
+        result = self._txn(compare, [{"request_put": {"key": ekey, "value": _b64(desired)}}],
+                           [{"request_range": {"key": ekey}}])
+        if result.get("succeeded"):
+            return desired.encode() if isinstance(desired, str) else desired
+        kvs = (result.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+        # torch returns ``expected`` when the key is missing and expected is not empty
+        return _unb64(kvs[0].get("value", "")) if kvs else expected_b
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to the integer the key holds (0 if missing); the new value."""
+        def change(old: bytes | None) -> bytes:
+            try:
+                base = int(old) if old is not None else 0
+            except ValueError:
+                raise RuntimeError(f"etcd: key {key!r} does not hold an integer") from None
+            return str(base + amount).encode()
+        return int(self._read_modify_write(key, change))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        tail = value.encode() if isinstance(value, str) else value
+        self._read_modify_write(key, lambda old: (old or b"") + tail)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists; RuntimeError('wait timeout after ...') on timeout."""
+        limit = timeout.total_seconds() if timeout is not None else self._timeout_s
+        deadline = time.monotonic() + limit
+        for key in keys:
+            while True:
+                found, revision = self._range(key)
+                if found is not None:
+                    break
+                self._watch_create(key, revision, deadline)
+
+    def delete_key(self, key: str) -> bool:
+        result = self._post("/kv/deleterange", {"key": self._key(key)})
+        return int(result.get("deleted", 0)) > 0
+
+    def list_keys(self) -> list[str]:
+        """Every key under the job's prefix, without it."""
+        result = self._post("/kv/range", {"key": _b64(self._root),
+                                          "range_end": _b64(_next_key(self._root)),
+                                          "keys_only": True})
+        return [_unb64(kv["key"])[len(self._root):].decode(errors="replace")
+                for kv in result.get("kvs") or []]
+
+    # --- leases (the election and heartbeats) ---------------------------------------------
+
+    def grant(self, ttl_s: int) -> int:
+        result = self._post("/lease/grant", {"TTL": int(ttl_s), "ID": 0})
+        return int(result["ID"])
+
+    def keep_alive(self, lease: int) -> int:
+        """Renew the lease; its TTL left, or -1 when it has already expired."""
+        result = self._post("/lease/keepalive", {"ID": lease})
+        return int(result.get("result", {}).get("TTL", -1))
+
+    def revoke(self, lease: int) -> None:
+        self._post("/kv/lease/revoke", {"ID": lease})
+
+    def create_with_lease(self, key: str, value: str | bytes, lease: int) -> bytes:
+        """Put ``value`` bound to ``lease`` if the key does not exist; the value it holds."""
+        ekey = self._key(key)
+        result = self._txn([{"key": ekey, "target": "CREATE", "result": "EQUAL",
+                             "create_revision": "0"}],
+                           [{"request_put": {"key": ekey, "value": _b64(value),
+                                             "lease": str(lease)}}],
+                           [{"request_range": {"key": ekey}}])
+        if result.get("succeeded"):
+            return value.encode() if isinstance(value, str) else value
+        kvs = (result.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+        return _unb64(kvs[0].get("value", "")) if kvs else b""
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return _b64(self._root + key.encode())
+
+    def _range(self, key: str) -> tuple[bytes | None, int]:
+        """(value or None, the store's revision at the read)."""
+        result = self._post("/kv/range", {"key": self._key(key)})
+        revision = int(result.get("header", {}).get("revision", 0))
+        kvs = result.get("kvs") or []
+        return (_unb64(kvs[0].get("value", "")) if kvs else None), revision
+
+    def _read_modify_write(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
+        ekey = self._key(key)
+        for _ in range(_CAS_TRIES):
+            result = self._post("/kv/range", {"key": ekey})
+            kvs = result.get("kvs") or []
+            old = _unb64(kvs[0].get("value", "")) if kvs else None
+            new = change(old)
+            if kvs:
+                guard = {"key": ekey, "target": "MOD", "result": "EQUAL",
+                         "mod_revision": str(kvs[0]["mod_revision"])}
+            else:
+                guard = {"key": ekey, "target": "CREATE", "result": "EQUAL",
+                         "create_revision": "0"}
+            done = self._txn([guard], [{"request_put": {"key": ekey, "value": _b64(new)}}], [])
+            if done.get("succeeded"):
+                return new
+        raise RuntimeError(f"etcd: key {key!r} changed under {_CAS_TRIES} tries of an update")
+
+    def _watch_create(self, key: str, revision: int, deadline: float) -> None:
+        """Return once ``key`` is written after ``revision`` (or something else happened to
+        it: the caller reads again); RuntimeError('wait timeout after ...') at the deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
+        client = self._clients[self._current]
+        session = client.session
+        assert isinstance(session, _Session)
+        bound = session.bound
+        session.bound = (self._connect_s, left + 1.0)  # the stream outlives the wait
+        try:
+            client.watch_once(_unb64(self._key(key)), timeout=left, start_revision=revision + 1)
+        except etcd_errors.WatchTimedOut:
+            raise RuntimeError(f"wait timeout after {int(left * 1000)}ms "
+                               f"(etcd key {key!r})") from None
+        except (etcd_errors.Etcd3Exception, requests.RequestException) as error:
+            self._failed_over(f"watch: {_short(error)}")
+        finally:
+            session.bound = bound
+
+    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+             failure: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._post("/kv/txn", {"compare": compare, "success": success,
+                                      "failure": failure})
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """One request, to each endpoint in turn from the current one until one answers."""
+        failures: list[str] = []
+        for _ in range(len(self._clients)):
+            client = self._clients[self._current]
+            try:
+                return dict(client.post(client.get_url(path), json=payload))
+            except etcd_errors.PreconditionFailedError as error:
+                raise RuntimeError(f"etcd refused {path}: {_short(error)}") from None
+            except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
+                failures.append(f"{self.endpoint}: {_short(error)}")
+                self._current = (self._current + 1) % len(self._clients)
+        raise RuntimeError("no etcd endpoint answered (" + "; ".join(failures) + ")")
+
+    def _failed_over(self, why: str) -> None:
+        """A watch on the current endpoint failed: the next request goes to the next one (the
+        caller reads again, so nothing is lost)."""
+        self._current = (self._current + 1) % len(self._clients)
+        if len(self._clients) == 1:
+            raise RuntimeError(f"etcd {why}")
+
+
+def _short(error: BaseException) -> str:
+    """The first line of an error, trimmed (requests' messages nest the whole chain)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    for marker in ("Connection refused", "timed out", "Name or service not known",
+                   "No route to host", "certificate verify failed", "Connection reset"):
+        if marker in text:
+            return marker.lower()
+    return text[:160]
+
+
+def connect_etcd(options: EtcdOptions, timeout_s: float, *, op_timeout_s: float | None = None,
+                 interrupted: Callable[[], bool] = lambda: False) -> EtcdClient:
+    """A client that has reached one endpoint: tried in turn until ``timeout_s`` has passed
+    (RuntimeError naming every endpoint and why) or ``interrupted()``; each request is then
+    bounded by ``op_timeout_s`` (default ``timeout_s``)."""
+    op = op_timeout_s if op_timeout_s is not None else timeout_s
+    client = EtcdClient(options, op, connect_timeout_s=min(op, 2.0))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client._post("/maintenance/status", {})
+            return client
+        except RuntimeError as error:
+            if time.monotonic() >= deadline or interrupted():
+                raise RuntimeError(f"cannot reach etcd at {options.describe()} within "
+                                   f"{timeout_s:g} s: {error}") from None
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+class Election:
+    """The job's single writer, chosen by a transaction on a key bound to a lease.
+
+    ``campaign()`` puts ``value`` at ``key`` if the key does not exist and says whether
+    this agent won. The winner keeps the lease alive from a thread every third of its TTL;
+    when the winner dies its lease expires after ``ttl_s`` and etcd deletes the key, so a
+    later campaign can win. ``holder()`` reads who holds it now."""
+
+    def __init__(self, connect: Callable[[], EtcdClient], key: str, value: str,
+                 ttl_s: int) -> None:
+        self._connect = connect
+        self.key = key
+        self.value = value
+        self.ttl_s = max(2, int(ttl_s))
+        self.lease: int | None = None
+        self.lost_at: float | None = None  # when a renewal found the lease expired
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def campaign(self) -> bool:
+        client = self._connect()
+        lease = client.grant(self.ttl_s)
+        won = client.create_with_lease(self.key, self.value, lease) == self.value.encode()
+        if not won:
+            client.revoke(lease)
+            return False
+        self.lease = lease
+        self._thread = threading.Thread(target=self._keep, args=(lease,),
+                                        name="ftrun-etcd-lease", daemon=True)
+        self._thread.start()
+        return True
+
+    def holder(self) -> bytes | None:
+        found, _ = self._connect()._range(self.key)
+        return found
+
+    def resign(self, timeout_s: float = 2.0) -> None:
+        """Stop renewing and revoke the lease (the key goes at once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self.lease is not None:
+            with contextlib.suppress(RuntimeError):  # else it expires within its TTL
+                self._connect().revoke(self.lease)
+
+    def _keep(self, lease: int) -> None:
+        client: EtcdClient | None = None
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                client = client or self._connect()
+                if client.keep_alive(lease) < 0:
+                    self.lost_at = time.monotonic()
+                    return
+            except RuntimeError:
+                client = None  # the next renewal reconnects (another endpoint)
