@@ -89,6 +89,7 @@ class LaunchConfig:
     rdzv_port_explicit: bool = False
     rdzv_id: str = "none"
     rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    rdzv_endpoint: str = ""  # --rdzv-endpoint as given (etcd-v3: every etcd endpoint)
     local_addr: str | None = None
     standalone: bool = False
     # Failure handling.
