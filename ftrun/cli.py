@@ -84,7 +84,7 @@ def _torchrun_flags(parser: argparse.ArgumentParser) -> None:
 
     flag("--nnodes", default="1:1", help="Number of nodes, N or MIN:MAX.")
     flag("--nproc-per-node", default="1", help="Workers per node: N, cpu, gpu or auto.")
-    flag("--rdzv-backend", default="static", help="Rendezvous backend: static or c10d.")
+    flag("--rdzv-backend", default="static", help="Rendezvous backend: static, c10d or etcd-v3.")
     flag("--rdzv-endpoint", default="", help="Rendezvous endpoint HOST[:PORT].")
     flag("--rdzv-id", default="none", help="Job id shared by every node.")
     flag("--rdzv-conf", default="", help="Rendezvous options KEY=VALUE,...")
@@ -233,8 +233,12 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     check_entrypoint(ns.training_script, module=ns.module, no_python=ns.no_python)
 
     backend = ns.rdzv_backend.strip().lower()
-    if backend not in ("static", "c10d"):
-        raise ConfigError(f"--rdzv-backend={ns.rdzv_backend!r}: ftrun supports static and c10d")
+    if backend in ("etcd", "etcd-v2"):
+        raise ConfigError(f"--rdzv-backend={ns.rdzv_backend!r}: etcd's v2 API is deprecated; "
+                          "ftrun speaks etcd v3 (--rdzv-backend etcd-v3)")
+    if backend not in ("static", "c10d", "etcd-v3"):
+        raise ConfigError(f"--rdzv-backend={ns.rdzv_backend!r}: ftrun supports static, c10d "
+                          "and etcd-v3")
     try:
         node_rank = int(ns.node_rank)
     except ValueError:
@@ -258,6 +262,13 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         explicit = False
         if nnodes_max != 1:
             raise ConfigError("--standalone runs one node: drop --nnodes or set it to 1")
+    elif backend == "etcd-v3":  # the endpoints are etcd's; no agent serves a store
+        from ftrun.control.etcd import EtcdConfigError, EtcdOptions
+        try:
+            (rdzv_host, rdzv_port), explicit = EtcdOptions.parse(
+                ns.rdzv_endpoint or "", rdzv_conf).endpoints[0], False
+        except EtcdConfigError as error:
+            raise ConfigError(str(error)) from None
     elif backend == "static" or not ns.rdzv_endpoint:
         rdzv_host = ns.master_addr if backend == "static" else "127.0.0.1"
         explicit = ns.master_port is not None
@@ -278,6 +289,9 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         raise ConfigError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint "
                           "HOST[:PORT] (the host whose agent serves the store)")
     _check_rdzv_conf(rdzv_conf)
+    if backend != "etcd-v3" and (etcd_keys := sorted(set(rdzv_conf) & set(ETCD_CONF_KEYS))):
+        raise ConfigError(f"--rdzv-conf: {', '.join(etcd_keys)} only apply to "
+                          "--rdzv-backend etcd-v3")
     try:
         load_secret(environ)
     except TokenError as error:
@@ -334,6 +348,7 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         rdzv_port_explicit=explicit,
         rdzv_id=rdzv_id,
         rdzv_conf=rdzv_conf,
+        rdzv_endpoint=ns.rdzv_endpoint or "",
         local_addr=ns.local_addr,
         standalone=ns.standalone,
         max_restarts=max_restarts,
@@ -369,7 +384,8 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     # A c10d agent whose address merely matches the endpoint takes the store only if the
     # port is free (another agent on this host may already serve it), as torchrun does.
     inferred_host = backend == "c10d" and nnodes_max > 1 and "is_host" not in rdzv_conf
-    if config.hosts_store and config.rdzv_port != 0 and not inferred_host:
+    if config.hosts_store and config.rdzv_port != 0 and not inferred_host \
+            and backend != "etcd-v3":
         flag = "--master-port" if backend == "static" else "--rdzv-endpoint"
         check_port_free(config.rdzv_port, flag)
     return config
@@ -378,7 +394,9 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
 # torchrun's --rdzv-conf keys; ftrun acts on the first four and accepts the others.
 RDZV_CONF_KEYS = ("is_host", "join_timeout", "last_call_timeout", "read_timeout",
                   "close_timeout", "timeout", "keep_alive_interval", "keep_alive_max_attempt",
-                  "use_libuv")
+                  "use_libuv", "protocol", "cacert", "cert", "key", "etcd_prefix")
+# the etcd-v3 backend's (torchrun's etcd options): ftrun.control.etcd.EtcdOptions
+ETCD_CONF_KEYS = ("protocol", "cacert", "cert", "key", "etcd_prefix")
 
 
 def _check_rdzv_conf(conf: Mapping[str, str]) -> None:
