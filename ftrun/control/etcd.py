@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import math
 import os
 import threading
 import time
@@ -50,6 +51,8 @@ from typing import Any
 import requests
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
+
+from ftrun.control.errors import StoreError
 
 DEFAULT_PREFIX = "/ftrun"
 DEFAULT_ETCD_PORT = 2379
@@ -483,3 +486,21 @@ class Election:
                     return
             except RuntimeError:
                 client = None  # the next renewal reconnects (another endpoint)
+
+
+def join_etcd(options: EtcdOptions, *, run_id: str, node_id: str, op_timeout_s: float,
+              connect_s: float, lease_s: float, interrupted: Callable[[], bool] = lambda: False,
+              ) -> tuple[EtcdClient, Election | None]:
+    """An agent's start on the etcd-v3 backend: reach the cluster within ``connect_s`` and
+    run for the job's writer (key ``ftrun/<run id>/writer``, a lease of ``lease_s``).
+    Returns the client and, when this agent won, its :class:`Election` (to resign at exit).
+    Errors: :class:`~ftrun.control.errors.StoreError` with one line naming every endpoint."""
+    try:
+        client = connect_etcd(options, connect_s, op_timeout_s=op_timeout_s,
+                              interrupted=interrupted)
+        election = Election(lambda: connect_etcd(options, op_timeout_s, op_timeout_s=op_timeout_s),
+                            f"ftrun/{run_id}/writer", node_id, ttl_s=math.ceil(lease_s))
+        won = election.campaign()
+    except RuntimeError as error:
+        raise StoreError(str(error)) from None
+    return client, (election if won else None)
