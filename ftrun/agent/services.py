@@ -22,6 +22,7 @@ from ftrun.agent.signals import SignalInbox
 from ftrun.config import LaunchConfig
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.rendezvous import Generation, Rendezvous
+from ftrun.control.store import JsonStore
 
 
 @dataclass
@@ -40,6 +41,9 @@ class AgentServices:
     store_lost: Callable[[], str | None]  # why this agent lost the store, or None
     open_client: Callable[[], Any] | None  # non-leaders: a store client of a thread's own
     op_timeout_s: float  # the bound on one store request
+    # etcd-v3: (generation, key prefix) -> the store of its member epochs (the generation's
+    # worker store); None: the control store (see generation_store)
+    generation_store_of: Callable[[Generation, str], JsonStore] | None = None
 
     @property
     def node_rank(self) -> int:
@@ -48,6 +52,14 @@ class AgentServices:
     @property
     def multi_node(self) -> bool:
         return not self.config.is_single_node
+
+    def generation_store(self, generation: Generation, prefix: str) -> JsonStore:
+        """Where ``generation``'s member epochs (ftrun.protocol) live, under ``prefix``: the
+        control store, or with the etcd-v3 backend the generation's worker store, which
+        its writer agent hosts and its workers reach (ftrun/control/etcd.py)."""
+        if self.generation_store_of is None:
+            return self.rdzv.store.scoped(prefix)
+        return self.generation_store_of(generation, prefix)
 
     @contextlib.contextmanager
     def end_watch(self, generation: Generation) -> Iterator[EndWatcher | ReadEnd]:
