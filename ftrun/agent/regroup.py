@@ -107,7 +107,7 @@ class _RegroupRun:
         self.multi = services.multi_node
         self.node_rank = services.node_rank
         self.prefix = f"ftrun/{self.config.rdzv_id}/rg{generation.number}"
-        self.m = Membership(services.rdzv.store.scoped(self.prefix), services.say)
+        self.m = Membership(services.generation_store(generation, self.prefix), services.say)
         self.members: dict[str, LocalMember] = {}
         self.released: set[int] = set()  # ended epochs whose communicators we aborted
         self.pool_sent: P.Pool | None = None
