@@ -50,6 +50,7 @@ from ftrun.agent.statusboard import StatusBoard
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
+from ftrun.control.etcd import Election, EtcdOptions, connect_etcd, join_etcd
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
@@ -123,6 +124,7 @@ class Agent:
         self.heartbeat: HeartbeatSender | None = None
         self.nodes: NodeWatch | None = None
         self.store_lost = False
+        self.election: Election | None = None  # etcd-v3: won by this agent (the writer)
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
         # The stores this agent hosts: the address they listen on (None: every interface)
         # and the host name their clients are given (see _bind_stores).
@@ -162,6 +164,8 @@ class Agent:
             return ExitCode.RENDEZVOUS_FAILED
         finally:
             self.snapshots.close()
+            if self.election is not None:
+                self.election.resign(0.0 if self.store_lost else 2.0 * self._op_timeout)
             if self.heartbeat is not None:
                 self.heartbeat.stop(0.0 if self.store_lost else 2.0 * self._op_timeout)
             self.injector.stop()
@@ -204,6 +208,10 @@ class Agent:
             member = generation.node(self.node_id)
             assert member is not None
             self.launcher.node_rank = member.node_rank
+            if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
+                # the member epochs live in the generation's worker store (its writer's)
+                self.launcher.control_addr = \
+                    f"{generation.worker_store_host}:{generation.worker_store_port}"
             if self.nodes is not None:
                 self.nodes.begin(member.node_rank)
             restart_count = generation.restart_count
@@ -279,6 +287,8 @@ class Agent:
             nodes=self.nodes, store_lost=self._lost_reason, open_client=self._open_client,
             op_timeout_s=self._op_timeout,
         )
+        if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
+            services.generation_store_of = self._generation_store
         if self.config.recovery is Recovery.RESTART:
             return RestartSupervisor(services)
         return RegroupSupervisor(services)
@@ -287,10 +297,14 @@ class Agent:
         config = self.config
         interrupted = lambda: self.inbox.received is not None  # noqa: E731
         multi = not config.is_single_node
-        dynamic = multi and config.rdzv_backend == "c10d"
+        dynamic = multi and config.rdzv_backend in ("c10d", "etcd-v3")
         explicit_host = "is_host" in config.rdzv_conf
         hosting = config.hosts_store if (explicit_host or not dynamic) else is_local_address(
             config.rdzv_host)
+        # etcd-v3: no agent serves the control store; the job's writer is elected below
+        etcd = EtcdOptions.parse(config.rdzv_endpoint, config.rdzv_conf) \
+            if multi and config.rdzv_backend == "etcd-v3" else None
+        hosting = hosting and etcd is None
         op_timeout = max(1.0, config.heartbeat_timeout_s / 3)
         self._op_timeout = op_timeout
         store: Any = None
@@ -306,6 +320,15 @@ class Agent:
         if hosting:
             store = self.control_server
             self.control_endpoint = (self.store_host, int(self.control_server.port))
+        elif etcd is not None:
+            store, self.election = join_etcd(
+                etcd, run_id=self.run_id, node_id=self.node_id, op_timeout_s=op_timeout,
+                connect_s=min(config.join_timeout_s, parse_seconds(
+                    config.rdzv_conf.get("read_timeout", "60"), "read_timeout")),
+                lease_s=config.heartbeat_timeout_s, interrupted=interrupted)
+            hosting = self.election is not None  # the writer: forms the generations
+            if hosting:
+                self._bind_stores()
         else:
             store = connect_store(
                 config.rdzv_host, config.rdzv_port, config.join_timeout_s, interrupted=interrupted,
@@ -319,16 +342,19 @@ class Agent:
         self.launcher.control_addr = f"{host}:{port}"
         signer = Signer(load_secret())
         reconnect = lambda: connect_store(host, port, op_timeout, op_timeout_s=op_timeout)  # noqa: E731
+        if etcd is not None:
+            reconnect = lambda: connect_etcd(etcd, op_timeout, op_timeout_s=op_timeout)  # noqa: E731
         if multi and not hosting:
             self._open_client = reconnect
         jstore = JsonStore(
             store, f"ftrun/{self.run_id}", signer=signer,
-            reconnect=None if hosting else reconnect,
+            reconnect=None if hosting and etcd is None else reconnect,
             retry_s=config.heartbeat_timeout_s * 3,
             lost=lambda: self._lost_reason() is not None,
             on_reject=self._rejected_record,
         )
-        self._start_injector(host, port, signer, hosting, op_timeout)
+        self._start_injector(host, port, signer, hosting, op_timeout,
+                             None if etcd is None else reconnect)
         if multi and not signer.enabled and hosting:
             self.say("control records are unauthenticated: anyone who reaches "
                      f"{host}:{port} can steer this job (set FTRUN_JOB_TOKEN on every node)",
@@ -362,18 +388,20 @@ class Agent:
                                 **common)
 
     def _start_injector(self, host: str, port: int, signer: Signer, hosting: bool,
-                        op_timeout: float) -> None:
+                        op_timeout: float, connect: Callable[[], Any] | None = None) -> None:
         """The injector's thread on a store client of its own (ftrun inject's requests);
         the leader keeps the job's record for ftrun inject and status and registers the
-        run id on this host (ftrun.jobref)."""
+        run id on this host (ftrun.jobref). ``connect``: the etcd-v3 backend's clients
+        (ftrun inject and status reach a TCPStore only: an etcd job is not registered)."""
         def open_store() -> JsonStore:
-            client = connect_store(host, port, op_timeout, op_timeout_s=op_timeout)
+            client = connect() if connect is not None else connect_store(
+                host, port, op_timeout, op_timeout_s=op_timeout)
             return JsonStore(client, f"ftrun/{self.run_id}", signer=signer,
                              on_reject=self._rejected_record)
 
         job = {"run_id": self.run_id, "host": host, "port": port,
-               "started": time.time()} if hosting else None
-        if hosting:
+               "started": time.time()} if hosting and connect is None else None
+        if job is not None:
             self._registration = register(self.run_id, host, port)
         self.injector.start(open_store, job, self.board.snapshot)
 
@@ -395,17 +423,31 @@ class Agent:
         node's on loopback only, a multi-node job's on the address the other nodes reach;
         every interface only when none fits, said once."""
         config = self.config
+        # etcd-v3: the endpoints are etcd's; the writer's stores are on this node's address
+        here = (config.local_addr or self.hostname) if self.election is not None \
+            else config.rdzv_host
         self.store_bind = store_bind_address(single_node=config.is_single_node,
-                                             rdzv_host=config.rdzv_host,
+                                             rdzv_host=here,
                                              local_addr=config.local_addr)
         # A single node's workers are told the host name torchrun would tell them
         # ("localhost") when it reaches the loopback store, else the loopback address.
-        self.store_host = config.rdzv_host if not config.is_single_node or \
+        self.store_host = here if not config.is_single_node or \
             _reaches_loopback(config.rdzv_host) else LOOPBACK
         if self.store_bind is None:
             self.say(f"the stores listen on every interface: {config.rdzv_host!r} is not an "
                      "address of this host other nodes can reach (set --local-addr to this "
                      "node's address to listen on that one only)", style="yellow")
+
+    def _generation_store(self, generation: Generation, prefix: str) -> JsonStore:
+        """etcd-v3: the store of ``generation``'s member epochs (its worker store, hosted by
+        the agent that formed it), with the control store's secret and reconnection."""
+        host, port, op = generation.worker_store_host, generation.worker_store_port, \
+            self._op_timeout
+        connect = lambda: connect_store(host, port, op, op_timeout_s=op)  # noqa: E731
+        return JsonStore(connect(), prefix, signer=Signer(load_secret()), reconnect=connect,
+                         retry_s=self.config.heartbeat_timeout_s * 3,
+                         lost=lambda: self._lost_reason() is not None,
+                         on_reject=self._rejected_record)
 
     def _open_worker_store(self) -> tuple[str, int]:
         """Where the workers of the generation being formed find their store (called by the
