@@ -96,20 +96,25 @@ def cap_bytes(environ: dict[str, str] | os._Environ[str] = os.environ) -> int | 
 
 
 def check_capacity(path: Path, *, per_rank_bytes: int, local_ranks: int, rank: int,
-                   node: str, cap: int | None) -> None:
+                   node: str, cap: int | None, replicas: bool = False) -> None:
     """Raise :class:`SnapshotMemoryError` when this node cannot hold two snapshots of every
-    local rank (the complete one and the one being written), or when that exceeds ``cap``.
+    local rank (the complete one and the one being written), and with ``replicas`` as many
+    of its buddy's ranks (assumed as many as its own: every node runs the same number of
+    workers), or when that exceeds ``cap``.
 
     ``free`` counts what the file system has left plus what the job's own directory holds
     already (its files are replaced, not added to).
     """
-    need = 2 * per_rank_bytes * local_ranks
+    copies = 2 if replicas else 1
+    need = 2 * per_rank_bytes * local_ranks * copies
+    what = f"{local_ranks} local ranks x 2 x {per_rank_bytes} bytes" + (
+        ", and as much for the buddy's replicas" if replicas else "")
     have = free_bytes(path) + used_bytes(path)
     if cap is not None and need > cap:
         raise SnapshotMemoryError(
-            f"rank {rank} on {node}: snapshots need {need} bytes ({local_ranks} local ranks x "
-            f"2 x {per_rank_bytes} bytes), more than the cap {cap} bytes ({CAP_ENV})")
+            f"rank {rank} on {node}: snapshots need {need} bytes ({what}), more than the "
+            f"cap {cap} bytes ({CAP_ENV})")
     if need > have:
         raise SnapshotMemoryError(
-            f"rank {rank} on {node}: snapshots need {need} bytes ({local_ranks} local ranks x "
-            f"2 x {per_rank_bytes} bytes) but {path.parent} has {have} bytes free")
+            f"rank {rank} on {node}: snapshots need {need} bytes ({what}) but {path.parent} "
+            f"has {have} bytes free")

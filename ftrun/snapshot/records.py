@@ -8,10 +8,15 @@ key                                 written by          meaning
 ==================================  ==================  =====================================
 ``snap/<e>/<s>/local/<rank>``       the rank's worker   phase 1: rank's state at step s of
                                                         member epoch e is written on its node
-``snap/<e>/<s>/replica/<rank>``     the buddy's agent   phase 2: a copy is on another node
-                                                        (several nodes only)
+``snap/<e>/<s>/replica/<rank>``     the rank's worker   phase 2: a copy is on another node,
+                                                        written once the buddy's agent
+                                                        acknowledged it with the CRC32 it
+                                                        verified (several nodes only)
 ``snap/restore/<e>``                a member, 1st wins  which snapshot every member of member
                                                         epoch e restores (or none)
+``snap/<e>/<s>/failed``             a rank              its copy or replica failed: (e, s)
+                                                        will never count, stop waiting
+``snap/server/<e>/<node>``          the node's workers  its replica server's host:port
 ==================================  ==================  =====================================
 
 A snapshot (e, s) counts only when every rank of member epoch e has both records (on one
@@ -45,23 +50,46 @@ def restore_key(epoch: int) -> str:
 
 @dataclass(frozen=True)
 class Written:
-    """Phase 1 of one rank's snapshot: where it is and what it must check to."""
+    """One phase of one rank's snapshot: where a copy is and what it must check to.
+
+    ``replicas``: whether this snapshot needs a replica of every rank to count (its member
+    epoch spans several nodes); ``server``: host:port of the replica server of the node
+    holding this copy ("" on one node), where a worker of another node can fetch it."""
 
     node: int
     host: str
     crc32: int
     size: int
     world_size: int
+    replicas: bool = False
+    server: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"node": self.node, "host": self.host, "crc32": self.crc32, "size": self.size,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "replicas": self.replicas,
+                "server": self.server}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Written:
+        replicas = data.get("replicas", False)
+        server = data.get("server", "")
+        if not isinstance(replicas, bool) or not isinstance(server, str):
+            raise StoreValueError("snapshot record: 'replicas' or 'server' has a bad type")
         return cls(require(data, "node", int), require(data, "host", str),
                    require(data, "crc32", int), require(data, "size", int),
-                   require(data, "world_size", int))
+                   require(data, "world_size", int), replicas, server)
+
+
+def failed_key(epoch: int, step: int) -> str:
+    """Set by a rank whose copy or replica of snapshot (epoch, step) failed: the others
+    stop waiting for that snapshot to complete (it never will)."""
+    return f"snap/{epoch}/{step}/failed"
+
+
+def server_key(epoch: int, node: int) -> str:
+    """host:port of node ``node``'s replica server, as its workers of member epoch
+    ``epoch`` were told by their agent (the buddies of that epoch read it)."""
+    return f"snap/server/{epoch}/{node}"
 
 
 @dataclass(frozen=True)

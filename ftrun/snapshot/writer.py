@@ -39,6 +39,11 @@ from ftrun.snapshot import memory, records
 
 POLL_S = 0.005
 
+#: Sends this rank's published snapshot (step, CRC32, the (epoch, step) it keeps) to the
+#: buddy node and returns the replica's record, once the buddy verified it; raises
+#: :class:`~ftrun.snapshot.replica.ReplicaError` (a RuntimeError) when it could not.
+Replicate = Callable[[int, int, "tuple[int, int] | None"], records.Written]
+
 
 class SnapshotBusyError(RuntimeError):
     """The previous snapshot still holds the staging buffer after ``timeout_s``."""
@@ -64,17 +69,18 @@ class _Job:
     ready: Any  # a CUDA event, or None
 
 
-def complete(store: JsonStore, epoch: int, step: int, directory: Path | None,
-             replicas: bool) -> bool:
-    """Whether snapshot (``epoch``, ``step``) holds every rank's phase 1 (and phase 2 when
-    ``replicas``); with ``directory``, also that each rank's file is there."""
+def complete(store: JsonStore, epoch: int, step: int, directory: Path | None) -> bool:
+    """Whether snapshot (``epoch``, ``step``) holds every rank's phase 1, and phase 2 when
+    it was taken on several nodes (its records say so); with ``directory`` and one node,
+    also that each rank's file is there."""
     first = store.get_record(records.local_key(epoch, step, 0))
     if first is None:
         return False
     try:
-        world = records.Written.from_json(first).world_size
+        written = records.Written.from_json(first)
     except ValueError:
         return False
+    world, replicas = written.world_size, written.replicas
     keys = [records.local_key(epoch, step, r) for r in range(world)]
     if replicas:
         keys += [records.replica_key(epoch, step, r) for r in range(world)]
@@ -83,7 +89,7 @@ def complete(store: JsonStore, epoch: int, step: int, directory: Path | None,
     found = store.read_records(keys)
     if any(r is None for r in found):
         return False
-    if directory is not None:
+    if directory is not None and not replicas:
         return all((directory / memory.file_name(epoch, step, r)).exists()
                    for r in range(world))
     return True
@@ -93,14 +99,17 @@ class SnapshotWriter:
     """One rank's snapshots of one member epoch (see the module)."""
 
     def __init__(self, directory: Path, store: JsonStore, where: Where, *,
-                 kept: tuple[int, int] | None, replicas: bool, local_ranks: int,
+                 kept: tuple[int, int] | None, local_ranks: int,
                  cap: int | None, timeout_s: float,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None],
+                 replicate: Replicate | None = None, server: str = "") -> None:
         self.directory = directory
         self.store = store
         self.where = where
         self.kept = kept  # (epoch, step) of the newest complete snapshot this rank holds
-        self.replicas = replicas
+        self.replicate = replicate  # None: one node, the local copy alone counts
+        self.replicas = replicate is not None
+        self.server = server
         self.local_ranks = local_ranks
         self.cap = cap
         self.timeout_s = timeout_s
@@ -125,7 +134,8 @@ class SnapshotWriter:
         if size != self._checked_size:  # the first, and when the state grows (optimizer)
             memory.check_capacity(self.directory, per_rank_bytes=size + 4096 + 512 * len(entries),
                                   local_ranks=self.local_ranks, rank=self.where.rank,
-                                  node=self.where.host, cap=self.cap)
+                                  node=self.where.host, cap=self.cap,
+                                  replicas=self.replicas)
             self._checked_size = size
         if not self._free.wait(self.timeout_s):
             raise SnapshotBusyError(f"rank {self.where.rank}: the previous snapshot is still "
@@ -183,18 +193,29 @@ class SnapshotWriter:
                     self._write(job)
             except (OSError, StoreError, RuntimeError, ValueError) as error:
                 self.error = error
+                with contextlib.suppress(StoreError, RuntimeError, ValueError):
+                    self.store.set_record(records.failed_key(self.where.epoch, job.step),
+                                          {"rank": self.where.rank, "error": str(error)})
             finally:
                 self._free.set()
 
     def _wait_previous_complete(self) -> bool:
         """Wait until the snapshot this rank published last is complete on every rank,
-        then delete this rank's older files. False when stopped first."""
+        then delete this rank's older files. False when stopped first. A snapshot that a
+        rank said failed, or that is not complete within ``timeout_s``, is given up (the
+        one kept stays the newest complete)."""
         if self.published:
             epoch, step = self.published[-1]
-            while not complete(self.store, epoch, step, None, self.replicas):
+            deadline = time.monotonic() + self.timeout_s
+            while not complete(self.store, epoch, step, None):
                 if self._stop.wait(POLL_S):
                     return False
-            self.kept = (epoch, step)
+                if (self.store.get_record(records.failed_key(epoch, step)) is not None
+                        or time.monotonic() > deadline):
+                    self.published.pop()
+                    break
+            else:
+                self.kept = (epoch, step)
         self._remove_old()
         return not self._stop.is_set()
 
@@ -226,8 +247,12 @@ class SnapshotWriter:
             out.write(data)
         os.rename(tmp, self.directory / name)
         written = records.Written(where.node, where.host, crc, len(head) + job.size,
-                                  where.world_size)
+                                  where.world_size, self.replicas, self.server)
         self.store.set_record(records.local_key(where.epoch, job.step, where.rank),
                               written.to_json())
+        if self.replicate is not None:  # phase 2: only once the buddy verified its copy
+            copy = self.replicate(job.step, crc, self.kept)
+            self.store.set_record(records.replica_key(where.epoch, job.step, where.rank),
+                                  copy.to_json())
         self.published.append((where.epoch, job.step))
         del self.published[:-2]

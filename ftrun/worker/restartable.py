@@ -81,9 +81,10 @@ import torch
 import torch.distributed as dist
 
 from ftrun import protocol as P
+from ftrun.control.auth import Signer, TokenError, load_secret
 from ftrun.control.store import JsonStore, StoreError
 from ftrun.snapshot import format as fmt
-from ftrun.snapshot import memory, records
+from ftrun.snapshot import memory, records, replica
 from ftrun.snapshot.writer import SnapshotBusyError, SnapshotWriter, Where, complete
 from ftrun.worker import group, settings
 from ftrun.worker.errors import RegroupError
@@ -298,10 +299,17 @@ class _Runner:
             self.world_size = int(os.environ.get("WORLD_SIZE", "0"))
             self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-            if nodes > 1:
+            self.server = os.environ.get(replica.ENV, "")
+            self.run_id = os.environ.get(replica.RUN_ENV, "")
+            if nodes > 1 and not (self.server and self.run_id):
                 raise SystemExit(
-                    "ftrun.restartable: snapshots across nodes (buddy replication) are not "
-                    "built yet; run a sharded job on one node or with --recovery restart")
+                    f"ftrun.restartable: a job on {nodes} nodes needs its agent's snapshot "
+                    f"replica server ({replica.ENV} is not set: an ftrun older than this API, "
+                    "or the agent could not serve; see its first lines)")
+            try:
+                self.signer = Signer(load_secret())
+            except TokenError as error:
+                raise SystemExit(f"ftrun.restartable: {error}") from None
             text = os.environ.get(memory.ENV, "")
             if not text or not Path(text).is_dir():
                 raise SystemExit(f"ftrun.restartable: {memory.ENV}={text!r} is not the "
@@ -442,6 +450,9 @@ class _Runner:
                                  membership.store.raw)
         dist.init_process_group(group.backend_name(), store=store, rank=rank,
                                 world_size=epoch.world_size, timeout=self.timeout)
+        if self.server:  # where this node's copies are, for the buddies and the restorers
+            membership.store.set_record(records.server_key(epoch.number, self.env.node_rank),
+                                        {"address": self.server})
         choice = self._restore_choice(epoch, rank)
         snapshot = None
         if choice.epoch >= 0:
@@ -450,12 +461,14 @@ class _Runner:
         membership.synced = True
         self.progress = choice.step
         membership.report()
+        writer_store = self._own_store(membership, *self.env.control_endpoint)
         self.writer = SnapshotWriter(
-            self.directory, self._own_store(membership, *self.env.control_endpoint),
+            self.directory, writer_store,
             Where(epoch.number, rank, epoch.world_size, self.env.node_rank, self.host),
-            kept=self.history[-1] if self.history else None, replicas=False,
+            kept=self.history[-1] if self.history else None,
             local_ranks=self.local_ranks, cap=self.cap,
-            timeout_s=self.timeout.total_seconds(), say=self.warn)
+            timeout_s=self.timeout.total_seconds(), say=self.warn,
+            replicate=self._replicator(epoch, rank, writer_store), server=self.server)
         session = Session(self, rank, epoch.world_size, epoch.number, snapshot)
         if snapshot is not None:
             print(f"restored step={session.step} rank={rank} epoch={epoch.number} "
@@ -485,7 +498,7 @@ class _Runner:
         if rank == epoch.source_rank:
             choice = records.NONE
             for held in reversed(self.history):
-                if complete(membership.store, *held, self.directory, replicas=False):
+                if complete(membership.store, *held, self.directory):
                     choice = records.Restore(*held)
                     break
             membership.store.put_record(key, choice.to_json())
@@ -503,14 +516,91 @@ class _Runner:
                 raise membership._timed_out("the choice of the snapshot to restore")
             time.sleep(POLL_S)
 
+    def _replicator(self, epoch: P.MemberEpoch, rank: int,
+                    store: JsonStore) -> Any:
+        """The writer's phase 2 for this member epoch: None when every member is on this
+        node (the local copy alone counts), else a function that has this node's agent
+        send the published file to the buddy node (:mod:`ftrun.snapshot.replica`)."""
+        assert self.env is not None
+        nodes = set()
+        for member in epoch.members:
+            node_text = member.id.partition(".")[0]
+            if not node_text.isdigit():
+                raise RegroupError(f"member id {member.id!r} does not name its node")
+            nodes.add(int(node_text))
+        buddy = replica.buddy_node(self.env.node_rank, nodes)
+        if buddy is None:
+            return None
+        own = replica.parse_address(self.server)
+        timeout_s = self.timeout.total_seconds()
+        found: list[str] = []
+
+        def replicate(step: int, crc: int, keep: tuple[int, int] | None) -> records.Written:
+            if not found:  # the buddy's workers publish its address as they enter
+                deadline = time.monotonic() + timeout_s
+                while (record := store.get_record(
+                        records.server_key(epoch.number, buddy))) is None:
+                    if time.monotonic() > deadline or self._stop.is_set():
+                        raise replica.ReplicaError(
+                            f"node {buddy} (the buddy) published no replica server in "
+                            f"{timeout_s:g} s")
+                    time.sleep(POLL_S)
+                address = record.get("address")
+                if not isinstance(address, str):
+                    raise replica.ReplicaError(f"node {buddy}'s server record is malformed")
+                replica.parse_address(address)
+                found.append(address)
+            answer, _ = replica.request(
+                own, self.signer, self.run_id, "replicate",
+                {"epoch": epoch.number, "step": step, "rank": rank, "to": found[0],
+                 "crc32": crc, "keep": list(keep) if keep else None,
+                 "timeout_s": int(timeout_s)}, timeout_s=timeout_s * 2)
+            if answer.get("crc32") != crc:
+                raise replica.ReplicaError(f"rank {rank} step {step}: the buddy verified "
+                                           f"CRC32 {answer.get('crc32')!r}, not {crc:#x}")
+            size = answer.get("bytes")
+            return records.Written(buddy, "", crc, size if isinstance(size, int) else 0,
+                                   epoch.world_size, True, found[0])
+
+        return replicate
+
+    def _blob(self, choice: records.Restore, rank: int,
+              written: records.Written | None) -> bytes:
+        """Snapshot (choice, rank)'s bytes: this node's copy or the buddy's replica held
+        here, else fetched from the node holding the replica, else from the node that
+        wrote it (each fetch is checked against the record by :meth:`_read`)."""
+        assert self.directory is not None and self.membership is not None
+        name = memory.file_name(choice.epoch, choice.step, rank)
+        for path in (self.directory / name, self.directory / replica.REPLICAS / name):
+            with contextlib.suppress(FileNotFoundError):
+                return path.read_bytes()
+        copy = self.membership.store.get_record(
+            records.replica_key(choice.epoch, choice.step, rank))
+        servers = []
+        with contextlib.suppress(ValueError):
+            if copy is not None:
+                servers.append(records.Written.from_json(copy).server)
+        if written is not None:
+            servers.append(written.server)
+        errors = []
+        for server in filter(None, servers):
+            try:
+                return replica.fetch(replica.parse_address(server), self.signer, self.run_id,
+                                     choice.epoch, choice.step, rank,
+                                     timeout_s=self.timeout.total_seconds())
+            except replica.ReplicaError as error:
+                errors.append(str(error))
+        raise SnapshotRestoreError(f"rank {rank}: snapshot {name} is on no node reachable "
+                                   f"from {self.host} ({'; '.join(errors) or 'no copy'})")
+
     def _read(self, choice: records.Restore, rank: int) -> fmt.Snapshot:
         assert self.directory is not None and self.membership is not None
         name = memory.file_name(choice.epoch, choice.step, rank)
         record = self.membership.store.get_record(
             records.local_key(choice.epoch, choice.step, rank))
-        blob = (self.directory / name).read_bytes()
-        snapshot = fmt.parse(blob)
         written = records.Written.from_json(record) if record else None
+        blob = self._blob(choice, rank, written)
+        snapshot = fmt.parse(blob)
         if written is None or written.size != len(blob) or written.crc32 != snapshot.crc32:
             raise SnapshotRestoreError(f"rank {rank}: snapshot file {name} does not match "
                                        "its record in the control store")
