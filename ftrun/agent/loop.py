@@ -109,8 +109,14 @@ class Agent:
                          nproc_per_node=config.nproc_per_node)
         self.launcher = Launcher(config, hostname=self.hostname, run_log_dir=run_log_dir,
                                  events=self.events, say=self.say)
-        # The node's snapshot memory (ftrun.restartable): every worker inherits its path.
-        self.snapshots = NodeSnapshots(self.run_id, self.hostname)
+        # The node's snapshot memory (ftrun.restartable): every worker inherits its path;
+        # on several nodes (in-process recovery) its replica server too (buddy copies).
+        serve = not config.is_single_node and config.recovery is not Recovery.RESTART
+        self.snapshots = NodeSnapshots(self.run_id, self.hostname,
+                                       serve_on=(config.local_addr or "") if serve else None,
+                                       advertise=config.local_addr)
+        if self.snapshots.error:
+            self.say(self.snapshots.error, style="yellow")
         os.environ.update(self.snapshots.env())
         self.control_server: Any = None
         self._control_raw: Any = None  # this agent's raw client of the control store
