@@ -28,24 +28,17 @@ from ftrun.control.store import JsonStore, serve_store
 from ftrun.snapshot import format as fmt
 from ftrun.snapshot import memory, records, replica
 from ftrun.snapshot.writer import SnapshotWriter, Where, complete
+from tests.test_sharded_format import _write as write_snapshot
 
 TOKEN = b"replica-test-token"
 RUN = "replica-run"
 TIMEOUT_S = 10.0
 
 
-def _file(state: dict[str, torch.Tensor], step: int) -> tuple[bytes, int]:
-    """A snapshot file's bytes and its data CRC32, as a writer makes them."""
-    tree, tensors = fmt.flatten(state)
-    entries, locals_, size = fmt.layout(tensors)
-    data = bytearray(size)
-    for entry, local in zip(entries, locals_, strict=True):
-        data[entry.offset:entry.offset + entry.nbytes] = \
-            local.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    crc = fmt.crc32(memoryview(bytes(data)))
-    head = fmt.header(fmt.manifest(tree, entries, meta={"step": step}, data_bytes=size,
-                                   crc32=crc))
-    return head + bytes(data), crc
+def _file(state: dict[str, torch.Tensor]) -> tuple[bytes, int]:
+    """A snapshot file's bytes (as a writer makes them) and its data CRC32."""
+    blob = write_snapshot(state)
+    return blob, fmt.parse(blob).crc32
 
 
 def _leftovers(directory: Path) -> list[str]:
@@ -83,7 +76,7 @@ def test_buddy_stores_only_verified_copies_bounded_and_refuses_bad_requests(
     node0, node1 = nodes
     blobs = {}
     for step in (1, 2, 3):
-        blob, crc = _file({"w": torch.full((256,), float(step))}, step)
+        blob, crc = _file({"w": torch.full((256,), float(step))})
         (node0.directory / memory.file_name(0, step, 0)).write_bytes(blob)
         blobs[step] = (blob, crc)
     # Relayed agent to agent, verified, acknowledged with the CRC32 the buddy checked.
@@ -146,7 +139,7 @@ def test_buddy_stores_only_verified_copies_bounded_and_refuses_bad_requests(
 def test_cap_refuses_a_replica_that_does_not_fit(tmp_path: Path) -> None:
     server = replica.ReplicaServer(tmp_path, RUN, Signer(TOKEN), "127.0.0.1", cap=1000)
     try:
-        blob, crc = _file({"w": torch.zeros(1024)}, 1)
+        blob, crc = _file({"w": torch.zeros(1024)})
         with pytest.raises(replica.ReplicaError,
                            match=r"rank 0 step 1 \(\d+ bytes\).*more than the cap 1000 bytes"):
             replica.request(_address(server), Signer(TOKEN), RUN, "put",
