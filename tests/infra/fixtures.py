@@ -8,6 +8,8 @@ one test cannot leak into the next):
 - ``slurm_cluster``: a started :class:`SlurmCluster` (one node, 8 declared CPUs).
 - ``netns_network``: a :class:`NetnsNetwork` of 3 hosts ``h1..h3``.
 - ``netns_factory``: ``make(n) -> NetnsNetwork`` for other sizes; all closed at teardown.
+- ``etcd_cluster``: a healthy 3-member etcd cluster, one member on each of
+  ``netns_network``'s hosts (:class:`EtcdCluster`; skipped when etcd-server is missing).
 - ``infra_leak_check``: fails the test if it leaves ftrun namespaces or cluster processes;
   request it first (before the fixtures it watches) so its check runs after their teardown.
 
@@ -22,10 +24,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.infra.etcd_cluster import EtcdCluster, etcd_missing_reason
 from tests.infra.netns import NetnsNetwork, ftrun_namespaces
+from tests.infra.procs import pid_alive
 from tests.infra.slurm_cluster import SlurmCluster, marked_processes
 
-__all__ = ["infra_leak_check", "netns_factory", "netns_network", "slurm_cluster"]
+__all__ = ["etcd_cluster", "infra_leak_check", "netns_factory", "netns_network",
+           "slurm_cluster"]
 
 
 @pytest.fixture
@@ -84,3 +89,21 @@ def infra_leak_check() -> Iterator[None]:
     procs_left = set(marked_processes()) - procs_before
     assert not ns_left, f"namespaces left behind: {sorted(ns_left)}"
     assert not procs_left, f"test-cluster processes left behind: {sorted(procs_left)}"
+
+
+@pytest.fixture
+def etcd_cluster(netns_network: NetnsNetwork) -> Iterator[EtcdCluster]:
+    """A 3-member etcd cluster on the namespace hosts h1..h3 (``.endpoints``, ``.kill(i)``);
+    every member is killed and waited for, and its data removed, after the test."""
+    reason = etcd_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = EtcdCluster(list(netns_network))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        left = [p.pid for p in cluster.procs if p is not None and pid_alive(p.pid)]
+        assert not left, f"etcd members left running: {left}"
+        assert not cluster.root.exists(), f"etcd data {cluster.root} not removed"

@@ -1,0 +1,163 @@
+"""A real etcd cluster for tests: one member per network-namespace host (Debian's etcd-server).
+
+Why: the etcd-v3 backend's promises (the job goes on when the member an agent talks to
+dies; records stay signed; bad endpoints give one line) only mean something against a real
+replicated cluster, with members on separate "hosts" that can be killed or cut off.
+
+Everything a cluster makes is private to the test process that made it: the members run
+inside that process's namespaces (whose names carry its pid, tests/infra/netns.py), listen
+on their host's address only (ports 2379/2380 cannot collide across namespaces), keep their
+data in a directory named with the pid under /dev/shm (a tmpfs: no fsync cost), and are
+killed and waited for at :meth:`EtcdCluster.stop`, which also removes the directory.
+:func:`loopback_etcd` is one member on 127.0.0.1 with free ports, for tests that talk to
+etcd from the test process itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.infra.netns import NetnsHost
+
+__all__ = ["EtcdCluster", "etcd_missing_reason", "loopback_etcd"]
+
+_seq = itertools.count()
+
+
+def etcd_missing_reason() -> str | None:
+    """Why no etcd member can be started here (for a skip), or None."""
+    if shutil.which("etcd") is None and not Path("/usr/bin/etcd").exists():
+        return "etcd-server is not installed: run scripts/install_test_services.sh"
+    return None
+
+
+def _health(sock: socket.socket, host: str, port: int, timeout: float) -> bool:
+    """One ``GET /health`` over ``sock``: whether the member says it is healthy (it has a
+    leader and can serve)."""
+    try:
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+        sock.sendall(f"GET /health HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+        return b'"health":"true"' in data
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+class EtcdCluster:
+    """One etcd member per host in ``hosts`` (member ``i`` on ``hosts[i]``)."""
+
+    def __init__(self, hosts: Sequence[NetnsHost], *, client_port: int = 2379,
+                 peer_port: int = 2380) -> None:
+        self.hosts = list(hosts)
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.root = Path(tempfile.mkdtemp(prefix=f"ftrun-etcd-{os.getpid()}-{next(_seq)}-",
+                                          dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        self.procs: list[subprocess.Popen[Any] | None] = [None] * len(self.hosts)
+
+    @property
+    def endpoints(self) -> str:
+        """``--rdzv-endpoint`` for ftrun: every member's client address."""
+        return ",".join(f"{h.addr}:{self.client_port}" for h in self.hosts)
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every member; return when each says it is healthy (RuntimeError with the
+        members' logs otherwise)."""
+        token = self.root.name
+        peers = ",".join(f"m{i}=http://{h.addr}:{self.peer_port}"
+                         for i, h in enumerate(self.hosts))
+        for i, host in enumerate(self.hosts):
+            client = f"http://{host.addr}:{self.client_port}"
+            peer = f"http://{host.addr}:{self.peer_port}"
+            log = open(self.root / f"m{i}.log", "wb")  # noqa: SIM115 - the member owns it
+            self.procs[i] = host.popen(
+                ["etcd", "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
+                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", peers, "--initial-cluster-state", "new",
+                 "--initial-cluster-token", token, "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            log.close()
+        deadline = time.monotonic() + timeout
+        for i, host in enumerate(self.hosts):
+            while not _health(host.socket(), host.addr, self.client_port, 2.0):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd member m{i} on {host} not healthy in {timeout} s:"
+                                       f"\n{self.log(i)[-2000:]}")
+                time.sleep(0.1)
+
+    def log(self, i: int) -> str:
+        with contextlib.suppress(OSError):
+            return (self.root / f"m{i}.log").read_text(errors="replace")
+        return ""
+
+    def kill(self, i: int) -> None:
+        """SIGKILL member ``i`` (the one on ``hosts[i]``) and wait for it."""
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        """Kill every member, wait for each, remove the data directory."""
+        for i in range(len(self.procs)):
+            self.kill(i)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def loopback_etcd(timeout: float = 30.0) -> Iterator[str]:
+    """One etcd member on 127.0.0.1 with ports free now (this process's own; killed and its
+    data removed on exit); yields its client endpoint ``127.0.0.1:PORT``."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+    root = Path(tempfile.mkdtemp(prefix=f"ftrun-etcd-{os.getpid()}-{next(_seq)}-",
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    with open(root / "log", "wb") as log:
+        proc = subprocess.Popen(
+            ["etcd", "--name", "solo", "--data-dir", str(root / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"solo={peer}", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not _health(socket.socket(), "127.0.0.1", ports[0], 2.0):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("etcd on 127.0.0.1 not healthy:\n"
+                                   + (root / "log").read_text(errors="replace")[-2000:])
+            time.sleep(0.1)
+        yield f"127.0.0.1:{ports[0]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        shutil.rmtree(root, ignore_errors=True)
