@@ -40,6 +40,7 @@ Every message is one JSON object per line, length-limited and validated; no pick
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import runpy
@@ -190,6 +191,8 @@ def _become_worker(sock: socket.socket, server: int, fds: list[int], request: _R
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request.env)
+    if request.env.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter would read at start
+        faulthandler.enable()
     os.chdir(request.cwd)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch, JobHang, NodeView, WorkerView, judge_job
-from ftrun.agent.stacks import Frame, Stack
+from ftrun.agent.stacks import Frame, Stack, stack_from_fault_dump
 from ftrun.control.errors import StoreValueError
 from tests.launch import REPO, Launch, copy_train_script
 from tests.lines import Start, find
@@ -33,17 +33,20 @@ TORCH = "/venv/lib/python3.11/site-packages/torch"
 
 # --- end to end ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("recovery", ["restart", "auto"])
+@pytest.mark.parametrize(("recovery", "stacks"), [("restart", "py-spy"), ("auto", "faulthandler")])
 def test_a_hung_rank_is_named_and_the_job_restarts_in_seconds(
-    job_dir: Path, recovery: str
+    job_dir: Path, recovery: str, stacks: str
 ) -> None:
+    """faulthandler: as on a host where py-spy cannot attach (Yama ptrace_scope 1, no
+    CAP_SYS_PTRACE): the hang is decided without stacks, and named from the dumps Python's
+    fault handler writes when the agent aborts the workers."""
     script = copy_train_script(job_dir)
     run = Launch(
         ["--nproc-per-node", "2", "--recovery", recovery, "--max-restarts", "1",
          str(script), "--steps", "60", "--step-sleep", "0.02", "--fail-at-step", "20",
          "--fail-rank", "1", "--fail-mode", "hang", "--fail-once-marker",
          str(job_dir / "hung-once")],
-        cwd=job_dir,
+        cwd=job_dir, env={"FTRUN_STACKS": stacks},
     )
     hung = run.wait_for(lambda lines: next((x for x in lines if "hanging at step" in x), None),
                         120, "the hang")
@@ -59,7 +62,10 @@ def test_a_hung_rank_is_named_and_the_job_restarts_in_seconds(
     assert "rank 0 waiting in backward (train_ddp.py:" in out, out
     assert "stack (most recent call last)" in out
     assert "restarting (1/1)" in out
-    # The floor is 5 s and a restart ~3 s here; torchrun needs the 10-minute timeout.
+    if stacks == "faulthandler":
+        assert "Fatal Python error: Aborted" in out  # the dumps the names came from
+    # The floor is 5 s (three of it without stacks) and a restart ~3 s here; torchrun needs
+    # the 10-minute timeout.
     assert restarted_s < 60, f"hang to restart took {restarted_s:.1f}s"
 
 
@@ -301,6 +307,38 @@ def test_a_rank_blocked_inside_nccl_waits_for_the_one_that_stopped_calling(
     assert "rank 0 waiting in ncclAllReduce #" in out, out
     assert "released code=" in out and "released code=0" not in out  # freed by the abort
     assert "finished rank=0 attempt=1" in out and "finished rank=1 attempt=1" in out
+
+
+def test_a_fault_handler_dump_gives_the_main_threads_stack(tmp_path: Path) -> None:
+    """A real interpreter with PYTHONFAULTHANDLER=1, a second thread, aborted: the stack
+    read from its stderr is the main thread's, innermost first; lines without a dump give
+    none."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import threading, time\n"
+        "def idle():\n    time.sleep(600)\n"
+        "def main():\n"
+        "    threading.Thread(target=idle, daemon=True).start()\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n"
+        "main()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    lines = [f"[rank3]: {line}" for line in err.splitlines()]  # as torch prefixes them
+    stack = stack_from_fault_dump(proc.pid, lines)
+    assert stack is not None, err
+    assert [(f.short, f.function) for f in stack.frames] == [
+        ("train.py", "main"), ("train.py", "<module>")]
+    assert stack.where.startswith("in train.py:") and stack.where.endswith(" main")
+    assert stack_from_fault_dump(proc.pid, ["Traceback (most recent call last):"]) is None
 
 
 # --- the whole job's verdict from every node's view ----------------------------------------

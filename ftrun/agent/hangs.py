@@ -37,17 +37,19 @@ job recovered from by itself); a number fixes it; 0 turns the watch off.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
 
 from ftrun.agent.events import Event
-from ftrun.agent.processes import WorkerProcess
+from ftrun.agent.processes import WorkerProcess, join_pumps, wait_any
 from ftrun.agent.services import AgentServices
-from ftrun.agent.stacks import Stack, read_stack
+from ftrun.agent.stacks import Stack, read_stack, stack_from_fault_dump, stack_source
 from ftrun.control.errors import StoreValueError, require
 from ftrun.control.rendezvous import Generation
 from ftrun.shim import ShimError
@@ -203,12 +205,14 @@ class HangWatch:
         timeout_s: float | None,
         multi_node: bool,
         clock: Callable[[], float] = time.monotonic,
-        stack_of: Callable[[int], Stack | None] = read_stack,
+        stack_of: Callable[[int], Stack | None] | None = None,
         nccl_call_of: Callable[[WorkerProcess], str | None] | None = None,
     ) -> None:
         self.fixed_timeout_s = timeout_s  # None: auto
         self.multi_node = multi_node
         self.clock = clock
+        if stack_of is None:  # where py-spy cannot attach, stacks come after an abort
+            stack_of = read_stack if stack_source() == "py-spy" else _unreadable
         self.stack_of = stack_of
         self.nccl_call_of = nccl_call_of or nccl_call
         self.activity: dict[int, _Activity] = {}
@@ -283,11 +287,7 @@ class HangWatch:
                 return Hang("hung", (), (), idle_s, stacks, nccl)
             return None
 
-        def waits(worker: WorkerProcess) -> bool:
-            return worker.pid in nccl or stacks[worker.pid].waiting
-
-        waiting = tuple(w for w in live if waits(w))
-        culprits = tuple(w for w in live if not waits(w))
+        waiting, culprits = _split(live, stacks, nccl)
         if not waiting or any(w.pid in stacks and stacks[w.pid].forming_group
                               for w in waiting):
             return None  # a slow step, or a group still forming: torch's own timeout
@@ -315,6 +315,45 @@ class HangWatch:
         wall = self.wall()
         return NodeView(self.node_rank, self.node, wall - idle_s, wall,
                         any(s.forming_group for s in stacks.values()), tuple(workers))
+
+
+def _unreadable(pid: int) -> None:
+    return None
+
+
+def _split(live: Sequence[WorkerProcess], stacks: dict[int, Stack], nccl: dict[int, str]
+           ) -> tuple[tuple[WorkerProcess, ...], tuple[WorkerProcess, ...]]:
+    """(waiting in communication, idle in their own code), of workers whose state is known."""
+    waiting = tuple(w for w in live if _state(w.pid, stacks, nccl) == "waiting")
+    return waiting, tuple(w for w in live if _state(w.pid, stacks, nccl) == "own")
+
+
+def name_after_abort(hang: Hang, group: Sequence[WorkerProcess], timeout_s: float = 5.0
+                     ) -> Hang:
+    """A hang decided without stacks (py-spy cannot attach here): abort every live worker
+    with SIGABRT, on which Python's fault handler (``PYTHONFAULTHANDLER``, set by the
+    launcher on such hosts) writes its threads' stacks to stderr; read them and apply the
+    single-node rules. Returns ``hang`` with the culprits named where the dumps allow, else
+    unchanged but for the stacks; unchanged where stacks were read (or could be: py-spy) or
+    the worker was frozen. Never raises; workers that do not end within ``timeout_s`` are
+    left to the caller's stop."""
+    if hang.kind != "hung" or hang.stacks or stack_source() != "faulthandler":
+        return hang
+    live = [w for w in group if w.poll() is None]
+    for worker in live:
+        worker.stopped_by_agent = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGABRT)
+    deadline = time.monotonic() + timeout_s
+    while any(w.poll() is None for w in live) and time.monotonic() < deadline:
+        wait_any(live, deadline - time.monotonic())
+    join_pumps(live, max(0.1, deadline - time.monotonic()))
+    stacks = {w.pid: s for w in live
+              if (s := stack_from_fault_dump(w.pid, list(w.stderr_tail))) is not None}
+    waiting, culprits = _split(live, stacks, hang.nccl)
+    if waiting and culprits and len(stacks) == len(live):
+        return Hang("hung", culprits, waiting, hang.idle_s, stacks, hang.nccl)
+    return replace(hang, stacks=stacks)
 
 
 def _state(pid: int, stacks: dict[int, Stack], nccl: dict[int, str]) -> str:

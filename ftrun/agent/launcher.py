@@ -24,6 +24,7 @@ from pathlib import Path
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, EventLog, WorkerExit, read_error_file
 from ftrun.agent.forkserver import ForkServer, ForkServerError
+from ftrun.agent.stacks import stack_source
 from ftrun.config import LaunchConfig, Std
 from ftrun.control.rendezvous import Generation
 from ftrun.protocol import SURVIVOR_TORCH_ENV, MemberEnv, WorkerEnv
@@ -98,6 +99,10 @@ class Launcher:
         env = dict(os.environ)
         if "OMP_NUM_THREADS" not in os.environ and self.config.nproc_per_node > 1:
             env["OMP_NUM_THREADS"] = "1"
+        if self.config.hang_timeout_s != 0 and stack_source() == "faulthandler":
+            # py-spy cannot read this host's workers: a hung worker's stack comes from the
+            # dump Python's fault handler writes when the agent aborts it (ftrun.agent.stacks)
+            env.setdefault("PYTHONFAULTHANDLER", "1")
         return env
 
     def _forked(self, launch: local.WorkerLaunch) -> local.Child:

@@ -37,7 +37,7 @@ import psutil
 from ftrun.config import Std
 
 _PR_SET_PDEATHSIG = 1
-STDERR_TAIL_LINES = 40
+STDERR_TAIL_LINES = 200  # a fault handler's dump of every thread (ftrun.agent.stacks)
 _libc = ctypes.CDLL(None, use_errno=True)
 _console_lock = threading.Lock()
 

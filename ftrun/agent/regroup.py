@@ -50,7 +50,7 @@ from typing import Any
 from ftrun import protocol as P
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, WorkerExit, describe_returncode
-from ftrun.agent.hangs import HangWatch, announce_hang
+from ftrun.agent.hangs import HangWatch, announce_hang, name_after_abort
 from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.leader import RegroupLeader, StopJob
 from ftrun.agent.members import LocalMember, MemberState
@@ -302,6 +302,7 @@ class _RegroupRun:
         hang = self.hangs.sample([x.process for x in initial.values()])
         if hang is None:
             return None
+        hang = name_after_abort(hang, [x.process for x in initial.values()])
         announce_hang(self.services, self.generation, hang,
                       [x.process for x in initial.values()], time.time(),
                       emit=not hang.culprits)  # _fault records a named culprit

@@ -31,6 +31,7 @@ from ftrun.agent.hangs import (
     NodeView,
     announce_hang,
     judge_job,
+    name_after_abort,
     release_nccl,
 )
 from ftrun.agent.launcher import WorkerStartError
@@ -184,6 +185,7 @@ class RestartSupervisor:
         with its stack, after releasing every worker blocked in NCCL."""
         services = self.services
         detected = time.time()
+        hang = name_after_abort(hang, group)
         first = hang.culprits[0] if hang.culprits else None
         detail = hang.describe()
         cause = {

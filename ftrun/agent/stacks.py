@@ -11,19 +11,34 @@ kinds of idle rank apart:
 * **elsewhere**: its innermost frame is the script's own (a sleep, a lock, a read that never
   returns): if its peers wait, it is the one they wait for.
 
-Error semantics: :func:`read_stack` never raises; it returns None when the stack cannot be
-read (py-spy not installed, ptrace not allowed, the process gone, the read timed out), and
-callers then decide without stacks.
+Where py-spy cannot attach (not installed; not root, without CAP_SYS_PTRACE, under Yama's
+``ptrace_scope`` >= 1 as on Ubuntu, where a process may trace only its own descendants and
+the agent's py-spy is not an ancestor of the workers), the agent starts workers with
+``PYTHONFAULTHANDLER=1`` instead: it decides a hang without stacks (after three timeouts),
+then aborts the hung workers with SIGABRT, on which Python's fault handler writes every
+thread's stack to stderr, and reads the main thread's stack from there
+(:func:`stack_from_fault_dump`) to name the culprit after the fact. ``FTRUN_STACKS=py-spy``
+or ``faulthandler`` overrides the choice (:func:`stack_source`).
+
+Error semantics: :func:`read_stack` and :func:`stack_from_fault_dump` never raise; they
+return None when the stack cannot be read (py-spy not installed, ptrace not allowed, the
+process gone, the read timed out, no dump in the output), and callers then decide without
+stacks.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+STACKS_ENV = "FTRUN_STACKS"
+_CAP_SYS_PTRACE = 1 << 19
 
 # Frames in these parts of torch mean "waiting for a peer" when the process is idle.
 _WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "torch/cuda/")
@@ -114,3 +129,61 @@ def read_stack(pid: int, timeout_s: float = 5.0) -> Stack | None:
         for f in main["frames"] if isinstance(f, dict)
     )
     return Stack(pid, frames)
+
+
+def ptrace_permitted() -> bool:
+    """Can this process attach to a sibling of the same user (py-spy reading a worker)?"""
+    if os.geteuid() == 0:
+        return True
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:") and int(line.split()[1], 16) & _CAP_SYS_PTRACE:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        return True  # no Yama: a process may trace others of its user
+    return scope == 0  # 1: descendants only; 2: admin only; 3: nobody
+
+
+def stack_source() -> str:
+    """How this host reads a hung worker's stack: "py-spy" or "faulthandler" (see the module
+    docstring); ``FTRUN_STACKS`` overrides, any other value of it is ignored."""
+    chosen = os.environ.get(STACKS_ENV, "")
+    if chosen in ("py-spy", "faulthandler"):
+        return chosen
+    return "py-spy" if py_spy() is not None and ptrace_permitted() else "faulthandler"
+
+
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
+_DUMP_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<fn>.+)$')
+_PREFIX = re.compile(r"^(\[(?:rank|default)\d+\]: ?)+")
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return os.path.basename(path)
+
+
+def stack_from_fault_dump(pid: int, lines: list[str]) -> Stack | None:
+    """The main thread's stack from the last dump Python's fault handler wrote in ``lines``
+    (a worker's stderr): the thread whose outermost frame is not a ``threading`` thread's
+    bootstrap; None when the lines hold no dump."""
+    threads: list[list[Frame]] = []
+    for raw in lines:
+        line = _PREFIX.sub("", raw.rstrip("\n"))
+        if line.startswith("Fatal Python error"):
+            threads = []  # a later dump replaces an earlier one
+        elif _THREAD_HEADER.match(line):
+            threads.append([])
+        elif threads and (m := _DUMP_FRAME.match(line)):
+            threads[-1].append(Frame(m["fn"], m["file"], _short(m["file"]), int(m["line"])))
+    main = [t for t in threads if t and not t[-1].filename.endswith("threading.py")]
+    if not main:
+        return None
+    chosen = next((t for t in main if any(f.function == "<module>" for f in t)), main[0])
+    return Stack(pid, tuple(chosen))
