@@ -13,10 +13,17 @@ kinds:
                   script handles SIGUSR1 by sleeping: scripts/train_elastic.py does)
   ``raise``       the worker raises at its next step (the script handles SIGUSR2)
   ``kill-agent``  SIGKILL the agent of ``node`` (its workers die with it)
+  ``cut-link``    the agent of ``node`` cuts its own host off the network for ``for``
+                  seconds (default 10): iptables drops every packet in and out but
+                  loopback. Only on a host in a named network namespace (``ip netns``:
+                  the namespace test hosts, tests/infra/netns.py): anywhere else the
+                  agent refuses it with one line, so a real machine never loses its
+                  network
 keys:
   ``rank=N|random``   the worker (by its global rank when the fault fires); ``random``
                       picks one with the seed
-  ``node=N``          the node of ``kill-agent`` (default 0)
+  ``node=N``          the node of ``kill-agent`` or ``cut-link`` (default 0)
+  ``for=S``           how long ``cut-link`` lasts (0.1 to 3600 s)
   ``step=N|A..B``     fire once the job committed N steps (a range: picked with the seed)
   ``after=S|A..B``    fire S seconds after the job's first committed step
   ``seed=N``          (an item of its own) makes the random choices repeatable; default 0
@@ -31,10 +38,13 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
-KINDS = ("kill", "freeze", "hang", "raise", "kill-agent")
+KINDS = ("kill", "freeze", "hang", "raise", "kill-agent", "cut-link")
+NODE_KINDS = ("kill-agent", "cut-link")
 WORKER_KINDS = ("kill", "freeze", "hang", "raise")
 MAX_STEP = 10**9
 MAX_AFTER_S = 7 * 24 * 3600.0
+MAX_CUT_S = 3600.0
+DEFAULT_CUT_S = 10.0
 
 
 class FaultSpecError(ValueError):
@@ -52,11 +62,12 @@ class Fault:
     step: int | None = None
     after_s: float | None = None
     text: str = ""  # the item as written, for records and messages
+    for_s: float | None = None  # cut-link: how long the host stays cut off
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "rank": self.rank, "random_rank": self.random_rank,
                 "node": self.node, "step": self.step, "after_s": self.after_s,
-                "text": self.text}
+                "text": self.text, "for_s": self.for_s}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fault:
@@ -71,8 +82,12 @@ class Fault:
                 raise FaultSpecError(f"bad {name} {value!r}")
         if not isinstance(text, str):
             raise FaultSpecError("bad text")
+        for_s = data.get("for_s")
+        if for_s is not None and (not isinstance(for_s, (int, float)) or isinstance(
+                for_s, bool) or not 0.1 <= for_s <= MAX_CUT_S):
+            raise FaultSpecError(f"bad for_s {for_s!r}")
         return cls(kind=kind, rank=rank, node=node, random_rank=data.get("random_rank") is True,
-                   text=text[:200])
+                   text=text[:200], for_s=None if for_s is None else float(for_s))
 
 
 @dataclass(frozen=True)
@@ -122,7 +137,8 @@ def parse_item(text: str, rng: random.Random | None = None) -> Fault:
         key, eq, value = word.partition("=")
         key = key.lower()
         if not eq or not value:
-            raise FaultSpecError(f"{word!r}: expected key=value (rank, node, step, after)")
+            raise FaultSpecError(f"{word!r}: expected key=value (rank, node, step, after, "
+                                 "for)")
         if key in seen:
             raise FaultSpecError(f"{word!r}: {key} given twice")
         seen.add(key)
@@ -141,16 +157,26 @@ def parse_item(text: str, rng: random.Random | None = None) -> Fault:
         elif key == "after":
             fault = replace(fault, after_s=float(_number(word, key, value, integer=False,
                                                          top=MAX_AFTER_S, rng=rng)))
+        elif key == "for":
+            seconds = float(_number(word, key, value, integer=False, top=MAX_CUT_S, rng=rng))
+            if seconds < 0.1:
+                raise FaultSpecError(f"{word!r}: for must be at least 0.1 s")
+            fault = replace(fault, for_s=seconds)
         else:
-            raise FaultSpecError(f"{word!r}: unknown key {key!r} (rank, node, step, after)")
+            raise FaultSpecError(f"{word!r}: unknown key {key!r} (rank, node, step, after, "
+                                 "for)")
     if fault.step is not None and fault.after_s is not None:
         raise FaultSpecError(f"{text.strip()!r}: give step or after, not both")
     if kind in WORKER_KINDS and fault.rank is None and not fault.random_rank:
         raise FaultSpecError(f"{text.strip()!r}: {kind} needs rank=N or rank=random")
-    if kind == "kill-agent":
+    if kind in NODE_KINDS:
         if fault.rank is not None or fault.random_rank:
-            raise FaultSpecError(f"{text.strip()!r}: kill-agent takes node=N, not a rank")
+            raise FaultSpecError(f"{text.strip()!r}: {kind} takes node=N, not a rank")
         fault = replace(fault, node=fault.node or 0)
+    if fault.for_s is not None and kind != "cut-link":
+        raise FaultSpecError(f"{text.strip()!r}: for= is for cut-link only")
+    if kind == "cut-link" and fault.for_s is None:
+        fault = replace(fault, for_s=DEFAULT_CUT_S)
     return fault
 
 

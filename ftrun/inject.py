@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from ftrun.control.auth import AuthError, Signer, TokenError, load_secret
 from ftrun.exitcodes import ExitCode
-from ftrun.faultspec import FaultSpecError, parse_item
+from ftrun.faultspec import NODE_KINDS, FaultSpecError, parse_item
 from ftrun.jobref import JobRefError, resolve
 
 POLL_S = 0.05  # between two looks at the agent's answer (a check, never a blocking wait)
@@ -110,7 +110,7 @@ def run(args: Sequence[str]) -> str:
         if fault.rank is not None and not fault.rank < world:
             raise InjectError(f"rank {fault.rank} does not exist: the job has {world} ranks "
                               f"(0..{world - 1})")
-        if fault.kind == "kill-agent" and isinstance(nnodes, int) and \
+        if fault.kind in NODE_KINDS and isinstance(nnodes, int) and \
                 not (fault.node or 0) < nnodes:
             raise InjectError(f"node {fault.node} does not exist: the job has {nnodes} nodes")
         store = JsonStore(client, f"ftrun/{job['run_id']}", signer=signer)

@@ -51,7 +51,11 @@ SUMMARY = re.compile(r"ftrun: wall (?P<wall>[\d.]+) s, (?:productive (?P<prod>[\
 def _scrape(port: int) -> dict[str, float]:
     """One scrape of the agent's metrics endpoint: 'name{labels}' -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
+        return parse_metrics(answer.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text (prometheus-client's own parser): 'name{labels}' -> value."""
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -228,3 +232,23 @@ def test_overlapping_faults_count_their_downtime_once() -> None:
     assert worker.recovery_s == 3.0
     assert summary.downtime_s == 12.0  # 8 -> 20, the worker's 9 -> 12 inside it
     assert summary.succeeded is False and summary.productive_s == 19.0 - 12.0
+
+
+def test_a_lost_node_is_one_record_naming_its_ranks() -> None:
+    """The leader's node_lost, then the member epoch without the node's two members: one
+    record for the node (its silence is the detection), with both ranks and the regroup."""
+    lines: list[str] = []
+    book = FaultBook(on_line=lines.append).replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 2.0, "event": "progress", "step": 1, "steps": {"0": 1}},
+        {"ts": 10.0, "event": "node_lost", "node_rank": 1, "silent_s": 3.0},
+        {"ts": 10.1, "event": "epoch", "epoch": 1, "world_size": 2, "members": ["0.0", "0.1"],
+         "joiners": [], "gone": [{"member": "1.0", "rank": 2, "cause": "node lost"},
+                                 {"member": "1.1", "rank": 3, "cause": "node lost"}]},
+        {"ts": 10.5, "event": "formed", "epoch": 1, "world_size": 2, "step": 42},
+    ])
+    (record,) = book.summary().faults
+    assert (record.node, record.ranks, record.path, record.world) == ("1", [2, 3], "regroup", 2)
+    assert record.detection_s == 3.0 and record.recovery_s == 3.5
+    assert lines == ["node 1 lost: no heartbeat for 3.0 s at step 42: survivors regrouped in "
+                     "3.50 s, world 2 (detected in 3.00 s)"]

@@ -334,6 +334,15 @@ class FaultBook:
                                and f.path is None), None)
                 if record is None and member is not None and \
                         not any(f.member == member for f in self.faults):
+                    record = self._lost_node_of(member, epoch)
+                    if record is not None:  # one record per lost node, naming its ranks
+                        rank = _int(item.get("rank"))
+                        if rank is not None and rank not in record.ranks:
+                            record.ranks.append(rank)
+                        record.path, record.epoch, record.world = "regroup", epoch, world
+                        continue
+                if record is None and member is not None and \
+                        not any(f.member == member for f in self.faults):
                     cause = _str(item.get("cause")) or "failed"
                     record = self._open(ts, cause, detected=ts, member=member,
                                         rank=_int(item.get("rank")),
@@ -352,6 +361,17 @@ class FaultBook:
                 if record.path == "regroup" and record.join_epoch is None:
                     record.join_epoch = epoch
                     break
+
+    def _lost_node_of(self, member: str, epoch: int | None) -> FaultRecord | None:
+        """The lost-node record of ``member``'s node still waiting for its regroup (or
+        being regrouped by this same epoch), if any."""
+        if not _valid_member(member):
+            return None
+        node = str(P.node_of(member))
+        return next((f for f in self.faults if f.node == node and f.rank is None
+                     and f.member is None and f.cause.startswith("lost:")
+                     and (f.path is None or (f.path == "regroup" and f.epoch == epoch))),
+                    None)
 
     def _formed(self, ts: float, ev: dict[str, Any]) -> None:
         epoch, step = _int(ev.get("epoch")), _int(ev.get("step"))

@@ -10,6 +10,15 @@ Every fault is announced with an ``inject`` event *before* the signal is sent, s
 record (ftrun.agent.faults) counts from the injection: ``happened`` is when ftrun acted,
 ``detected`` when the agent noticed.
 
+``cut-link`` is executed by the agent of the named node on its own host: an iptables chain
+of its own (``FTRUN_CUT``) drops every packet in and out except loopback, and a detached
+``sh`` (in a session of its own, so that it outlives this agent, which a cut usually ends)
+removes the rules after ``for`` seconds. It is refused with one line unless this process
+runs in a named network namespace (made by ``ip netns add``: the namespace test hosts,
+tests/infra/netns.py): a real machine, or a container's own network, never loses its link
+to a test spec. An ``ftrun inject``
+request for it is answered before the cut (afterwards the store is out of reach).
+
 Store keys (under the job's prefix ``ftrun/<run id>``, signed like every control record):
 ``inject/next`` (a counter: ``ftrun inject`` takes the next number), ``inject/<n>`` (the
 request: a :class:`ftrun.faultspec.Fault`), ``inject/<n>/done/<node rank>`` (the result:
@@ -22,14 +31,19 @@ loop notices a lost store.
 Timeouts and cost: each store request is bounded by the client's request timeout; the
 thread looks at its schedule every 0.1 s, and at the store (one ``add`` of 0) every
 0.25 s on the leader (a single node's agent) and every 2 s on the other agents, so a
-request reaches a worker on another node within about 2 s.
+request reaches a worker on another node within about 2 s. Only the leader sees the job's
+steps: another node's agent with scheduled faults still due reads the step from the job
+record every 0.25 s instead (a step trigger fires there up to ~1.3 s late: the record is
+refreshed every second).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +54,7 @@ from typing import Any
 from ftrun.agent.events import Event, EventLog
 from ftrun.control.errors import StoreError
 from ftrun.control.store import JsonStore
-from ftrun.faultspec import Fault, FaultSpecError, Schedule
+from ftrun.faultspec import NODE_KINDS, Fault, FaultSpecError, Schedule
 
 #: The key (under the ``ftrun`` prefix) that names the job to ``ftrun inject``/``status``.
 JOB_KEY = "job"
@@ -51,6 +65,66 @@ TICK_S = 0.1
 POLL_STORE_S = 0.25  # the leader
 POLL_STORE_OTHERS_S = 2.0  # every other agent (the store's load grows with the nodes)
 JOB_EVERY_S = 1.0  # the leader refreshes the job's record (ftrun status reads it)
+
+
+CUT_CHAIN = "FTRUN_CUT"
+
+
+def cut_link_refusal() -> str | None:
+    """Why this host's link may not be cut (one line), or None when it may: this process
+    must run in a named network namespace (ip netns), with iptables installed."""
+    if named_netns() is None:
+        return ("cut-link acts only on a host in a named network namespace of its own "
+                "(ip netns: the namespace test hosts); refused on this machine's network")
+    if _iptables() is None:
+        return "cut-link needs iptables on this host (scripts/install_test_services.sh)"
+    return None
+
+
+def named_netns() -> str | None:
+    """The ``ip netns`` name of the network namespace this process runs in, or None (the
+    machine's own network, a container's: anything not made with ``ip netns add``)."""
+    try:
+        mine = os.stat("/proc/self/ns/net")
+        names = os.listdir("/run/netns")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            found = os.stat(f"/run/netns/{name}")
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (mine.st_dev, mine.st_ino):
+            return name
+    return None
+
+
+def _iptables() -> str | None:
+    return shutil.which("iptables") or next(
+        (p for p in ("/usr/sbin/iptables", "/sbin/iptables") if os.access(p, os.X_OK)), None)
+
+
+def cut_link(for_s: float, timeout_s: float = 10.0) -> None:
+    """Drop every non-loopback packet of this namespace for ``for_s`` seconds (see the
+    module docstring); returns once the rules are in. Raises OSError (iptables missing or
+    failing, within ``timeout_s`` per command)."""
+    exe = _iptables()
+    if exe is None:
+        raise OSError("iptables not found")
+    rules = [["-N", CUT_CHAIN], ["-A", CUT_CHAIN, "-j", "DROP"],
+             ["-I", "INPUT", "!", "-i", "lo", "-j", CUT_CHAIN],
+             ["-I", "OUTPUT", "!", "-o", "lo", "-j", CUT_CHAIN]]
+    undo = (f"{exe} -w -D INPUT ! -i lo -j {CUT_CHAIN}; {exe} -w -D OUTPUT ! -o lo -j "
+            f"{CUT_CHAIN}; {exe} -w -F {CUT_CHAIN}; {exe} -w -X {CUT_CHAIN}")
+    for rule in rules:
+        done = subprocess.run([exe, "-w", *rule], capture_output=True, text=True,
+                              timeout=timeout_s)
+        if done.returncode != 0:
+            subprocess.run(["sh", "-c", undo], capture_output=True, timeout=timeout_s)
+            raise OSError(f"iptables {' '.join(rule)}: {done.stderr.strip()}")
+    subprocess.Popen(["sh", "-c", f"sleep {for_s:.3f}; {undo}"], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
 
 
 def request_key(number: int) -> str:
@@ -149,7 +223,8 @@ class Injector:
         """Start the thread. ``store`` opens this thread's own client (None: no requests);
         ``job``: the ``ftrun/job`` record to keep (the leader only), refreshed every
         second with ``status()`` (ftrun.agent.statusboard) for ``ftrun status``."""
-        self._poll_s = POLL_STORE_S if job is not None else POLL_STORE_OTHERS_S
+        self._poll_s = POLL_STORE_S if job is not None or self.pending \
+            else POLL_STORE_OTHERS_S
         self._status = status
         self._thread = threading.Thread(target=self._run, args=(store, job),
                                         name="ftrun-inject", daemon=True)
@@ -180,9 +255,19 @@ class Injector:
                     if self._status is not None:
                         record.update(self._status())
                     store.scoped("ftrun").set_record(JOB_KEY, record)
+                elif job is None and self.pending:
+                    self._read_job_step(store)
                 handled = self._requests(store, handled)
             except StoreError:
                 return  # the agent's own loop deals with a lost store
+
+    def _read_job_step(self, store: JsonStore) -> None:
+        """Another node's agent: the job's committed step from the leader's job record
+        (only the leader sees progress), so that step and after triggers fire here too."""
+        record = store.scoped("ftrun").get_record(JOB_KEY)
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            self.observe({"event": Event.PROGRESS.value, "step": step})
 
     def _fire_due(self) -> None:
         if not self.pending:
@@ -209,7 +294,7 @@ class Injector:
         return True
 
     def _mine(self, fault: Fault) -> bool:
-        if fault.kind == "kill-agent":
+        if fault.kind in NODE_KINDS:
             return fault.node == self.node_rank()
         return fault.rank is not None and self.pid_of(fault.rank) is not None
 
@@ -231,6 +316,14 @@ class Injector:
                 continue
             if not self._mine(fault):
                 continue
+            if fault.kind == "cut-link":  # answered first: the store is out of reach after
+                refusal = cut_link_refusal()
+                store.set_record(done_key(number, self.node_rank()), {
+                    "ok": refusal is None, "detail": refusal or
+                    f"cut-link node {fault.node} for {fault.for_s:g} s"})
+                if refusal is None:
+                    self.fire(fault)
+                continue
             ok, detail = self.fire(fault)
             store.set_record(done_key(number, self.node_rank()), {"ok": ok, "detail": detail})
         return handled
@@ -245,6 +338,8 @@ class Injector:
             self.say(f"injected: kill-agent (pid {os.getpid()})", style="yellow")
             os.kill(os.getpid(), signal.SIGKILL)
             return True, "killed"
+        if fault.kind == "cut-link":
+            return self._cut(fault)
         assert fault.rank is not None
         pid = self.pid_of(fault.rank)
         if pid is None:
@@ -264,3 +359,19 @@ class Injector:
         with contextlib.suppress(Exception):
             self.say(f"injected: {fault.kind} rank {fault.rank} (pid {pid})", style="yellow")
         return True, f"{fault.kind} rank {fault.rank} (pid {pid}) on node {self.node_rank()}"
+
+    def _cut(self, fault: Fault) -> tuple[bool, str]:
+        refusal = cut_link_refusal()
+        if refusal is not None:
+            return False, refusal
+        seconds = fault.for_s or 0.0
+        self.events.emit(Event.INJECT, spec=fault.text, kind=fault.kind, node=fault.node,
+                         for_s=seconds)
+        try:
+            cut_link(seconds)
+        except (OSError, subprocess.SubprocessError) as error:
+            return False, f"cut-link failed: {error}"
+        with contextlib.suppress(Exception):
+            self.say(f"injected: cut-link, this host is off the network for {seconds:g} s",
+                     style="yellow")
+        return True, f"cut-link node {fault.node} for {seconds:g} s"

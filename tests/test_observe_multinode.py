@@ -1,0 +1,143 @@
+"""Observing a live 2-node job on namespace hosts: ``cut-link``, ``ftrun status``, metrics.
+
+One lean job (h1 the leader, h2 node 1, h3 an observer that runs no agent), one worker
+per node, in-process regroup. ``--inject "cut-link node=1 ..."`` makes h2's own agent cut
+its host off the network once the job committed some steps; the leader declares node 1
+lost by its heartbeats and the survivor regroups in place. Checked on that one run:
+
+* the metrics endpoint, scraped from h3 before and after: the member epoch moves, the
+  world shrinks to 1, a regroup and a fault are counted, with their recovery seconds;
+* ``ftrun status --json`` run on h3 while the job runs: the job, its world and members,
+  and, after the regroup, the fault with the same recovery time as the leader's record;
+* the leader's fault record: node 1 lost, its rank named, path regroup, detected within
+  the heartbeat timeout (plus an interval and a tick) of the cut h2's agent announced;
+* h2's agent said the cut, then exited 3 (it lost the store); the leader finishes, 0.
+
+Without namespaces the cut is refused with one line: checked without a job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ftrun.agent.inject import cut_link_refusal
+from tests.launch import REPO, launcher, wait_until
+from tests.lines import ElasticStep, find
+from tests.test_faults import parse_metrics
+from tests.test_multinode import HostLaunch
+
+HB_TIMEOUT_S = 3.0
+TOKEN = "observe-test-token"
+#: The leader's detection of a cut node: silence counts from the last beat (up to an
+#: interval before the cut), then the leader looks once per monitor tick. Measured here:
+#: see the test's printed figure; 10x what ftrun adds to the timeout fails.
+CUT_DETECT_S = HB_TIMEOUT_S + 2.0
+
+
+@pytest.fixture
+def net(infra_leak_check, netns_network):  # type: ignore[no-untyped-def]
+    if shutil.which("iptables") is None and not Path("/usr/sbin/iptables").exists():
+        pytest.skip("iptables not installed: run scripts/install_test_services.sh")
+    return netns_network
+
+
+def _scrape(net, addr: str, port: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """One scrape of ``addr:port/metrics`` from h3 (a socket made in its namespace)."""
+    with net["h3"].socket() as sock:
+        sock.settimeout(10)
+        sock.connect((addr, port))
+        sock.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return parse_metrics(b"".join(chunks).decode().partition("\r\n\r\n")[2])
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
+    script = job_dir / "train_elastic.py"
+    shutil.copy(REPO / "scripts" / "train_elastic.py", script)
+    leader_host, cut_host, observer = net["h1"], net["h2"], net["h3"]
+    endpoint = f"{leader_host.addr}:29400"
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
+    spec = "cut-link node=1 step=40 for=20"
+    nodes = []
+    for host in (leader_host, cut_host):
+        events = job_dir / f"events-{host.name}.jsonl"
+        args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", "observe",
+                "--rdzv-conf", "last_call_timeout=5", "--heartbeat-interval", "0.5",
+                "--heartbeat-timeout", str(HB_TIMEOUT_S), "--recovery", "regroup",
+                "--metrics-port", "0", "--events-file",
+                str(events), "--inject", spec, "--local-addr", host.addr, str(script),
+                "--steps", "160", "--hidden", "32", "--step-sleep", "0.05"]
+        nodes.append(HostLaunch(host, args, env=env, cwd=job_dir))
+    leader, cut = nodes
+    port = int(leader.wait_for(lambda lines: next((m[1] for x in lines if (m := re.search(
+        r"metrics: http://\S+:(\d+)/metrics", x))), None), 90, "the leader's metrics line"))
+    leader.wait_for(lambda lines: any(s.world == 2 for s in find(lines, ElasticStep)), 120,
+                    "a step in the world of 2")
+    before = _scrape(net, leader_host.addr, port)
+    assert before["ftrun_world_size"] == 2 and before["ftrun_regroups_total"] == 0, before
+    epoch_before = before["ftrun_member_epoch"]
+
+    def status() -> dict:
+        done = observer.run([launcher(), "status", "--json", endpoint], timeout=60,
+                            env={**os.environ, "FTRUN_JOB_TOKEN": TOKEN})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    view = status()
+    assert view["run_id"] == "observe" and view["nnodes"] == 2 and view["world_size"] == 2
+    assert [m["rank"] for m in view["members"]] == [0, 1], view
+    # The cut: h2's agent says it, the leader loses node 1, the survivor goes on alone.
+    cut.wait_for(lambda lines: any("injected: cut-link" in x for x in lines), 60,
+                 "h2's agent cutting its link")
+    leader_events = job_dir / "events-h1.jsonl"
+    wait_until(lambda: any(e["event"] == "fault" for e in _events(leader_events)), 60,
+               "the leader's fault record")
+    after = _scrape(net, leader_host.addr, port)
+    assert after["ftrun_member_epoch"] > epoch_before and after["ftrun_world_size"] == 1
+    assert after["ftrun_regroups_total"] == 1 and after["ftrun_faults_total"] == 1, after
+    wait_until(lambda: status()["faults"], 30, "the fault in ftrun status")
+    view = status()
+    assert view["world_size"] == 1 and [m["rank"] for m in view["members"]] == [0], view
+    assert cut.wait(60) == 3, cut.output
+    assert "lost the rendezvous store" in cut.output
+    assert leader.wait(120) == 0, leader.output
+    # The fault record against what happened.
+    (inject,) = [e for e in _events(job_dir / "events-h2.jsonl") if e["event"] == "inject"]
+    assert (inject["kind"], inject["node"], inject["for_s"]) == ("cut-link", 1, 20.0)
+    records = [e for e in _events(leader_events) if e["event"] == "fault"]
+    assert len(records) == 1, records
+    fault = records[0]
+    assert fault["path"] == "regroup" and fault["ranks"] == [1] and fault["node"] == "1", fault
+    assert fault["cause"].startswith("lost: no heartbeat"), fault
+    detected = fault["detected"] - inject["ts"]
+    print(f"cut to the leader's detection: {detected:.2f} s (timeout {HB_TIMEOUT_S} s)")
+    assert 0 < detected < CUT_DETECT_S, (detected, fault)
+    assert fault["happened"] <= fault["detected"] <= fault["recovered"]
+    assert fault["world"] == 1 and fault["steps_lost"] == 0, fault
+    assert view["faults"][0]["recovery_s"] == fault["recovery_s"], (view, fault)
+    assert after["ftrun_recovery_seconds_last"] == pytest.approx(fault["recovery_s"], abs=1e-5)
+
+
+def test_cut_link_is_refused_outside_a_namespace_host(job_dir: Path) -> None:
+    """This test process runs in the machine's own network namespace: the agent's check
+    refuses, and ``ftrun inject`` never gets as far as a job (no job by that name)."""
+    refusal = cut_link_refusal()
+    assert refusal is not None and "named network namespace" in refusal
+    done = subprocess.run([launcher(), "inject", "--job", "no-such-job", "cut-link",
+                           "node=0", "for=nope"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "for must be a number of seconds" in done.stderr
