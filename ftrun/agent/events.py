@@ -54,6 +54,7 @@ class Event(str, Enum):
     FAULT = "fault"  # one fault's record, once its recovery completed (ftrun.agent.faults)
     INJECT = "inject"  # a fault was injected on purpose (spec, rank)
     ERROR = "error"  # a failed worker's own last error, once read (rank, pid, message)
+    STRAGGLER = "straggler"  # regroup leader: a rank keeps the others waiting (flagged, rank)
 
 
 def describe_returncode(code: int) -> str:
