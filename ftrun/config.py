@@ -130,6 +130,11 @@ class LaunchConfig:
     # Prometheus endpoint's port (None: off; 0: any free port).
     inject: Schedule | None = None
     metrics_port: int | None = None
+    # Stragglers (ftrun.agent.stragglers, regroup only): off | warn | fault, how far above
+    # the other ranks' median own time per step, and for how long.
+    straggler_policy: str = "warn"
+    straggler_factor: float = 2.0
+    straggler_window_s: float = 30.0
 
     @property
     def nnodes(self) -> int:
