@@ -21,7 +21,7 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ftrun import __version__
 from ftrun.config import (
@@ -145,9 +145,16 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "(auto: at least 5 s, more after slow steps; 0: off)."),
     ("--inject", "inject", "FTRUN_INJECT", "",
      "Inject faults on a schedule, e.g. 'kill rank=1 step=20; freeze rank=2 after=30; seed=7' "
-     "(kinds: kill, freeze, hang, raise, kill-agent; see ftrun/faultspec.py)."),
+     "(kinds: kill, freeze, hang, raise, kill-agent, cut-link; see ftrun/faultspec.py)."),
     ("--metrics-port", "metrics_port", "FTRUN_METRICS_PORT", "",
      "Serve Prometheus metrics on this port (0: any free port; unset: off)."),
+    ("--straggler-policy", "straggler_policy", "FTRUN_STRAGGLER_POLICY", "warn",
+     "Regroup: a rank whose own time per step stays above the others' median: off, warn "
+     "(an event, a metric, a line), fault (also taken out like a failed worker)."),
+    ("--straggler-factor", "straggler_factor", "FTRUN_STRAGGLER_FACTOR", "2.0",
+     "Regroup: how many times the others' median own time per step makes a straggler."),
+    ("--straggler-window", "straggler_window", "FTRUN_STRAGGLER_WINDOW", "30",
+     "Regroup: seconds a rank must stay that slow before it counts as a straggler."),
     ("--preload", "preload", "FTRUN_PRELOAD", "",
      "Modules (comma-separated, e.g. torch) a per-node fork server imports once; every "
      "worker of every generation is forked from it instead of starting Python again."),
@@ -380,6 +387,7 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         start_method=start_method,
         inject=_inject_schedule(ns.inject),
         metrics_port=_metrics_port(ns.metrics_port),
+        **_stragglers(ns),
     )
     # A c10d agent whose address merely matches the endpoint takes the store only if the
     # port is free (another agent on this host may already serve it), as torchrun does.
@@ -453,6 +461,22 @@ def _inject_schedule(text: str) -> Schedule | None:
         raise ConfigError(f"--inject: {error}") from None
 
 
+def _stragglers(ns: argparse.Namespace) -> dict[str, Any]:
+    policy = ns.straggler_policy.strip().lower()
+    if policy not in ("off", "warn", "fault"):
+        raise ConfigError(f"--straggler-policy={ns.straggler_policy!r}: expected off, warn "
+                          "or fault")
+    try:
+        factor = float(ns.straggler_factor)
+    except ValueError:
+        factor = 0.0
+    if not 1.0 < factor < 1000.0:
+        raise ConfigError(f"--straggler-factor={ns.straggler_factor!r}: expected a number "
+                          "above 1 (e.g. 2: twice the others' median)")
+    return {"straggler_policy": policy, "straggler_factor": factor,
+            "straggler_window_s": parse_seconds(ns.straggler_window, "--straggler-window")}
+
+
 def _metrics_port(text: str) -> int | None:
     if not text.strip():
         return None
@@ -470,10 +494,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"ftrun: error: {error}", file=sys.stderr)
         return ExitCode.USAGE
-    from ftrun.agent import run_agent  # imports torch: only once the command line is good
+    # --preload: the fork server starts importing now, beside the agent's own import of
+    # torch (ftrun.agent.forkserver is light), not after it.
+    from ftrun.agent.forkserver import start_fork_server
 
     try:
-        return run_agent(config)
+        fork_server = start_fork_server(config)
+        from ftrun.agent import run_agent  # imports torch: only once the command line is good
+
+        return run_agent(config, fork_server)
     except Exception as error:  # a bug in ftrun: one line for the user, the trace in a file
         import tempfile
         import traceback
