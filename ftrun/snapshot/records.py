@@ -17,6 +17,8 @@ key                                 written by          meaning
 ``snap/<e>/<s>/failed``             a rank              its copy or replica failed: (e, s)
                                                         will never count, stop waiting
 ``snap/server/<e>/<node>``          the node's workers  its replica server's host:port
+``snap/whole-world``                every worker        sharded: replace lost ranks, never
+                                                        shrink
 ==================================  ==================  =====================================
 
 A snapshot (e, s) counts only when every rank of member epoch e has both records (on one
@@ -78,6 +80,12 @@ class Written:
         return cls(require(data, "node", int), require(data, "host", str),
                    require(data, "crc32", int), require(data, "size", int),
                    require(data, "world_size", int), replicas, server)
+
+
+#: Written by every ``ftrun.restartable`` worker as it starts: the job's state is sharded,
+#: so it cannot go on with fewer ranks; the leader then fills a lost node's ranks with
+#: ready spares of the other nodes instead of shrinking (:mod:`ftrun.agent.leader`).
+WHOLE_WORLD_KEY = "snap/whole-world"
 
 
 def failed_key(epoch: int, step: int) -> str:

@@ -376,6 +376,8 @@ class _Runner:
                 warm_up()
             except (RuntimeError, ValueError, ImportError) as error:
                 self.warn(f"warm-up skipped: {error}")
+        # Sharded state needs every rank: the leader fills a lost node's ranks with spares.
+        membership.store.set_record(records.WHOLE_WORLD_KEY, {"world_size": self.world_size})
         membership.report()  # ready: past the imports, using the API
         for thread in threads:
             thread.start()
