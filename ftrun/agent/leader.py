@@ -36,6 +36,7 @@ from ftrun.agent.outcome import restart_all_words
 from ftrun.config import LaunchConfig
 from ftrun.control.errors import StoreValueError
 from ftrun.control.rendezvous import Generation, Rendezvous
+from ftrun.snapshot import records as snapshot_records
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class RegroupLeader:
         self.clock = clock  # monotonic seconds (a test drives its own)
         self.pools: dict[int, P.Pool] = {}
         self.pools_seen = -1
+        # A sharded job (ftrun.restartable) cannot shrink: a lost node's ranks are filled
+        # with spares of the other nodes (read at the first regroup).
+        self.whole_world = False
         self.progress: dict[str, Progress] = {}
         self.step_intervals: deque[float] = deque(maxlen=64)
         self.waiting_since: float | None = None
@@ -165,6 +169,8 @@ class RegroupLeader:
         cause = m.removed.get(first) or f"node {P.node_of(first)} lost"
         m.end(latest.number, {"member": first, "cause": cause})
         survivors = [x for x in latest.members if not m.gone(x.id)]
+        if not self.whole_world:
+            self.whole_world = m.store.get_record(snapshot_records.WHOLE_WORLD_KEY) is not None
         if self.waiting_since is None:
             self.waiting_since = self.clock()
         unchecked = [x for x in gone if x.id not in self.ready_checked]  # once per member
@@ -220,7 +226,10 @@ class RegroupLeader:
 
     @property
     def target(self) -> int:
-        """The world size the job aims for: every node's share, lost nodes aside."""
+        """The world size the job aims for: every node's share, lost nodes aside (a sharded
+        job's whole world, lost nodes included: their ranks go to spares)."""
+        if self.whole_world:
+            return self.generation.world_size
         return sum(n.local_world_size for n in self.generation.nodes
                    if n.node_rank not in self.m.lost_nodes)
 
