@@ -57,6 +57,9 @@ def parse_args() -> argparse.Namespace:
                         help="this rank sleeps --slow-sleep before each backward, so the "
                         "others wait inside the gradient allreduce (for fault tests)")
     parser.add_argument("--slow-sleep", type=float, default=0.0)
+    parser.add_argument("--slow-initial", action="store_true",
+                        help="only the process that started as --slow-rank is slow (not a "
+                        "replacement, nor a survivor renumbered to that rank)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=20,
                         help="committed steps between checkpoints (with --checkpoint-dir)")
@@ -100,6 +103,7 @@ def main() -> None:
     # Faults are injected into the process that started as --fault-rank, once: after a
     # regroup another process may hold that rank and must not fail again.
     faulty = os.environ.get("FTRUN_INITIAL", "1") == "1" and ft.rank == args.fault_rank
+    slow_process = os.environ.get("FTRUN_INITIAL", "1") == "1" and ft.rank == args.slow_rank
     checkpoint = args.checkpoint_dir / "checkpoint.pt" if args.checkpoint_dir else None
     if checkpoint is not None:
         args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +132,7 @@ def main() -> None:
         rows = slice(rank * share, (rank + 1) * share)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(inputs[rows]), target[rows])
-        if rank == args.slow_rank:
+        if (slow_process if args.slow_initial else rank == args.slow_rank):
             time.sleep(args.slow_sleep)
         loss.backward()
         if args.step_sleep:
