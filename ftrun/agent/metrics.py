@@ -25,6 +25,10 @@ reads them. What a scrape shows:
 ``ftrun_rank_step_seconds{rank}``   its inverse: seconds per step
 ``ftrun_heartbeat_age_seconds{node}``  seconds since a node's last heartbeat (leader,
                                     several nodes; from ``node_lost``: the silence seen)
+``ftrun_straggler{rank,node}``      1 while the rank is a straggler, 0 once it keeps up
+                                    (leader; ftrun.agent.stragglers)
+``ftrun_straggler_own_seconds{rank,node}``  its own time per step when last judged
+``ftrun_stragglers_total``          straggler verdicts
 ==================================  =======================================================
 
 The step metrics come from the regroup leader's ``progress`` events (once a second), so
@@ -80,6 +84,12 @@ class Metrics:
         self.heartbeat_age = Gauge("ftrun_heartbeat_age_seconds",
                                    "Seconds since a node's last heartbeat.", ["node"],
                                    registry=r)
+        self.straggler = Gauge("ftrun_straggler", "1 while a rank is a straggler.",
+                               ["rank", "node"], registry=r)
+        self.straggler_own = Gauge("ftrun_straggler_own_seconds",
+                                   "A straggler's own time per step when judged.",
+                                   ["rank", "node"], registry=r)
+        self.stragglers = Counter("ftrun_stragglers", "Straggler verdicts.", registry=r)
         for state in ("starting", "ready", "finished", "failed"):
             self.members.labels(state).set(0)
         self._lock = threading.Lock()
@@ -136,11 +146,23 @@ class Metrics:
                 self._fault(ev)
             elif kind == Event.PROGRESS.value:
                 self._progress(ev)
+            elif kind == Event.STRAGGLER.value:
+                self._straggler(ev)
             elif kind == Event.NODE_LOST.value:
                 node = ev.get("lost_node", ev.get("node_rank"))
                 silent = ev.get("silent_s")
                 if node is not None and isinstance(silent, (int, float)):
                     self.heartbeat_age.labels(str(node)).set(silent)
+
+    def _straggler(self, ev: dict[str, Any]) -> None:
+        rank, node = ev.get("rank"), ev.get("straggler_node")
+        if not isinstance(rank, int) or not isinstance(node, str):
+            return
+        flagged = ev.get("flagged") is True
+        self.straggler.labels(str(rank), node).set(1 if flagged else 0)
+        self._set(self.straggler_own.labels(str(rank), node), ev.get("own_s"))
+        if flagged:
+            self.stragglers.inc()
 
     def _set(self, gauge: Gauge, value: Any) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
