@@ -33,6 +33,7 @@ from ftrun.agent.faults import ProgressReport
 from ftrun.agent.membership import Membership
 from ftrun.agent.nodes import NodeWatch
 from ftrun.agent.outcome import restart_all_words
+from ftrun.agent.stragglers import StragglerWatch
 from ftrun.config import LaunchConfig
 from ftrun.control.errors import StoreValueError
 from ftrun.control.rendezvous import Generation, Rendezvous
@@ -94,6 +95,11 @@ class RegroupLeader:
             if config.inject is not None else []
         self.report = ProgressReport(events, generation.number, self._formed,
                                      self._last_commit, marks=marks)
+        hosts = {n.node_rank: n.hostname for n in generation.nodes}
+        self.stragglers = StragglerWatch(  # ranks that keep the others waiting
+            policy=config.straggler_policy, factor=config.straggler_factor,
+            window_s=config.straggler_window_s, events=events, say=say,
+            node_name=lambda rank: hosts.get(rank, ""))
 
     @property
     def latest(self) -> P.MemberEpoch:
@@ -124,6 +130,7 @@ class RegroupLeader:
         now = self.clock()
         for progress in self.progress.values():  # a regroup is not a stall: count from here
             progress.changed_at = now
+        self.stragglers.reset()
         self.events.emit(
             Event.EPOCH, epoch=number, generation=self.generation.number,
             world_size=epoch.world_size, members=[m.id for m in members],
@@ -310,6 +317,7 @@ class RegroupLeader:
             active.append((member.id, progress))
         self.report.observe({rank: p.value[0] for mid, p in active
                              if (rank := self.latest.rank_of(mid)) is not None})
+        self._watch_stragglers(now)
         if len(active) < 2 or not self.step_intervals or self.finishing:
             return
         limit = max(self.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
@@ -326,6 +334,19 @@ class RegroupLeader:
             m.end(self.latest.number, {"member": member, "cause": cause})
             m.append_fault(P.Fault(cause, member=member, kill=True))
             m.removed[member] = cause
+
+    def _watch_stragglers(self, now: float) -> None:
+        """Straggler verdicts (ftrun.agent.stragglers); policy fault: out like a stall."""
+        m = self.m
+        beats = {x.id: (x.rank, s.beats, s.collectives) for x in self.latest.members
+                 if (s := m.statuses.get(x.id)) is not None and not s.finished
+                 and (s.synced or not x.joiner) and x.id not in m.removed}
+        step_s = statistics.median(self.step_intervals) if self.step_intervals else None
+        for verdict in self.stragglers.observe(now, beats, step_s):
+            cause = f"straggler on node {verdict.node}: {verdict.figures()}"
+            m.end(self.latest.number, {"member": verdict.member, "cause": cause})
+            m.append_fault(P.Fault(cause, member=verdict.member, kill=True))
+            m.removed[verdict.member] = cause
 
     def _check_done(self) -> None:
         """Every member that holds the job's state left its loop: the job is over."""
