@@ -91,12 +91,8 @@ class StragglerWatch:
                  say: Callable[..., None], node_name: Callable[[int], str]) -> None:
         if policy not in POLICIES:
             raise ValueError(f"straggler policy {policy!r}: one of {', '.join(POLICIES)}")
-        self.policy = policy
-        self.factor = factor
-        self.window_s = window_s
-        self.events = events
-        self.say = say
-        self.node_name = node_name
+        self.policy, self.factor, self.window_s = policy, factor, window_s
+        self.events, self.say, self.node_name = events, say, node_name
         self.ranks: dict[str, _Rank] = {}
 
     def reset(self) -> None:
