@@ -5,11 +5,14 @@ buffer (CPU memory; for GPU tensors a pinned buffer filled by a device-to-host c
 side stream). A background thread then checksums the buffer, writes the file into the
 node's snapshot memory (:mod:`ftrun.snapshot.memory`), publishes it by ``rename`` and
 writes phase 1 of the two-phase record (:mod:`ftrun.snapshot.records`), overlapped with
-the next step's compute.
+the next step's compute. On several nodes it then has the node's agent copy the file to
+the buddy node (:mod:`ftrun.snapshot.replica`) and writes phase 2 once the buddy verified
+it; a copy that fails marks the snapshot failed (it never counts; no rank waits for it).
 
 Bounded memory, per rank: before writing snapshot ``s`` the thread waits until the
-previous one it published is complete on every rank, then deletes this rank's older
-files; so a rank holds the newest complete snapshot and the one being written, never more.
+previous one it published is complete on every rank (or failed, or ``timeout_s`` passed:
+then it is given up), then deletes this rank's older files; so a rank holds the newest
+complete snapshot and the one being written, never more.
 The staging buffer is one: a capture while the previous is still being written waits for
 it (that wait is the loop's only other cost, and on a healthy job it is zero).
 

@@ -26,7 +26,9 @@ epoch is waited past until the replacement is ready), initialises the default pr
 group on a store prefix of that member epoch (rank and world size from it), agrees with
 the other members on the snapshot to restore (:mod:`ftrun.snapshot.records`), and calls
 ``train``. ``register`` loads the object's state from that snapshot (the file of this rank
-in the node's snapshot memory: survivors and a replacement on the same node alike).
+in the node's snapshot memory: survivors and a replacement on the same node alike; on
+several nodes the buddy's replica held here, or fetched from the node that holds it:
+:mod:`ftrun.snapshot.replica`).
 
 Leaving: when the agent ends the member epoch (a member failed), a watcher thread sees it
 within 20 ms and shuts down this process's connections to its peers (gloo's sockets: every
