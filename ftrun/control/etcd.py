@@ -297,6 +297,10 @@ class EtcdClient:
         return [_unb64(kv["key"])[len(self._root):].decode(errors="replace")
                 for kv in result.get("kvs") or []]
 
+    def read(self, key: str) -> bytes | None:
+        """The value, or None when the key does not exist (never waits)."""
+        return self._range(key)[0]
+
     # --- leases (the election and heartbeats) ---------------------------------------------
 
     def grant(self, ttl_s: int) -> int:
@@ -504,3 +508,49 @@ def join_etcd(options: EtcdOptions, *, run_id: str, node_id: str, op_timeout_s: 
     except RuntimeError as error:
         raise StoreError(str(error)) from None
     return client, (election if won else None)
+
+
+class WriterWatch:
+    """A non-writer agent's watch on the job's writer key: when the writer's lease expires
+    (its agent died or lost etcd: nothing renews it), the key is gone and this agent runs
+    for it; the winner's ``on_won(election)`` is called from the watch's thread, once.
+
+    Reads the key every ``interval_s`` on a client of its own (a poll, not a watch: one
+    small read per agent per interval; the election itself is one transaction). Errors
+    (etcd unreachable) are retried at the next interval: the agent's heartbeats decide
+    when etcd counts as lost."""
+
+    def __init__(self, connect: Callable[[], EtcdClient], key: str, value: str,
+                 ttl_s: int, interval_s: float, on_won: Callable[[Election], None]) -> None:
+        self._connect = connect
+        self.key = key
+        self.value = value
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self._on_won = on_won
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftrun-writer-watch",
+                                        daemon=True)
+
+    def start(self) -> WriterWatch:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        client: EtcdClient | None = None
+        while not self._stop.wait(self.interval_s):
+            try:
+                client = client or self._connect()
+                held, _ = client._range(self.key)
+                if held is not None:
+                    continue
+                election = Election(self._connect, self.key, self.value, self.ttl_s)
+                if election.campaign():
+                    self._on_won(election)
+                    return
+            except RuntimeError:
+                client = None  # another endpoint at the next interval

@@ -237,6 +237,8 @@ class Rendezvous:
             found = self._wait_assignment(number, slot.node_id, deadline)
             if found is not None:
                 return found
+            if self.is_leader:
+                continue  # became the writer while waiting (etcd-v3): form this generation
             number += 1  # it formed without us (full, or we came too late): the next one
 
     def _wait_assignment(self, number: int, node_id: str, deadline: float
@@ -249,6 +251,8 @@ class Rendezvous:
         name = assignment_key(number, node_id)
         what = f"the leader's record of generation {number}"
         while True:
+            if self.is_leader:
+                return None  # promoted while waiting (etcd-v3's writer election)
             found, body = self.store.wait_record(
                 name, min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
             if found:
