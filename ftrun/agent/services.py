@@ -44,6 +44,8 @@ class AgentServices:
     # etcd-v3: (generation, key prefix) -> the store of its member epochs (the generation's
     # worker store); None: the control store (see generation_store)
     generation_store_of: Callable[[Generation, str], JsonStore] | None = None
+    # etcd-v3: the end cause when a generation's writer (its store's host) is gone, else None
+    writer_gone: Callable[[Generation], dict[str, Any] | None] = lambda generation: None
 
     @property
     def node_rank(self) -> int:
