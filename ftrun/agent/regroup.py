@@ -152,6 +152,9 @@ class _RegroupRun:
                     inbox.drain()
         except StoreError as error:
             self._stop_all(signal.SIGTERM, "store lost")
+            gone = self.services.writer_gone(self.generation)  # etcd-v3: its store's host
+            if gone is not None:
+                return GenerationResult(Outcome.REMOTE_FAILED, self._exits(), gone)
             if self.multi:
                 raise StoreLostError(self.services.store_lost() or str(error)) from None
             self.services.say(f"control store failed: {error}", style="red")
