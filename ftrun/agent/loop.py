@@ -19,6 +19,7 @@ itself escape as exceptions.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -50,7 +51,7 @@ from ftrun.agent.statusboard import StatusBoard
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
-from ftrun.control.etcd import Election, EtcdOptions, connect_etcd, join_etcd
+from ftrun.control.etcd import Election, EtcdOptions, WriterWatch, connect_etcd, join_etcd
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
@@ -131,6 +132,9 @@ class Agent:
         self.nodes: NodeWatch | None = None
         self.store_lost = False
         self.election: Election | None = None  # etcd-v3: won by this agent (the writer)
+        self._writer_watch: WriterWatch | None = None  # etcd-v3: the other agents'
+        self._services: AgentServices | None = None
+        self._rdzv: Rendezvous | None = None
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
         # The stores this agent hosts: the address they listen on (None: every interface)
         # and the host name their clients are given (see _bind_stores).
@@ -170,6 +174,8 @@ class Agent:
             return ExitCode.RENDEZVOUS_FAILED
         finally:
             self.snapshots.close()
+            if self._writer_watch is not None:
+                self._writer_watch.stop(0.0)
             if self.election is not None:
                 self.election.resign(0.0 if self.store_lost else 2.0 * self._op_timeout)
             if self.heartbeat is not None:
@@ -193,7 +199,9 @@ class Agent:
         rdzv = self._connect()
         if rdzv is None:
             return for_signal(self._signal())
+        self._rdzv = rdzv
         supervisor = self._supervisor(rdzv)
+        self._watch_writer(rdzv)
         dynamic = isinstance(rdzv, DynamicRendezvous)
         number = 0 if self.config.is_single_node else rdzv.first_number()
         restart_count = 0
@@ -295,6 +303,8 @@ class Agent:
         )
         if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
             services.generation_store_of = self._generation_store
+            services.writer_gone = self._writer_gone
+        self._services = services
         if self.config.recovery is Recovery.RESTART:
             return RestartSupervisor(services)
         return RegroupSupervisor(services)
@@ -335,6 +345,7 @@ class Agent:
             hosting = self.election is not None  # the writer: forms the generations
             if hosting:
                 self._bind_stores()
+                self.say(f"this agent is the job's writer (elected on etcd at {etcd.describe()})")
         else:
             store = connect_store(
                 config.rdzv_host, config.rdzv_port, config.join_timeout_s, interrupted=interrupted,
@@ -444,6 +455,39 @@ class Agent:
                      "address of this host other nodes can reach (set --local-addr to this "
                      "node's address to listen on that one only)", style="yellow")
 
+    def _watch_writer(self, rdzv: Rendezvous) -> None:
+        """etcd-v3, an agent that is not the writer: run for the writer's key once the last
+        writer's lease expired (ftrun.control.etcd.WriterWatch); see :meth:`_promote`."""
+        if self.config.rdzv_backend != "etcd-v3" or self.config.is_single_node \
+                or self.election is not None or self._open_client is None:
+            return
+        self._writer_watch = WriterWatch(
+            self._open_client, f"ftrun/{self.run_id}/writer", self.node_id,
+            ttl_s=math.ceil(self.config.heartbeat_timeout_s),
+            interval_s=self.config.heartbeat_interval_s,
+            on_won=lambda election: self._promote(rdzv, election)).start()
+
+    def _promote(self, rdzv: Rendezvous, election: Election) -> None:
+        """This agent became the job's writer (called from the writer watch's thread): it
+        watches the other agents' heartbeats, hosts the next generations' worker stores and
+        forms them; the generation running now ends by itself (its workers lose the dead
+        writer's store and their peers on its node), and the join of the next one, where
+        the others wait, is formed here (ftrun.control.rendezvous: a promoted waiter
+        forms the generation it waited for)."""
+        self.election = election
+        self._bind_stores()
+        monitor = HeartbeatMonitor(rdzv.store, self.config.heartbeat_timeout_s)
+        self.nodes = NodeWatch(monitor, node_id=self.node_id,
+                               heartbeat_interval_s=self.config.heartbeat_interval_s,
+                               events=self.events, say=self.say)
+        self.nodes.begin(max(self.node_rank, 0))
+        rdzv.monitor = monitor
+        if self._services is not None:
+            self._services.nodes = self.nodes
+        rdzv.is_leader = True  # last: the rest is in place when the main thread sees it
+        self.say("the job's writer is gone (its lease expired): this agent took over",
+                 style="yellow")
+
     def _generation_store(self, generation: Generation, prefix: str) -> JsonStore:
         """etcd-v3: the store of ``generation``'s member epochs (its worker store, hosted by
         the agent that formed it), with the control store's secret and reconnection."""
@@ -452,8 +496,27 @@ class Agent:
         connect = lambda: connect_store(host, port, op, op_timeout_s=op)  # noqa: E731
         return JsonStore(connect(), prefix, signer=Signer(load_secret()), reconnect=connect,
                          retry_s=self.config.heartbeat_timeout_s * 3,
-                         lost=lambda: self._lost_reason() is not None,
+                         lost=lambda: self._lost_reason() is not None or
+                         self._writer_gone(generation) is not None,
                          on_reject=self._rejected_record)
+
+    def _writer_gone(self, generation: Generation) -> dict[str, Any] | None:
+        """etcd-v3: the end cause ("node lost") when ``generation``'s writer, its node rank
+        0, which formed it and hosts its store, no longer holds the writer's key (its lease
+        expired); None while it does, or when etcd cannot say now."""
+        if self._rdzv is None or not generation.nodes:
+            return None
+        writer = generation.nodes[0]
+        try:
+            held = self._rdzv.store.raw.read(f"ftrun/{self.run_id}/writer")
+        except (RuntimeError, AttributeError):
+            return None
+        if held == writer.node_id.encode():
+            return None
+        return {"kind": "node lost", "node_id": writer.node_id, "node_rank": writer.node_rank,
+                "node": writer.hostname, "addr": writer.addr,
+                "silent_s": math.ceil(self.config.heartbeat_timeout_s), "by": self.node_rank,
+                "time": time.time()}
 
     def _open_worker_store(self) -> tuple[str, int]:
         """Where the workers of the generation being formed find their store (called by the
