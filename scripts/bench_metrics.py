@@ -5,13 +5,19 @@ same job as bench_recovery's throughput rounds) runs back to back with and witho
 ``--metrics-port 0``; while metrics are on, a scraper reads the endpoint every
 ``--scrape-every`` seconds (1 s: fifteen times Prometheus' default rate). Throughput is
 committed steps per second from step ``--warmup`` to the last step, read from the workers'
-own step lines (each line's ``t=``). Each round runs both variants in an alternating
-order; the figure is the median of the per-round on/off ratios, with its spread. On a
-shared machine that ratio's noise is larger than 1%, so the agent's own CPU time (user +
-system of the ftrun process, sampled every 0.2 s until it exits) is reported beside it:
-what serving and scraping the metrics costs the node, per second of the run.
+own step lines (each line's ``t=``).
 
-    .venv/bin/python scripts/bench_metrics.py --rounds 4 --steps 400
+Robust to a loaded machine: the runs are interleaved pairs in ABBA order (off-on, on-off,
+off-on, ...), so that a load that drifts during the benchmark touches both variants alike,
+and the figure is the median of the per-pair on/off ratios (a pair hit by a burst of
+someone else's work is one outlier among many, not a shifted mean), with the quartiles of
+the ratios. Each run's 1-minute load average is recorded at its start (say it next to the
+figure). On a shared machine that ratio's noise can exceed 1%, so the agent's own CPU time
+(user + system of the ftrun process, sampled every 0.2 s until it exits) is reported
+beside it: what serving and scraping the metrics costs the node, per second of the run.
+Run it alone: ``flock /tmp/ftrun-bench.lock .venv/bin/python scripts/bench_metrics.py``.
+
+    .venv/bin/python scripts/bench_metrics.py --rounds 8 --steps 300
 
 Prints a table, then one JSON object as the last line.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -72,6 +79,7 @@ def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float] | None:
                 scrapes["failed"] += 1
 
     assert proc.stdout is not None
+    load = os.getloadavg()[0]
     started = time.monotonic()
     threading.Thread(target=sample_cpu, daemon=True).start()
     scraper = None
@@ -92,13 +100,13 @@ def run_job(args: argparse.Namespace, metrics: bool) -> dict[str, float] | None:
     span = times[last] - times[args.warmup]
     return {"steps_per_s": (last - args.warmup) / span, "scrapes": scrapes["count"],
             "scrape_failures": scrapes["failed"], "agent_cpu_s": cpu["s"], "wall_s": wall,
-            "agent_cpu_per_s": cpu["s"] / wall}
+            "agent_cpu_per_s": cpu["s"] / wall, "load_1m": load}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved on/off pairs")
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
@@ -119,11 +127,14 @@ def main() -> None:
         rounds.append({"off": result[False], "on": result[True], "ratio": ratio})
         print(f"round {index}: off {result[False]['steps_per_s']:.2f} steps/s, on "
               f"{result[True]['steps_per_s']:.2f} steps/s ({result[True]['scrapes']} "
-              f"scrapes), on/off {ratio:.4f}", file=sys.stderr, flush=True)
+              f"scrapes), on/off {ratio:.4f}, load {result[False]['load_1m']:.1f}/"
+              f"{result[True]['load_1m']:.1f}", file=sys.stderr, flush=True)
     if not rounds:
         raise SystemExit("bench_metrics: every round failed")
     ratios = [r["ratio"] for r in rounds]
     median = statistics.median(ratios)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [median] * 3
+    loads = [r[k]["load_1m"] for r in rounds for k in ("off", "on")]
     print(f"{'variant':<10} {'median steps/s':>15} {'min':>8} {'max':>8}")
     for name in ("off", "on"):
         values = [r[name]["steps_per_s"] for r in rounds]
@@ -133,10 +144,14 @@ def main() -> None:
     cpu_on = statistics.median(r["on"]["agent_cpu_per_s"] for r in rounds)
     print(f"agent CPU per second of run: off {cpu_off:.4f} s, on {cpu_on:.4f} s "
           f"(+{cpu_on - cpu_off:.4f} cores)")
-    print(f"on/off ratio: median {median:.4f}, range {min(ratios):.4f}-{max(ratios):.4f} "
-          f"over {len(ratios)} paired rounds (overhead {100 * (1 - median):.2f}%)")
+    print(f"on/off ratio: median {median:.4f}, quartiles {quartiles[0]:.4f}-"
+          f"{quartiles[2]:.4f}, range {min(ratios):.4f}-{max(ratios):.4f} over {len(ratios)} "
+          f"interleaved pairs (overhead {100 * (1 - median):.2f}%); load average "
+          f"{min(loads):.1f}-{max(loads):.1f}")
     print(json.dumps({"bench": "metrics", "rounds": rounds, "ratio_median": median,
                       "ratio_min": min(ratios), "ratio_max": max(ratios),
+                      "ratio_q1": quartiles[0], "ratio_q3": quartiles[2],
+                      "load_1m_min": min(loads), "load_1m_max": max(loads),
                       "overhead_pct": 100 * (1 - median), "dropped_rounds": dropped,
                       "agent_cpu_per_s_off": cpu_off, "agent_cpu_per_s_on": cpu_on,
                       "args": vars(args),
