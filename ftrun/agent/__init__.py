@@ -13,6 +13,19 @@ on those above it in this list:
 
 from __future__ import annotations
 
-from ftrun.agent.loop import run_agent
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftrun.agent.loop import run_agent
 
 __all__ = ["run_agent"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the loop imports torch (~2 s of CPU). ``ftrun --preload`` starts its fork server
+    # from ftrun.agent.forkserver before that, so that both imports run at once.
+    if name == "run_agent":
+        from ftrun.agent.loop import run_agent
+
+        return run_agent
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,13 +38,39 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from ftrun.agent.processes import die_with_parent
+from ftrun.agent.processes import die_with_parent, shared_worker_env
+from ftrun.config import LaunchConfig
 
 _MAX_LINE = 1 << 16
 
 
 class ForkServerError(RuntimeError):
     """The fork server could not be made ready (the user's input or this node's state)."""
+
+
+def preload_unsupported(config: LaunchConfig) -> str | None:
+    """Why this job's workers cannot be forked from a server (None: they can)."""
+    if config.no_python:
+        return "--no-python runs no Python to fork from"
+    python_exec = os.environ.get("PYTHON_EXEC")
+    if python_exec and os.path.realpath(python_exec) != os.path.realpath(sys.executable):
+        return f"PYTHON_EXEC={python_exec} is not the interpreter ftrun runs in"
+    return None
+
+
+def start_fork_server(config: LaunchConfig) -> ForkServer | None:
+    """The fork server for ``--preload``, started (its imports run while the caller goes
+    on); None without ``--preload`` or where it cannot be honoured (the launcher says why).
+    The CLI calls it before the agent imports torch, so that the two imports overlap."""
+    if not config.preload or preload_unsupported(config) is not None:
+        return None
+    path0 = os.getcwd() if config.module else os.path.dirname(os.path.abspath(config.entrypoint))
+    # numpy's OpenBLAS starts a thread pool when imported (torch imports numpy), and a fork
+    # copies one thread: the server imports with a pool of one. Forked workers' numpy BLAS
+    # then runs on one thread; torch's own math (MKL, OpenMP) is unaffected.
+    env = {"OPENBLAS_NUM_THREADS": "1", **shared_worker_env(config)}
+    return ForkServer(config.preload, env=env, path0=path0,
+                      shown=[config.entrypoint, *config.args])
 
 
 class ForkServer:

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, EventLog, WorkerExit, read_error_file
-from ftrun.agent.forkserver import ForkServer, ForkServerError
-from ftrun.agent.stacks import stack_source
+from ftrun.agent.forkserver import (
+    ForkServer,
+    ForkServerError,
+    preload_unsupported,
+    start_fork_server,
+)
 from ftrun.config import LaunchConfig, Std
 from ftrun.control.rendezvous import Generation
 from ftrun.protocol import SURVIVOR_TORCH_ENV, MemberEnv, WorkerEnv
@@ -47,7 +50,10 @@ class Launcher:
         run_log_dir: Path,
         events: EventLog,
         say: Callable[..., None],
+        fork_server: ForkServer | None = None,
     ) -> None:
+        """``fork_server``: the ``--preload`` server the CLI already started (see
+        :func:`~ftrun.agent.forkserver.start_fork_server`); else it starts here."""
         self.config = config
         self.hostname = hostname
         self.run_log_dir = run_log_dir
@@ -59,51 +65,26 @@ class Launcher:
         self._fork_server: ForkServer | None = None
         self._notes: list[tuple[str, str]] = []  # said at the first spawn (the agent's
         # console is not ready while it constructs its launcher)
-        self.start_preload()  # now, so that the imports overlap the rendezvous
+        self.start_preload(fork_server)  # now, so that the imports overlap the rendezvous
 
     # -- --preload ---------------------------------------------------------------------
-    def start_preload(self) -> None:
-        """Start the fork server for ``--preload`` (its imports overlap the rendezvous), or
-        say why this job's workers cannot be forked and start them the normal way."""
+    def start_preload(self, started: ForkServer | None = None) -> None:
+        """Start the fork server for ``--preload`` (its imports overlap the rendezvous)
+        unless ``started`` already, or say why this job's workers cannot be forked and
+        start them the normal way."""
         config = self.config
         if not config.preload:
             return
-        reason = self._preload_unsupported()
+        reason = preload_unsupported(config)
         if reason is not None:
             self._notes.append((f"--preload ignored: {reason}; workers start the normal way",
                                 "yellow"))
             return
-        path0 = os.getcwd() if config.module else \
-            os.path.dirname(os.path.abspath(config.entrypoint))
-        # numpy's OpenBLAS starts a thread pool when imported (torch imports numpy), and a
-        # fork copies one thread: the server imports with a pool of one. Forked workers'
-        # numpy BLAS then runs on one thread; torch's own math (MKL, OpenMP) is unaffected.
-        env = {"OPENBLAS_NUM_THREADS": "1", **self._common_env()}
-        self._fork_server = ForkServer(config.preload, env=env, path0=path0,
-                                       shown=[config.entrypoint, *config.args])
+        self._fork_server = started or start_fork_server(config)
         if config.use_shim and os.path.exists("/dev/nvidiactl"):
             self._notes.append(("--preload: forked workers run without the NCCL shim (it "
                                 "must load before NCCL); hung NCCL calls end by torch's "
                                 "timeout", "yellow"))
-
-    def _preload_unsupported(self) -> str | None:
-        if self.config.no_python:
-            return "--no-python runs no Python to fork from"
-        python_exec = os.environ.get("PYTHON_EXEC")
-        if python_exec and os.path.realpath(python_exec) != os.path.realpath(sys.executable):
-            return f"PYTHON_EXEC={python_exec} is not the interpreter ftrun runs in"
-        return None
-
-    def _common_env(self) -> dict[str, str]:
-        """What every worker's environment shares, as libraries read it at import time."""
-        env = dict(os.environ)
-        if "OMP_NUM_THREADS" not in os.environ and self.config.nproc_per_node > 1:
-            env["OMP_NUM_THREADS"] = "1"
-        if self.config.hang_timeout_s != 0 and stack_source() == "faulthandler":
-            # py-spy cannot read this host's workers: a hung worker's stack comes from the
-            # dump Python's fault handler writes when the agent aborts it (ftrun.agent.stacks)
-            env.setdefault("PYTHONFAULTHANDLER", "1")
-        return env
 
     def _forked(self, launch: local.WorkerLaunch) -> local.Child:
         assert self._fork_server is not None
@@ -211,7 +192,7 @@ class Launcher:
     ) -> dict[str, str]:
         """torchrun's worker variables with torchrun's values, plus ftrun's own."""
         config = self.config
-        env = self._common_env()
+        env = local.shared_worker_env(config)
         env.update(
             {
                 "RANK": str(rank),

@@ -36,6 +36,7 @@ from rich.markup import escape
 
 from ftrun.agent.events import Event, EventLog, WorkerExit
 from ftrun.agent.faults import FaultBook, explain_exits
+from ftrun.agent.forkserver import ForkServer
 from ftrun.agent.inject import Injector
 from ftrun.agent.launcher import Launcher, WorkerStartError
 from ftrun.agent.metrics import Metrics, MetricsError
@@ -77,7 +78,7 @@ class Agent:
     (:mod:`ftrun.control.heartbeat`).
     """
 
-    def __init__(self, config: LaunchConfig) -> None:
+    def __init__(self, config: LaunchConfig, fork_server: ForkServer | None = None) -> None:
         self.config = config
         self.hostname = socket.gethostname()
         # A log file or a pipe is read later, in a wider window than rich's 80-column default.
@@ -109,7 +110,7 @@ class Agent:
         self.events.emit(Event.STARTED, run_id=self.run_id,
                          nproc_per_node=config.nproc_per_node)
         self.launcher = Launcher(config, hostname=self.hostname, run_log_dir=run_log_dir,
-                                 events=self.events, say=self.say)
+                                 events=self.events, say=self.say, fork_server=fork_server)
         # The node's snapshot memory (ftrun.restartable): every worker inherits its path;
         # on several nodes (in-process recovery) its replica server too (buddy copies).
         serve = not config.is_single_node and config.recovery is not Recovery.RESTART
@@ -610,9 +611,10 @@ def _reaches_loopback(host: str) -> bool:
     return any(info[4][0] == LOOPBACK for info in infos)
 
 
-def run_agent(config: LaunchConfig) -> int:
-    """Run one node's share of the job; returns the process exit code."""
-    agent = Agent(config)
+def run_agent(config: LaunchConfig, fork_server: ForkServer | None = None) -> int:
+    """Run one node's share of the job; returns the process exit code. ``fork_server``:
+    the ``--preload`` server, if the caller started it already."""
+    agent = Agent(config, fork_server)
     code = agent.run()
     if agent.store_lost or not config.is_single_node:
         # A store client thread (heartbeat, end watch, a connect to a frozen host) may still

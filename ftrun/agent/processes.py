@@ -34,7 +34,8 @@ from typing import IO, Any, Protocol
 
 import psutil
 
-from ftrun.config import Std
+from ftrun.agent.stacks import stack_source
+from ftrun.config import LaunchConfig, Std
 
 _PR_SET_PDEATHSIG = 1
 STDERR_TAIL_LINES = 200  # a fault handler's dump of every thread (ftrun.agent.stacks)
@@ -278,6 +279,18 @@ def reap_leftovers(workers: Iterable[WorkerProcess]) -> None:
     """Kill anything the workers started in their sessions and left behind (no orphans)."""
     for worker in workers:
         worker.signal_group(signal.SIGKILL)
+
+
+def shared_worker_env(config: LaunchConfig) -> dict[str, str]:
+    """What every worker's environment shares, as libraries read it at import time."""
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    if config.hang_timeout_s != 0 and stack_source() == "faulthandler":
+        # py-spy cannot read this host's workers: a hung worker's stack comes from the
+        # dump Python's fault handler writes when the agent aborts it (ftrun.agent.stacks)
+        env.setdefault("PYTHONFAULTHANDLER", "1")
+    return env
 
 
 def last_error(lines: Iterable[str]) -> str | None:
