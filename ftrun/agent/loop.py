@@ -494,8 +494,17 @@ class Agent:
         the agent that formed it), with the control store's secret and reconnection."""
         host, port, op = generation.worker_store_host, generation.worker_store_port, \
             self._op_timeout
+        own = self.worker_stores[-1] if self.worker_stores else None
+        if own is not None and int(own.port) == port and host == self.store_host:
+            # the writer: its own store, in process (no connect: one to the last writer's
+            # dead host may still hold the connect lock, see control/store.py)
+            return JsonStore(own, prefix, signer=Signer(load_secret()),
+                             on_reject=self._rejected_record)
         connect = lambda: connect_store(host, port, op, op_timeout_s=op)  # noqa: E731
-        return JsonStore(connect(), prefix, signer=Signer(load_secret()), reconnect=connect,
+        # the first connect waits longer: the writer may still be opening it, and a connect
+        # to the last writer's dead host may hold the connect lock for an op timeout
+        first = connect_store(host, port, self.config.heartbeat_timeout_s * 3, op_timeout_s=op)
+        return JsonStore(first, prefix, signer=Signer(load_secret()), reconnect=connect,
                          retry_s=self.config.heartbeat_timeout_s * 3,
                          lost=lambda: self._lost_reason() is not None or
                          self._writer_gone(generation) is not None,
