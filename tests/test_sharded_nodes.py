@@ -34,7 +34,7 @@ from tests.test_multinode import HB, TOKEN, HostLaunch
 SCRIPT = REPO / "scripts" / "train_fsdp.py"
 STEPS = 24
 K = 1
-JOB_TIMEOUT_S = 240.0
+JOB_TIMEOUT_S = 120.0
 
 
 def _digest(launches: list[Launch]) -> str:
@@ -82,7 +82,12 @@ def test_node_lost_shards_restored_from_buddy_bitwise(
                     for node, ranks in ((h1, (0, 1)), (h2, (2, 3))) for rank in ranks)
     gone = memory.remove_stale()
     assert any(p.name.endswith(f"-{h2.proc.pid}") for p in gone), gone
-    assert h1.wait(JOB_TIMEOUT_S) == 0, h1.output[-4000:]
+    # Done on every rank, or a restore that failed (said in one line; no waiting it out).
+    h1.wait_for(lambda lines: len(find(lines, Done)) == 4 or any(
+        "Traceback" in x or "SnapshotRestoreError" in x for x in lines), JOB_TIMEOUT_S,
+        "every rank done")
+    assert "Traceback" not in h1.output, h1.output[-4000:]
+    assert h1.wait(60) == 0, h1.output[-4000:]
     print(f"job done {time.time() - killed:.1f} s after the kill")
     # Bitwise equal to a fault-free run: 4 workers on one host, the same world and seed.
     reference = Launch(["--nproc-per-node", "4", "--recovery", "regroup", *_train(script)])
