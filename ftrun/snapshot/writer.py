@@ -41,6 +41,7 @@ from ftrun.snapshot import format as fmt
 from ftrun.snapshot import memory, records
 
 POLL_S = 0.005
+WRITER_NICE = 10  # the background thread's nice value (Linux: per thread)
 
 #: Sends this rank's published snapshot (step, CRC32, the (epoch, step) it keeps) to the
 #: buddy node and returns the replica's record, once the buddy verified it; raises
@@ -126,6 +127,7 @@ class SnapshotWriter:
         self._stop = threading.Event()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._checked_size = -1
+        self._recycled: Path | None = None  # an old file of this rank, to write over
         self._thread = threading.Thread(target=self._run, name="ftrun-snapshot", daemon=True)
         self._thread.start()
 
@@ -183,10 +185,18 @@ class SnapshotWriter:
         self._stop.set()
         self._jobs.put(None)
         self._thread.join(self.timeout_s)
+        if not self._thread.is_alive() and self._recycled is not None:
+            with contextlib.suppress(OSError):
+                self._recycled.unlink()
+            self._recycled = None
 
     # --- the background thread ----------------------------------------------------------
 
     def _run(self) -> None:
+        # Below the training threads: on a busy node the copy waits for idle CPU (the
+        # collectives' waits) instead of taking it from compute (best effort).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -223,6 +233,10 @@ class SnapshotWriter:
         return not self._stop.is_set()
 
     def _remove_old(self) -> None:
+        """Delete this rank's files other than the kept one; the first is not deleted but
+        renamed for :meth:`_write` to write the next snapshot over (its tmpfs pages are
+        reused: a new file's pages cost the kernel an allocation and zeroing, about as
+        much CPU again as the copy)."""
         rank = self.where.rank
         keep = {self.kept} if self.kept is not None else set()
         with contextlib.suppress(OSError):
@@ -230,7 +244,12 @@ class SnapshotWriter:
                 parsed = memory.parse_name(entry.name)
                 if parsed is not None and parsed[2] == rank and parsed[:2] not in keep:
                     with contextlib.suppress(OSError):
-                        entry.unlink()
+                        if self._recycled is None:
+                            recycled = self.directory / f".r{rank}.{os.getpid()}.recycled"
+                            os.rename(entry, recycled)
+                            self._recycled = recycled
+                        else:
+                            entry.unlink()
 
     def _write(self, job: _Job) -> None:
         where = self.where
@@ -245,9 +264,13 @@ class SnapshotWriter:
                                        crc32=crc))
         name = memory.file_name(where.epoch, job.step, where.rank)
         tmp = self.directory / f".{name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as out:
+        recycled, self._recycled = self._recycled, None
+        if recycled is not None:
+            os.rename(recycled, tmp)
+        with open(tmp, "r+b" if recycled is not None else "wb") as out:
             out.write(head)
             out.write(data)
+            out.truncate()
         os.rename(tmp, self.directory / name)
         written = records.Written(where.node, where.host, crc, len(head) + job.size,
                                   where.world_size, self.replicas, self.server)
