@@ -258,6 +258,7 @@ _AGENT_PRELOAD = [
     "ftrun.control.heartbeat",
     "ftrun.control.rendezvous",
     "ftrun.control.store",
+    "ftrun.control.etcd",
 ]
 #: Agents are started this many at a time, each batch once the one before is ready: a few
 #: hundred simultaneous store connects make this sandbox's resolver stall many of them
@@ -984,6 +985,7 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
     DynamicRendezvous.join() for generation 0. Reports when each agent's offer (its slot
     record) was in the store and when its join returned, and what it was given."""
     from ftrun.control.auth import Signer
+    from ftrun.control.etcd import EtcdOptions, connect_etcd
     from ftrun.control.heartbeat import HeartbeatSender
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
     from ftrun.control.store import JsonStore, connect_store
@@ -1005,18 +1007,25 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
         sys.setswitchinterval(cfg["switch_interval"])
         op_timeout = _agent_op_timeout(cfg["heartbeat_timeout"])
 
+        etcd = EtcdOptions.parse(cfg["etcd"], {}) if cfg.get("etcd") else None
+
+        def connect(timeout_s: float) -> Any:  # the agent's client: TCPStore or etcd-v3
+            if etcd is not None:
+                return connect_etcd(etcd, timeout_s, op_timeout_s=op_timeout)
+            return connect_store("127.0.0.1", port, timeout_s, op_timeout_s=op_timeout)
+
         def dial() -> Any:
-            return connect_store("127.0.0.1", port, op_timeout, op_timeout_s=op_timeout)
+            return connect(op_timeout)
 
         began = time.monotonic()
         agents = []
         for i in ids:
-            client = connect_store("127.0.0.1", port, 300, op_timeout_s=op_timeout)
+            client = connect(300)
             beat: HeartbeatSender | None = None
             store = JsonStore(client, f"ftrun/{run_id}", signer=Signer(b"bench-token"),
                               reconnect=dial, retry_s=cfg["heartbeat_timeout"] * 3)
             if cfg["heartbeats"]:
-                first = [connect_store("127.0.0.1", port, 300, op_timeout_s=op_timeout)]
+                first = [connect(300)]
                 beat = HeartbeatSender(lambda f=first: f.pop() if f else dial(), store,
                                        f"light-{i}", cfg["interval"],
                                        cfg["heartbeat_timeout"])
@@ -1067,14 +1076,17 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
 
 
 def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
-                     heartbeats: bool = True, switch_interval: float = 0.0005
-                     ) -> dict[str, Any]:
+                     heartbeats: bool = True, switch_interval: float = 0.0005,
+                     etcd: str | None = None) -> dict[str, Any]:
     """One rendezvous of ``n`` agents: the leader in this process (it serves the store, as
     the store host's agent does, and opens the generation's worker store), ``n - 1`` light
     agents in ``procs`` processes (see :func:`_light_rdzv_agents`). The figure ``s`` is
     from the last join (the last agent's slot record in the store) to every agent holding
     its generation (its join returned with its rank, the world size and the worker store);
-    None when not all returned within ``timeout_s``."""
+    None when not all returned within ``timeout_s``. ``etcd``: an etcd endpoint
+    (``host:port``): the control store is etcd (the etcd-v3 backend's client,
+    ftrun/control/etcd.py: each agent's client its own HTTP connection, waits are watches),
+    the leader still opens the worker store (as the elected writer does)."""
     import resource
 
     from ftrun.control.auth import Signer
@@ -1093,7 +1105,8 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
     out: mp.Queue = ctx.Queue()
     go, leave = ctx.Event(), ctx.Event()
     cfg = {"interval": _HB_INTERVAL_S, "heartbeat_timeout": _HB_TIMEOUT_S,
-           "timeout": timeout_s, "heartbeats": heartbeats, "switch_interval": switch_interval}
+           "timeout": timeout_s, "heartbeats": heartbeats, "switch_interval": switch_interval,
+           "etcd": etcd}
     workers = [ctx.Process(target=_light_rdzv_agents, daemon=True,
                            args=(server.port, list(range(1 + k, n, procs)), n, run_id, cfg,
                                  out, go, leave))
@@ -1117,7 +1130,14 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                 raise RuntimeError(f"agents from {first} failed in set-up: {value}")
             ready += 1
         info["setup_s"] = round(time.monotonic() - began, 1)
-        leader_store = JsonStore(server, f"ftrun/{run_id}", signer=Signer(b"bench-token"))
+        leader_client: Any = server
+        if etcd is not None:
+            from ftrun.control.etcd import EtcdOptions, connect_etcd
+            leader_client = connect_etcd(EtcdOptions.parse(etcd, {}), 30,
+                                         op_timeout_s=_agent_op_timeout(_HB_TIMEOUT_S))
+        leader_store = JsonStore(leader_client, f"ftrun/{run_id}",
+                                 signer=Signer(b"bench-token"))
+
         class TimedLeader(DynamicRendezvous):
             """The real leader; notes when it has every slot (before it writes)."""
 
@@ -1184,30 +1204,48 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
     return info
 
 
-def measure_rendezvous_light(args: argparse.Namespace, result: dict[str, object]) -> None:
-    """Fills ``rendezvous_s["ftrun"]`` ({"N": median s}) and ``rendezvous_light_runs``."""
+def measure_rendezvous_light(args: argparse.Namespace, result: dict[str, object],
+                             etcd: str | None = None) -> None:
+    """Fills ``rendezvous_s["ftrun"]`` ({"N": median s}) and ``rendezvous_light_runs``;
+    with ``etcd`` (an endpoint), ``rendezvous_s["ftrun_etcd"]`` and
+    ``rendezvous_light_runs_etcd`` instead."""
     medians: dict[str, float | None] = {}
     runs: dict[str, list[dict[str, Any]]] = {}
+    name = "ftrun_etcd" if etcd else "ftrun"
     for n in (int(x) for x in args.agents.split(",")):
         for _ in range(args.rdzv_repeats):
             try:
                 info = rendezvous_light(n, procs=args.light_procs, timeout_s=args.rdzv_timeout,
                                         heartbeats=not args.light_no_heartbeats,
-                                        switch_interval=args.light_switch_interval)
+                                        switch_interval=args.light_switch_interval, etcd=etcd)
             except RuntimeError as error:
                 info = {"agents": n, "s": None, "failed": str(error)}
             runs.setdefault(str(n), []).append(info)
             notes = ", ".join(f"{k} {v}" for k, v in info.items()
                               if k not in ("agents", "s") and v not in (None, [], 0))
-            print(f"  rendezvous (light agents), ftrun, {n} agents: {info['s']}  ({notes})",
+            print(f"  rendezvous (light agents), {name}, {n} agents: {info['s']}  ({notes})",
                   file=sys.stderr, flush=True)
         valid = [i["s"] for i in runs[str(n)] if i.get("s") is not None
                  and i.get("consistent")]
         medians[str(n)] = _median(valid) if valid else None
     rendezvous_s = result.setdefault("rendezvous_s", {})
     assert isinstance(rendezvous_s, dict)
-    rendezvous_s["ftrun"] = medians
-    result["rendezvous_light_runs"] = runs
+    rendezvous_s[name] = medians
+    result["rendezvous_light_runs_etcd" if etcd else "rendezvous_light_runs"] = runs
+
+
+def measure_rendezvous_light_etcd(args: argparse.Namespace, result: dict[str, object]) -> None:
+    """The light rendezvous on a one-member etcd on loopback (tests/infra/etcd_cluster.py's
+    loopback_etcd: its own ports and data, removed after); skipped with the reason when
+    etcd-server is not installed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
+    reason = etcd_missing_reason()
+    if reason:
+        print(f"  rendezvous (light agents), ftrun_etcd: skipped: {reason}", file=sys.stderr)
+        return
+    with loopback_etcd() as endpoint:
+        measure_rendezvous_light(args, result, etcd=endpoint)
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -1377,15 +1415,16 @@ def print_rendezvous_table(result: dict[str, object]) -> None:
               f"{result['torchrun_quoted']['source']}")  # type: ignore[index]
 
 
-def print_light_table(result: dict[str, object]) -> None:
-    runs = result["rendezvous_light_runs"]
+def print_light_table(result: dict[str, object], name: str = "ftrun") -> None:
+    runs = result["rendezvous_light_runs_etcd" if name == "ftrun_etcd"
+                  else "rendezvous_light_runs"]
     assert isinstance(runs, dict)
     print("rendezvous of N light agents (threads, a store connection each, heartbeats on a "
           "second one): the last\n  join (slot record in the store) -> every agent holding "
-          "its generation (median of runs [every run], s)")
-    print(f"  {'N':>6} {'ftrun':>7} {'runs':<24} {'first join->all':>15} {'setup':>6} "
+          f"its generation (median of runs [every run], s){', store: etcd' * (name != 'ftrun')}")
+    print(f"  {'N':>6} {name:>7} {'runs':<24} {'first join->all':>15} {'setup':>6} "
           f"{'host cores':>10} {'other':>5}")
-    medians = result["rendezvous_s"]["ftrun"]  # type: ignore[index]
+    medians = result["rendezvous_s"][name]  # type: ignore[index]
     for n, infos in runs.items():
         each = " ".join("fail" if i.get("s") is None else f"{i['s']:.3f}" for i in infos)
         value = medians.get(n)
@@ -1412,6 +1451,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", choices=["recovery", "rendezvous", "rendezvous-light",
+                                           "rendezvous-light-etcd",
                                            "store-load"])
     parser.add_argument("--runs", type=int, default=2, help="node-loss runs per launcher")
     parser.add_argument("--cap", type=float, default=90.0, help="torchrun recovery cap (s)")
@@ -1451,14 +1491,16 @@ def main() -> None:
                         help="agents poll the end key every 0.1 s (before the EndWatcher)")
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if args.only in ("store-load", "rendezvous-light") and "RES_OPTIONS" not in os.environ:
+    if args.only in ("store-load", "rendezvous-light", "rendezvous-light-etcd") \
+            and "RES_OPTIONS" not in os.environ:
         os.environ["RES_OPTIONS"] = _RESOLVER_WORKAROUND  # before any lookup: see its comment
         print(f"  {args.only}: the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md) cut to 1 s "
               f"with RES_OPTIONS={_RESOLVER_WORKAROUND}", file=sys.stderr, flush=True)
     result: dict[str, object] = {
         "node_loss_recovery_s": {variant: [] for variant in VARIANTS},
         "node_loss_steps_lost": {variant: [] for variant in VARIANTS},
-        "rendezvous_s": {"ftrun": {}, "ftrun_process": {}, "torchrun": {}},
+        "rendezvous_s": {"ftrun": {}, "ftrun_process": {}, "torchrun": {}, "ftrun_etcd": {}},
+        "leader_loss_recovery_s": {"ftrun_etcd": []},
         "censored": {"torchrun": []},
     }
     if args.only in (None, "recovery"):
@@ -1482,6 +1524,8 @@ def main() -> None:
         rendezvous(args, result)
     if args.only in (None, "rendezvous-light"):
         measure_rendezvous_light(args, result)
+    if args.only in (None, "rendezvous-light", "rendezvous-light-etcd"):
+        measure_rendezvous_light_etcd(args, result)
     if args.only in (None, "store-load"):
         measure_store_load(args, result)
     if args.json:
@@ -1502,6 +1546,8 @@ def main() -> None:
         print_rendezvous_table(result)
     if result.get("rendezvous_light_runs"):
         print_light_table(result)
+    if result.get("rendezvous_light_runs_etcd"):
+        print_light_table(result, "ftrun_etcd")
     if "store_load_model" in result:
         print("store load, a MODEL (arithmetic, not measured):")
         for key, value in result["store_load_model"].items():  # type: ignore[union-attr]
