@@ -242,10 +242,10 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     backend = ns.rdzv_backend.strip().lower()
     if backend in ("etcd", "etcd-v2"):
         raise ConfigError(f"--rdzv-backend={ns.rdzv_backend!r}: etcd's v2 API is deprecated; "
-                          "ftrun speaks etcd v3 (--rdzv-backend etcd-v3)")
+                          "ftrun supports static and c10d, and etcd v3 as etcd-v3")
     if backend not in ("static", "c10d", "etcd-v3"):
-        raise ConfigError(f"--rdzv-backend={ns.rdzv_backend!r}: ftrun supports static, c10d "
-                          "and etcd-v3")
+        raise ConfigError(f"--rdzv-backend={ns.rdzv_backend!r}: ftrun supports static and "
+                          "c10d, and etcd v3 as etcd-v3")
     try:
         node_rank = int(ns.node_rank)
     except ValueError:
