@@ -42,7 +42,8 @@ sender still keeps (its newest complete), never more; with ``FTRUN_SNAPSHOT_CAP_
 ``put`` that would take the node's snapshot memory (local files and replicas) past the cap
 is refused. The whole directory goes when the agent ends (:mod:`ftrun.agent.snapshots`).
 
-Timeouts: every socket operation of a request is bounded by ``timeout_s`` (the caller's;
+Timeouts: a connect is bounded by min(``timeout_s``, :data:`CONNECT_TIMEOUT_S`), every
+other socket operation of a request by ``timeout_s`` (the caller's;
 the server uses :data:`SERVER_TIMEOUT_S` per operation); past it the request fails with
 :class:`ReplicaError` (client) or the connection is dropped with nothing stored (server).
 """
@@ -67,6 +68,7 @@ ENV = "FTRUN_SNAPSHOT_SERVER"  # host:port of this node's agent's server, for it
 RUN_ENV = "FTRUN_SNAPSHOT_RUN_ID"  # the run id the requests' MACs are bound to
 REPLICAS = "replicas"  # the subdirectory of the node's memory holding the buddy's files
 SERVER_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5.0  # a connect's own bound (at most the request's)
 MAX_HEADER = 64 * 1024
 _LEN = struct.Struct(">I")
 _CHUNK = 1 << 20
@@ -153,7 +155,9 @@ def request(address: tuple[str, int], signer: Signer, run_id: str, op: str,
     :class:`ReplicaError` on any failure (connection, timeout, refusal, bad answer)."""
     what = f"{op} to {address[0]}:{address[1]}"
     try:
-        with socket.create_connection(address, timeout=timeout_s) as sock:
+        # A node that is gone (its link cut: no reset comes back) fails the connect soon.
+        with socket.create_connection(address, timeout=min(timeout_s, CONNECT_TIMEOUT_S)
+                                      ) as sock:
             sock.settimeout(timeout_s)
             # A refusal before the payload was read breaks the send: its answer says why.
             with contextlib.suppress(OSError):

@@ -179,12 +179,14 @@ class SnapshotWriter:
         """Wait until the last captured snapshot is written (or dropped)."""
         return self._free.wait(timeout_s)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float | None = None) -> None:
         """End the thread: a snapshot being written is finished, one waiting for the
-        previous to complete is dropped (bounded by ``timeout_s``)."""
+        previous to complete is dropped. Waits at most ``wait_s`` (default ``timeout_s``)
+        for the thread; one still inside a replication then finishes it alone (its
+        records name its own member epoch: a later one never reads them as its own)."""
         self._stop.set()
         self._jobs.put(None)
-        self._thread.join(self.timeout_s)
+        self._thread.join(self.timeout_s if wait_s is None else wait_s)
         if not self._thread.is_alive() and self._recycled is not None:
             with contextlib.suppress(OSError):
                 self._recycled.unlink()

@@ -94,6 +94,7 @@ from ftrun.worker.membership import POLL_S, Membership
 
 T = TypeVar("T")
 
+LEAVE_WAIT_S = 5.0  # how long leaving waits for the snapshot thread (see _leave)
 WATCH_S = 0.02  # how often the watcher thread looks for the end of the member epoch
 
 
@@ -485,7 +486,8 @@ class _Runner:
         """Stop the snapshot thread, drop every process group and the old objects."""
         writer, self.writer = self.writer, None
         if writer is not None:
-            writer.stop()
+            # A replication to a node that went silent must not hold the re-entry up.
+            writer.stop(min(self.timeout.total_seconds(), LEAVE_WAIT_S))
             self.history = (self.history + writer.published)[-3:]
         self._epoch = -1
         with contextlib.suppress(RuntimeError, ValueError, AssertionError):
