@@ -6,6 +6,20 @@
     python scripts/bench_multinode.py --only rendezvous --agents 64,128 --torchrun-rendezvous
     python scripts/bench_multinode.py --only rendezvous-light --agents 512,4096
     python scripts/bench_multinode.py --only store-load --store-load 1000
+    python scripts/bench_multinode.py --only rendezvous-light-etcd --agents 512
+    python scripts/bench_multinode.py --only leader-loss --runs 2
+
+* ``leader_loss_recovery_s.ftrun_etcd`` (and ``leader_loss_steps_lost``): ``--rdzv-backend
+  etcd-v3`` on three namespace hosts, a 3-member etcd cluster (one member per host,
+  tests/infra/etcd_cluster.py) and one agent with one gloo worker (scripts/train_ddp.py,
+  checkpoints every 10 steps) per host; the node of the agent elected as the job's writer is
+  SIGKILLed (agent and worker); the figure is from the kill to a step of both survivors
+  (the writer's lease of --heartbeat-timeout, 5 s, expires, a survivor takes the key, the
+  two re-form and restart their workers from the checkpoint). With the embedded TCPStore
+  the same fault (the store host's node) stops the whole job: there is no figure to put
+  next to it.
+* ``rendezvous_s.ftrun_etcd``: the light-agent rendezvous below with the etcd-v3 backend's
+  client on a one-member etcd on loopback (``rendezvous_light_runs_etcd``).
 
 * ``node_loss_recovery_s``: three network-namespace hosts (tests/infra/netns.py; needs root)
   each run one launcher and one gloo worker (elastic 2:3, c10d), in three variants: ``ftrun``
@@ -237,6 +251,59 @@ def node_loss_once(variant: str, cap_s: float) -> tuple[float | None, int | None
                     went_on = min(r.numbers[i] for r, i in zip(readers[:2], firsts, strict=True))
                     # A survivor that kept stepping through the cut never lost progress.
                     return max(after) - cut, max(0, done - went_on + 1)
+                time.sleep(0.05)
+            return None, None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def leader_loss_once_etcd(cap_s: float) -> tuple[float | None, int | None]:
+    """``--rdzv-backend etcd-v3`` on three namespace hosts, one etcd member and one ftrun
+    agent (one gloo worker, scripts/train_ddp.py, checkpoints every 10 steps) per host: the
+    node of the agent elected as the job's writer is SIGKILLed (agent and workers). Seconds
+    from the kill to a new step on both survivors, and the committed steps they lost."""
+    from tests.infra.etcd_cluster import EtcdCluster
+    from tests.infra.netns import NetnsNetwork
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench_mn_"))
+    script = workdir / "train_ddp.py"
+    shutil.copy(REPO / "scripts" / "train_ddp.py", script)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", FTRUN_JOB_TOKEN="bench-token")
+    try:
+        with NetnsNetwork(3) as net, EtcdCluster(list(net)) as cluster:
+            readers, procs = [], []
+            for host in net:
+                args = [str(BIN / "ftrun"), "--nnodes", "2:3", "--nproc-per-node", "1",
+                        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", cluster.endpoints,
+                        "--rdzv-id", "bench", "--max-restarts", "3", "--local-addr", host.addr,
+                        "--rdzv-conf", "last_call_timeout=15", str(script),
+                        "--steps", "100000", "--step-sleep", "0.05",
+                        "--checkpoint-dir", str(workdir), "--checkpoint-every", "10"]
+                proc = host.popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, errors="replace", env=env, cwd=workdir)
+                procs.append(proc)
+                readers.append(_Reader(proc))
+            deadline = time.time() + 180
+            while not all(len(r.steps) >= 5 for r in readers):
+                if time.time() > deadline:
+                    raise RuntimeError(f"ftrun_etcd: no steps: {readers[0].lines[-20:]}")
+                time.sleep(0.1)
+            writers = [i for i, r in enumerate(readers)
+                       if any("job's writer (elected" in x for x in r.lines)]
+            if len(writers) != 1:
+                raise RuntimeError(f"ftrun_etcd: {len(writers)} agents say they are the writer")
+            os.killpg(procs[writers[0]].pid, signal.SIGKILL)
+            killed = time.time()
+            survivors = [r for i, r in enumerate(readers) if i != writers[0]]
+            while time.time() < killed + cap_s:
+                if all(any(t > killed + 0.5 for t in r.steps) for r in survivors):
+                    firsts = [next(i for i, t in enumerate(r.steps) if t > killed + 0.5)
+                              for r in survivors]
+                    after = [r.steps[i] for r, i in zip(survivors, firsts, strict=True)]
+                    done = max(max((n for n, t in zip(r.numbers, r.steps, strict=True)
+                                    if t <= killed), default=0) for r in survivors)
+                    went_on = min(r.numbers[i] for r, i in zip(survivors, firsts, strict=True))
+                    return max(after) - killed, max(0, done - went_on + 1)
                 time.sleep(0.05)
             return None, None
     finally:
@@ -1451,7 +1518,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", choices=["recovery", "rendezvous", "rendezvous-light",
-                                           "rendezvous-light-etcd",
+                                           "rendezvous-light-etcd", "leader-loss",
                                            "store-load"])
     parser.add_argument("--runs", type=int, default=2, help="node-loss runs per launcher")
     parser.add_argument("--cap", type=float, default=90.0, help="torchrun recovery cap (s)")
@@ -1501,6 +1568,7 @@ def main() -> None:
         "node_loss_steps_lost": {variant: [] for variant in VARIANTS},
         "rendezvous_s": {"ftrun": {}, "ftrun_process": {}, "torchrun": {}, "ftrun_etcd": {}},
         "leader_loss_recovery_s": {"ftrun_etcd": []},
+        "leader_loss_steps_lost": {"ftrun_etcd": []},
         "censored": {"torchrun": []},
     }
     if args.only in (None, "recovery"):
@@ -1520,6 +1588,14 @@ def main() -> None:
                     assert isinstance(censored, dict)
                     censored.setdefault(program, []).append(len(recovery[program]))
                 recovery[program].append(round(took, 2))
+    if args.only in (None, "leader-loss"):
+        for _ in range(args.runs):
+            took, steps_lost = leader_loss_once_etcd(args.cap)
+            print(f"  writer's node lost, ftrun_etcd: {took} s, {steps_lost} steps lost",
+                  file=sys.stderr, flush=True)
+            result["leader_loss_recovery_s"]["ftrun_etcd"].append(  # type: ignore[index]
+                None if took is None else round(took, 2))
+            result["leader_loss_steps_lost"]["ftrun_etcd"].append(steps_lost)  # type: ignore[index]
     if args.only in (None, "rendezvous"):
         rendezvous(args, result)
     if args.only in (None, "rendezvous-light"):
@@ -1542,6 +1618,11 @@ def main() -> None:
             lost = result["node_loss_steps_lost"][program]  # type: ignore[index]
             print(f"  {program:14} {' '.join(f'{v:7.2f}' for v in values)}"
                   f"   steps lost {lost}{note}")
+    leader = result["leader_loss_recovery_s"]["ftrun_etcd"]  # type: ignore[index]
+    if leader:
+        print("the etcd-v3 writer's node SIGKILLed -> both survivors stepping again (s):")
+        print(f"  ftrun_etcd     {' '.join('none' if v is None else f'{v:7.2f}' for v in leader)}"
+              f"   steps lost {result['leader_loss_steps_lost']['ftrun_etcd']}")  # type: ignore[index]
     if result["rendezvous_s"]["ftrun_process"]:  # type: ignore[index]
         print_rendezvous_table(result)
     if result.get("rendezvous_light_runs"):
