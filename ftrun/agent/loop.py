@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -52,7 +52,6 @@ from ftrun.agent.statusboard import StatusBoard
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
-from ftrun.control.etcd import Election, EtcdOptions, WriterWatch, connect_etcd, join_etcd
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
@@ -67,6 +66,9 @@ from ftrun.control.store import JsonStore, connect_store, serve_store
 from ftrun.exitcodes import ExitCode, for_signal
 from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
 from ftrun.jobref import register, unregister
+
+if TYPE_CHECKING:  # imported where used: requests and etcd3gw cost every agent's start
+    from ftrun.control.etcd import Election, WriterWatch
 
 
 class Agent:
@@ -319,8 +321,10 @@ class Agent:
         hosting = config.hosts_store if (explicit_host or not dynamic) else is_local_address(
             config.rdzv_host)
         # etcd-v3: no agent serves the control store; the job's writer is elected below
-        etcd = EtcdOptions.parse(config.rdzv_endpoint, config.rdzv_conf) \
-            if multi and config.rdzv_backend == "etcd-v3" else None
+        etcd = None
+        if multi and config.rdzv_backend == "etcd-v3":
+            from ftrun.control.etcd import EtcdOptions, connect_etcd, join_etcd
+            etcd = EtcdOptions.parse(config.rdzv_endpoint, config.rdzv_conf)
         hosting = hosting and etcd is None
         op_timeout = max(1.0, config.heartbeat_timeout_s / 3)
         self._op_timeout = op_timeout
@@ -462,6 +466,7 @@ class Agent:
         if self.config.rdzv_backend != "etcd-v3" or self.config.is_single_node \
                 or self.election is not None or self._open_client is None:
             return
+        from ftrun.control.etcd import WriterWatch
         self._writer_watch = WriterWatch(
             self._open_client, f"ftrun/{self.run_id}/writer", self.node_id,
             ttl_s=math.ceil(self.config.heartbeat_timeout_s),
