@@ -1198,12 +1198,16 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
             ready += 1
         info["setup_s"] = round(time.monotonic() - began, 1)
         leader_client: Any = server
-        if etcd is not None:
+        redial: Callable[[], Any] | None = None
+        if etcd is not None:  # as the elected writer: its client reconnects and retries
             from ftrun.control.etcd import EtcdOptions, connect_etcd
-            leader_client = connect_etcd(EtcdOptions.parse(etcd, {}), 30,
-                                         op_timeout_s=_agent_op_timeout(_HB_TIMEOUT_S))
+            op = _agent_op_timeout(_HB_TIMEOUT_S)
+            options = EtcdOptions.parse(etcd, {})
+            leader_client = connect_etcd(options, 30, op_timeout_s=op)
+            redial = lambda: connect_etcd(options, op, op_timeout_s=op)  # noqa: E731
         leader_store = JsonStore(leader_client, f"ftrun/{run_id}",
-                                 signer=Signer(b"bench-token"))
+                                 signer=Signer(b"bench-token"), reconnect=redial,
+                                 retry_s=_HB_TIMEOUT_S * 3 if redial else 0.0)
 
         class TimedLeader(DynamicRendezvous):
             """The real leader; notes when it has every slot (before it writes)."""
