@@ -481,15 +481,24 @@ class Election:
                 self._connect().revoke(self.lease)
 
     def _keep(self, lease: int) -> None:
+        """Renew every third of the TTL. The lease counts as lost (``lost_at``) when etcd
+        says it expired, or when no renewal succeeded for a whole TTL: by then etcd may
+        have let it expire and another agent may hold the key, so this writer must stop
+        writing (the agent stops: ``Agent._lost_reason``), never run alongside a new one."""
         client: EtcdClient | None = None
+        last_ok = time.monotonic()
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 client = client or self._connect()
                 if client.keep_alive(lease) < 0:
                     self.lost_at = time.monotonic()
                     return
+                last_ok = time.monotonic()
             except RuntimeError:
                 client = None  # the next renewal reconnects (another endpoint)
+                if time.monotonic() - last_ok >= self.ttl_s:
+                    self.lost_at = time.monotonic()
+                    return
 
 
 def join_etcd(options: EtcdOptions, *, run_id: str, node_id: str, op_timeout_s: float,
