@@ -428,7 +428,11 @@ class Agent:
         self.injector.start(open_store, job, self.board.snapshot)
 
     def _lost_reason(self) -> str | None:
-        """Why the store host counts as lost (this agent's heartbeats fail), or None."""
+        """Why the store host counts as lost (this agent's heartbeats fail; etcd-v3: this
+        writer's lease was not renewed, so another agent may write now), or None."""
+        if self.election is not None and self.election.lost_at is not None:
+            return (f"this agent's lease as the job's writer expired (not renewed for "
+                    f"{self.election.ttl_s} s): another agent may have taken over")
         beat = self.heartbeat
         if beat is None or not beat.lost():
             return None
