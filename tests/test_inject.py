@@ -42,8 +42,8 @@ ELASTIC = REPO / "scripts" / "train_elastic.py"
 KILL_DETECT_S = 1.0
 FREEZE_DETECT_S = 1.5
 RAISE_DETECT_S = 5.0
-# A hang is a stall: max(--stall-floor 2 s, 20 x the median step) of no progress while the
-# others wait, then the leader's verdict (4.5 s measured with 0.05 s steps).
+# A hang is a stall: max(--stall-floor 6 s, 20 x the median step) of no progress while the
+# others wait, then the leader's verdict (4.5 s measured with a 2 s floor, 0.05 s steps).
 HANG_DETECT_S = 20.0
 
 
@@ -100,7 +100,12 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(job_dir: Path) -
     script = job_dir / "train_elastic.py"
     shutil.copy(ELASTIC, script)
     token = {"FTRUN_JOB_TOKEN": "inject-test-secret"}
-    run = Launch(["--nproc-per-node", "2", "--recovery", "regroup", "--stall-floor", "2",
+    # A raising rank may take seconds to exit on a loaded machine (its traceback, then
+    # gloo's teardown): the stall floor and the liveness timeout leave it that time, so
+    # that its record says its exit, not a stall or a lost heartbeat (both seen at a load
+    # average of 10-130 with --stall-floor 2 and the 5 s liveness default).
+    run = Launch(["--nproc-per-node", "2", "--recovery", "regroup", "--stall-floor", "6",
+                  "--liveness-timeout", "15",
                   "--events-file", str(events), str(script), "--steps", "100000",
                   "--hidden", "32", "--step-sleep", "0.02"], cwd=job_dir, env=token)
     run.wait_step(3, 120)
