@@ -54,7 +54,7 @@ from typing import Any
 from ftrun.agent.events import Event, EventLog
 from ftrun.control.errors import StoreError
 from ftrun.control.store import JsonStore
-from ftrun.faultspec import NODE_KINDS, Fault, FaultSpecError, Schedule
+from ftrun.faultspec import DEFAULT_CUT_S, NODE_KINDS, Fault, FaultSpecError, Schedule
 
 #: The key (under the ``ftrun`` prefix) that names the job to ``ftrun inject``/``status``.
 JOB_KEY = "job"
@@ -364,7 +364,7 @@ class Injector:
         refusal = cut_link_refusal()
         if refusal is not None:
             return False, refusal
-        seconds = fault.for_s or 0.0
+        seconds = fault.for_s or DEFAULT_CUT_S  # a request from the store may omit it
         self.events.emit(Event.INJECT, spec=fault.text, kind=fault.kind, node=fault.node,
                          for_s=seconds)
         try:
