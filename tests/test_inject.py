@@ -201,11 +201,17 @@ def test_schedules_parse_with_their_seed_and_bad_specs_are_one_line(
     assert freeze.random_rank and 1.5 <= freeze.after_s <= 3
     assert {schedule.pick_rank(freeze, 1, 4) for _ in range(3)} == \
         {schedule.pick_rank(freeze, 1, 4)}
+    cut, default = parse_schedule("cut-link node=1 step=30 for=2.5; cut-link").faults
+    assert (cut.kind, cut.node, cut.step, cut.for_s) == ("cut-link", 1, 30, 2.5)
+    assert (default.node, default.for_s) == (0, 10.0)
     for bad, says in (("explode rank=1", "unknown fault kind 'explode'"),
                       ("kill", "kill needs rank=N or rank=random"),
                       ("kill rank=1 step=5 after=3", "give step or after, not both"),
                       ("kill rank=x", "rank must be a whole number"),
                       ("kill-agent rank=1", "kill-agent takes node=N"),
+                      ("cut-link rank=1", "cut-link takes node=N"),
+                      ("kill rank=1 for=3", "for= is for cut-link only"),
+                      ("cut-link node=1 for=0.01", "for must be at least 0.1 s"),
                       ("kill rank=1 colour=red", "unknown key 'colour'"),
                       ("seed=x; kill rank=1", "the seed is a whole number"),
                       ("kill rank=1 step=9..3", "out of range"),
