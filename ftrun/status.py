@@ -2,11 +2,11 @@
 
 Reads the job's record (``ftrun/job``) from its control store, where the leader agent
 refreshes it every second (ftrun.agent.statusboard): job generation, member epoch, world,
-nodes, each member's rank, process, state and step rate, the committed step, and the last
-faults with their recovery times. A rich table for people, ``--json`` for programs (the
-record as it is, plus ``age_s``: how old it is). Works from any host that reaches the
-store; a job that signs its records is read only with its token (``FTRUN_JOB_TOKEN``), the
-same rule as ``ftrun inject``.
+nodes, each member's rank, process, state and step rate, the committed step, the last
+faults with their recovery times, and the ranks judged stragglers. A rich table for
+people, ``--json`` for programs (the record as it is, plus ``age_s``: how old it is).
+Works from any host that reaches the store; a job that signs its records is read only
+with its token (``FTRUN_JOB_TOKEN``), the same rule as ``ftrun inject``.
 
 Exit codes: 0; 2 bad input (a bad name, no or a wrong token); 3 the store cannot be
 reached within ``--timeout`` (default 10 s) or holds no job record. Errors are one line.
@@ -86,6 +86,14 @@ def render(console: Console, job: dict[str, Any]) -> None:
             table.add_row(*(_cell(member.get(k)) for k in ("rank", "member", "pid", "state",
                                                               "step_rate")))
     console.print(table)
+    stragglers = job.get("stragglers") if isinstance(job.get("stragglers"), list) else []
+    for item in stragglers:
+        if isinstance(item, dict):
+            console.print(Text(f"straggler: rank {item.get('rank')} (member "
+                               f"{item.get('member')}) on node {item.get('straggler_node')}: "
+                               f"{item.get('own_s')} s of own work per step vs "
+                               f"{item.get('others_s')} s (the others' median)"),
+                          style="yellow")
     faults = job.get("faults") if isinstance(job.get("faults"), list) else []
     if not faults:
         console.print("no faults")

@@ -10,7 +10,7 @@ or 2, then takes it out: the fault record says why (``straggler on node ...``), 
 Without processes: the verdict's arithmetic on beats fed in (a uniform job is never
 flagged; a slow rank is flagged only after a whole window above the factor, once; it is
 cleared when it keeps up again; ``warn`` reports without asking for a fault) and the
-metrics that the events feed.
+metrics and ``ftrun status`` view that the events feed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ftrun.agent.events import EventLog
 from ftrun.agent.metrics import Metrics
+from ftrun.agent.statusboard import StatusBoard
 from ftrun.agent.stragglers import StragglerWatch
 from tests.launch import REPO, Launch
 from tests.lines import ElasticStep, find
@@ -112,6 +113,14 @@ def test_the_verdict_needs_a_whole_window_and_is_said_once_then_cleared() -> Non
         records[0]["own_s"]
     metrics.observe(records[1])
     assert value("ftrun_straggler", {"rank": "1", "node": "0 (host0)"}) == 0
+    # ftrun status's view (the leader's StatusBoard) lists it while it is flagged.
+    board = StatusBoard()
+    board.observe(records[0])
+    (listed,) = board.snapshot()["stragglers"]
+    assert (listed["rank"], listed["member"], listed["straggler_node"]) == (1, "0.1",
+                                                                             "0 (host0)")
+    board.observe(records[1])
+    assert board.snapshot()["stragglers"] == []
 
 
 def test_policy_fault_asks_for_the_straggler_once_and_off_sees_nothing() -> None:

@@ -3,7 +3,8 @@
 A :class:`StatusBoard` listens to the agent's events (like the fault records and the
 metrics: no store request of its own) and keeps what a person asks first: the job
 generation and member epoch, the world, each member's rank, process and state, the
-committed step and each rank's step rate, and the last faults with their recovery times.
+committed step and each rank's step rate, the last faults with their recovery times, and
+the ranks now judged stragglers (ftrun.agent.stragglers).
 The leader's injector thread publishes :meth:`StatusBoard.snapshot` once a second in the
 job's ``ftrun/job`` record (signed), where ``ftrun status`` reads it from any host that
 reaches the store. On several nodes the members of other nodes show as ``in epoch``: only
@@ -38,6 +39,7 @@ class StatusBoard:
         self.rates: dict[str, float] = {}
         self._last: dict[str, tuple[float, int]] = {}
         self.faults: list[dict[str, Any]] = []
+        self.stragglers: dict[str, dict[str, Any]] = {}  # member -> its verdict's figures
 
     def observe(self, ev: dict[str, Any]) -> None:
         kind = ev.get("event")
@@ -48,6 +50,7 @@ class StatusBoard:
                 self.nnodes = _int(ev.get("nnodes"), self.nnodes)
                 self.restarts = _int(ev.get("restart_count"), self.restarts)
             elif kind == Event.EPOCH.value:
+                self.stragglers.clear()  # ranks move; the leader judges afresh
                 self.epoch = _int(ev.get("epoch"), 0)
                 self.world = _int(ev.get("world_size"), self.world)
                 members = ev.get("members")
@@ -67,6 +70,12 @@ class StatusBoard:
                         facts["state"] = state
             elif kind == Event.PROGRESS.value:
                 self._progress(ev)
+            elif kind == Event.STRAGGLER.value and isinstance(ev.get("member"), str):
+                if ev.get("flagged") is True:
+                    self.stragglers[ev["member"]] = {k: ev.get(k) for k in (
+                        "rank", "member", "straggler_node", "own_s", "others_s", "policy")}
+                else:
+                    self.stragglers.pop(ev["member"], None)
             elif kind == Event.FAULT.value:
                 self.faults = [*self.faults, {k: ev.get(k) for k in (
                     "index", "rank", "cause", "path", "happened", "detection_s",
@@ -108,7 +117,8 @@ class StatusBoard:
                                 else None})
             return {"generation": self.generation, "epoch": self.epoch, "world_size": self.world,
                     "nnodes": self.nnodes, "restarts": self.restarts, "step": self.step,
-                    "members": members, "faults": list(self.faults), "updated": time.time()}
+                    "members": members, "faults": list(self.faults),
+                    "stragglers": list(self.stragglers.values()), "updated": time.time()}
 
 
 def _int(value: Any, default: int) -> int:
