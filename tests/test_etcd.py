@@ -36,7 +36,8 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
     """On a real etcd: compare_set keeps the first value, concurrent adds from several
     clients all count (transactions), appends keep their order, a wait wakes on another
     client's write and times out within its bound; unsigned or forged records and another
-    prefix's keys are ignored; a dead first endpoint is skipped."""
+    prefix's keys are ignored; a dead first endpoint is skipped; an agent promoted to
+    writer while it waits for a generation forms that generation."""
     with loopback_etcd() as endpoint:
         # the first endpoint refuses connections: every request fails over to the second
         options = EtcdOptions.parse(f"127.0.0.1:1,{endpoint}", {"etcd_prefix": "/ftrun"})
@@ -88,6 +89,35 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
         other.set_record("latest", {"number": 7})
         assert job.get_record("latest") is None
         assert other.get_record("latest") == {"number": 7}
+
+        # The writer is gone while two agents wait for generation 0 (neither is the
+        # writer): the one promoted, as Agent._promote does, forms the generation it
+        # waited for (not the next), and the other receives its assignment.
+        from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+
+        def agent(i: int) -> tuple[DynamicRendezvous, NodeSlot]:
+            store = JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/promo",
+                              signer=Signer(TOKEN.encode()))
+            return (DynamicRendezvous(store, min_nodes=2, max_nodes=3, last_call_s=0.5,
+                                      is_leader=False, poll_s=0.02, interrupted=lambda: False),
+                    NodeSlot(-1, 1, f"10.0.0.{i}", f"h{i}", 1, f"node-{i}"))
+        joined: dict[int, object] = {}
+
+        def join(i: int, rdzv: DynamicRendezvous, slot: NodeSlot) -> None:
+            joined[i] = rdzv.join(0, slot, 30, lambda: ("10.0.0.1", 4242))
+        agents = [agent(i) for i in (1, 2)]
+        threads = [threading.Thread(target=join, args=(i, *a)) for i, a in enumerate(agents)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # both offered and waiting for the writer's assignment
+        assert not joined
+        agents[0][0].is_leader = True  # promoted (the writer's key was won)
+        for thread in threads:
+            thread.join(30)
+        generations = [joined[0], joined[1]]
+        assert [g.number for g in generations] == [0, 0], generations  # type: ignore[attr-defined]
+        assert generations[1].node("node-2").node_rank == 1  # type: ignore[attr-defined]
+        assert generations[1].worker_store_port == 4242  # type: ignore[attr-defined]
 
 
 def _ftrun(args: list[str], script: Path, timeout: float) -> subprocess.CompletedProcess[str]:
