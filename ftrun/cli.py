@@ -276,6 +276,8 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
                 ns.rdzv_endpoint or "", rdzv_conf).endpoints[0], False
         except EtcdConfigError as error:
             raise ConfigError(str(error)) from None
+        if nnodes_max == 1:  # one node needs no external store: its own, on a free port
+            rdzv_host, rdzv_port = "localhost", 0
     elif backend == "static" or not ns.rdzv_endpoint:
         rdzv_host = ns.master_addr if backend == "static" else "127.0.0.1"
         explicit = ns.master_port is not None
