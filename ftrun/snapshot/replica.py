@@ -232,6 +232,10 @@ class ReplicaServer:
         if keep is not None and not (isinstance(keep, list) and len(keep) == 2 and all(
                 isinstance(v, int) and not isinstance(v, bool) for v in keep)):
             raise ReplicaError("field 'keep' is not [epoch, step] or null")
+        free = memory.free_bytes(self.directory)
+        if size > free:
+            raise ReplicaError(f"replica of rank {rank} step {step} ({size} bytes) does not "
+                               f"fit: {self.directory.parent} has {free} bytes free")
         if self.cap is not None:
             used = memory.used_bytes(self.directory) + memory.used_bytes(self.replicas)
             if used + size > self.cap:
