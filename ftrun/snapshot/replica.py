@@ -38,9 +38,11 @@ field's type, the payload's size against the memory cap, the file itself (no pic
 with the reason in one line, and nothing is stored.
 
 Memory: per sending rank the buddy keeps the snapshot being received and the one the
-sender still keeps (its newest complete), never more; with ``FTRUN_SNAPSHOT_CAP_BYTES`` a
-``put`` that would take the node's snapshot memory (local files and replicas) past the cap
-is refused. The whole directory goes when the agent ends (:mod:`ftrun.agent.snapshots`).
+sender still keeps (its newest complete), never more; a ``put`` larger than the file
+system's free space is refused before its payload is read, and with
+``FTRUN_SNAPSHOT_CAP_BYTES`` one that would take the node's snapshot memory (local files
+and replicas) past the cap. The whole directory goes when the agent ends
+(:mod:`ftrun.agent.snapshots`).
 
 Timeouts: a connect is bounded by min(``timeout_s``, :data:`CONNECT_TIMEOUT_S`), every
 other socket operation of a request by ``timeout_s`` (the caller's;
