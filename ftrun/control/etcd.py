@@ -419,8 +419,10 @@ def _short(error: BaseException) -> str:
 def connect_etcd(options: EtcdOptions, timeout_s: float, *, op_timeout_s: float | None = None,
                  interrupted: Callable[[], bool] = lambda: False) -> EtcdClient:
     """A client that has reached one endpoint: tried in turn until ``timeout_s`` has passed
-    (RuntimeError naming every endpoint and why) or ``interrupted()``; each request is then
-    bounded by ``op_timeout_s`` (default ``timeout_s``)."""
+    or ``interrupted()`` (then :class:`~ftrun.control.errors.StoreError` naming every
+    endpoint and why, as :func:`~ftrun.control.store.connect_store` raises: this is also
+    :class:`~ftrun.control.store.JsonStore`'s reconnect); each request is then bounded by
+    ``op_timeout_s`` (default ``timeout_s``)."""
     op = op_timeout_s if op_timeout_s is not None else timeout_s
     client = EtcdClient(options, op, connect_timeout_s=min(op, 2.0))
     deadline = time.monotonic() + timeout_s
@@ -430,8 +432,8 @@ def connect_etcd(options: EtcdOptions, timeout_s: float, *, op_timeout_s: float 
             return client
         except RuntimeError as error:
             if time.monotonic() >= deadline or interrupted():
-                raise RuntimeError(f"cannot reach etcd at {options.describe()} within "
-                                   f"{timeout_s:g} s: {error}") from None
+                raise StoreError(f"cannot reach etcd at {options.describe()} within "
+                                 f"{timeout_s:g} s: {error}") from None
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
