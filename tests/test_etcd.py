@@ -19,7 +19,8 @@ import pytest
 from ftrun.cli import config_from_args
 from ftrun.config import ConfigError
 from ftrun.control.auth import Signer
-from ftrun.control.etcd import EtcdOptions, connect_etcd
+from ftrun.control.errors import StoreError
+from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
 from ftrun.control.store import JsonStore
 from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
 from tests.launch import REPO, Launch, launcher
@@ -89,6 +90,15 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
         other.set_record("latest", {"number": 7})
         assert job.get_record("latest") is None
         assert other.get_record("latest") == {"number": 7}
+
+        # No endpoint answers: a request, after its reconnects, fails with the store's own
+        # error (the agent's one-line path), not a bare RuntimeError (an "internal error")
+        dead = EtcdOptions.parse("127.0.0.1:1,127.0.0.1:2", {})
+        cut_off = JsonStore(EtcdClient(dead, 0.5), "ftrun/job",
+                            reconnect=lambda: connect_etcd(dead, 0.3, op_timeout_s=0.3),
+                            retry_s=1.0)
+        with pytest.raises(StoreError, match=r"127\.0\.0\.1:2"):
+            cut_off.set("x", {})
 
         # The writer is gone while two agents wait for generation 0 (neither is the
         # writer): the one promoted, as Agent._promote does, forms the generation it
