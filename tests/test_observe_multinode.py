@@ -1,4 +1,5 @@
-"""Observing a live 2-node job on namespace hosts: ``cut-link``, ``ftrun status``, metrics.
+"""Observing a live 2-node job on namespace hosts: ``cut-link``, ``kill-agent``, ``ftrun
+status``, metrics.
 
 One lean job (h1 the leader, h2 node 1, h3 an observer that runs no agent), one worker
 per node, in-process regroup. ``--inject "cut-link node=1 ..."`` makes h2's own agent cut
@@ -65,15 +66,15 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
+def _pair(net, job_dir: Path, spec: str, steps: int) -> tuple[HostLaunch, HostLaunch]:  # type: ignore[no-untyped-def]
+    """A regroup job of one worker on h1 (the leader, node 0) and one on h2 (node 1),
+    with ``--inject spec`` on both agents."""
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
-    leader_host, cut_host, observer = net["h1"], net["h2"], net["h3"]
-    endpoint = f"{leader_host.addr}:29400"
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
-    spec = "cut-link node=1 step=40 for=20"
+    endpoint = f"{net['h1'].addr}:29400"
     nodes = []
-    for host in (leader_host, cut_host):
+    for host in (net["h1"], net["h2"]):
         events = job_dir / f"events-{host.name}.jsonl"
         args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", endpoint, "--rdzv-id", "observe",
@@ -81,9 +82,15 @@ def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, 
                 "--heartbeat-timeout", str(HB_TIMEOUT_S), "--recovery", "regroup",
                 "--metrics-port", "0", "--events-file",
                 str(events), "--inject", spec, "--local-addr", host.addr, str(script),
-                "--steps", "160", "--hidden", "32", "--step-sleep", "0.05"]
+                "--steps", str(steps), "--hidden", "32", "--step-sleep", "0.05"]
         nodes.append(HostLaunch(host, args, env=env, cwd=job_dir))
-    leader, cut = nodes
+    return nodes[0], nodes[1]
+
+
+def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
+    leader_host, observer = net["h1"], net["h3"]
+    endpoint = f"{leader_host.addr}:29400"
+    leader, cut = _pair(net, job_dir, "cut-link node=1 step=40 for=20", 160)
     port = int(leader.wait_for(lambda lines: next((m[1] for x in lines if (m := re.search(
         r"metrics: http://\S+:(\d+)/metrics", x))), None), 90, "the leader's metrics line"))
     leader.wait_for(lambda lines: any(s.world == 2 for s in find(lines, ElasticStep)), 120,
@@ -134,6 +141,28 @@ def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, 
     assert fault["world"] == 1 and fault["steps_lost"] == 0, fault
     assert view["faults"][0]["recovery_s"] == fault["recovery_s"], (view, fault)
     assert after["ftrun_recovery_seconds_last"] == pytest.approx(fault["recovery_s"], abs=1e-5)
+
+
+def test_a_killed_agent_is_one_lost_node_record(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
+    """``kill-agent node=1``: h2's agent SIGKILLs itself (its worker dies with it); the
+    leader records node 1 lost, names its rank, regroups, and finishes alone."""
+    leader, killed = _pair(net, job_dir, "kill-agent node=1 step=20", 80)
+    assert killed.wait(120) == -9, killed.output  # SIGKILL, as injected
+    assert "injected: kill-agent" in killed.output
+    assert leader.wait(120) == 0, leader.output
+    (inject,) = [e for e in _events(job_dir / "events-h2.jsonl") if e["event"] == "inject"]
+    assert (inject["kind"], inject["node"]) == ("kill-agent", 1), inject
+    records = [e for e in _events(job_dir / "events-h1.jsonl") if e["event"] == "fault"]
+    assert len(records) == 1, records
+    fault = records[0]
+    assert fault["path"] == "regroup" and fault["ranks"] == [1] and fault["node"] == "1", fault
+    assert fault["cause"].startswith("lost"), fault
+    detected = fault["detected"] - inject["ts"]
+    print(f"kill-agent to the leader's detection: {detected:.2f} s (timeout {HB_TIMEOUT_S} s)")
+    assert 0 < detected < CUT_DETECT_S, (detected, fault)
+    assert fault["world"] == 1 and fault["steps_lost"] == 0, fault
+    steps = find(leader.lines, ElasticStep)
+    assert max(s.step for s in steps) == 80 and steps[-1].world == 1
 
 
 def test_cut_link_is_refused_outside_a_namespace_host(job_dir: Path) -> None:
