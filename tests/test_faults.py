@@ -252,3 +252,29 @@ def test_a_lost_node_is_one_record_naming_its_ranks() -> None:
     assert record.detection_s == 3.0 and record.recovery_s == 3.5
     assert lines == ["node 1 lost: no heartbeat for 3.0 s at step 42: survivors regrouped in "
                      "3.50 s, world 2 (detected in 3.00 s)"]
+
+
+def test_snapshot_age_is_read_from_the_nodes_snapshot_memory_at_each_scrape(
+    tmp_path: Path
+) -> None:
+    """The real registry and exposition format over a real directory: NaN before the first
+    snapshot, then the newest file's age (other files in the directory do not count)."""
+    from prometheus_client import generate_latest
+
+    from ftrun.agent.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.watch_snapshots(tmp_path)
+
+    def age() -> float:
+        return parse_metrics(generate_latest(metrics.registry).decode())[
+            "ftrun_snapshot_age_seconds"]
+
+    assert age() != age()  # NaN: no snapshot yet
+    (tmp_path / "notes.txt").write_text("not a snapshot")
+    old, new = tmp_path / "e0-s3-r0.snap", tmp_path / "e0-s4-r1.snap"
+    for path, seconds_ago in ((old, 60.0), (new, 5.0)):
+        path.write_bytes(b"x")
+        then = time.time() - seconds_ago
+        os.utime(path, (then, then))
+    assert 5.0 <= age() < 30.0  # the newest one's age, read now

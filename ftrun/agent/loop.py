@@ -121,6 +121,8 @@ class Agent:
                                        advertise=config.local_addr)
         if self.snapshots.error:
             self.say(self.snapshots.error, style="yellow")
+        if self.metrics is not None and self.snapshots.path is not None:
+            self.metrics.watch_snapshots(self.snapshots.path)
         os.environ.update(self.snapshots.env())
         self.control_server: Any = None
         self._control_raw: Any = None  # this agent's raw client of the control store

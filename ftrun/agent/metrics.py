@@ -29,6 +29,8 @@ reads them. What a scrape shows:
                                     (leader; ftrun.agent.stragglers)
 ``ftrun_straggler_own_seconds{rank,node}``  its own time per step when last judged
 ``ftrun_stragglers_total``          straggler verdicts
+``ftrun_snapshot_age_seconds``      seconds since this node's newest snapshot was written
+                                    (``ftrun.restartable``; NaN before the first one)
 ==================================  =======================================================
 
 The step metrics come from the regroup leader's ``progress`` events (once a second), so
@@ -39,12 +41,15 @@ the usage code before starting workers.
 
 from __future__ import annotations
 
+import math
 import threading
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from ftrun.agent.events import Event
+from ftrun.snapshot import memory
 
 
 class MetricsError(OSError):
@@ -97,6 +102,19 @@ class Metrics:
         self._member_pid: dict[str, int] = {}
         self._last: dict[str, tuple[float, int]] = {}  # rank -> (ts, steps)
         self._server: Any = None
+
+    def watch_snapshots(self, directory: Path) -> None:
+        """Show the age of the newest snapshot in the node's snapshot memory, read at each
+        scrape (a directory listing: nothing is added to the agent's loop)."""
+        gauge = Gauge("ftrun_snapshot_age_seconds",
+                      "Seconds since this node's newest snapshot was written.",
+                      registry=self.registry)
+
+        def age() -> float:
+            seconds = memory.newest_age_s(directory)
+            return math.nan if seconds is None else seconds
+
+        gauge.set_function(age)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Start the HTTP endpoint; returns the port it listens on. Raises MetricsError."""

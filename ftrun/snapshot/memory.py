@@ -20,6 +20,7 @@ import contextlib
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import psutil
@@ -70,6 +71,18 @@ def parse_name(name: str) -> tuple[int, int, int] | None:
     """(member epoch, step, rank) of a snapshot file name, or None."""
     match = _NAME.match(name)
     return (int(match[1]), int(match[2]), int(match[3])) if match else None
+
+
+def newest_age_s(path: Path) -> float | None:
+    """Seconds since the newest snapshot file in ``path`` was written; None without one."""
+    newest = None
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            if _NAME.match(entry.name):
+                with contextlib.suppress(OSError):
+                    mtime = entry.stat().st_mtime
+                    newest = mtime if newest is None else max(newest, mtime)
+    return None if newest is None else max(0.0, time.time() - newest)
 
 
 def free_bytes(path: Path) -> int:
