@@ -266,6 +266,12 @@ def stop(workers: Sequence[WorkerProcess], sig: int, grace_s: float) -> None:
         if left <= 0:
             break
         wait_any(workers, min(left, 0.5))
+        # A SIGSTOP sent just before the stop may take effect only after the check above
+        # (the target must be scheduled to stop): look again while waiting.
+        for worker in workers:
+            if not worker.killed_frozen and worker.poll() is None and worker.is_frozen():
+                worker.killed_frozen = True
+                worker.signal_group(signal.SIGKILL)
     for worker in workers:
         if worker.poll() is None:
             worker.signal_group(signal.SIGKILL)
