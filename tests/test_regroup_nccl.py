@@ -188,6 +188,9 @@ def test_the_leader_publishes_the_next_epoch_only_after_every_node_aborted(
             ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"nccl{port}",
              "--recovery", "regroup", "--on-failure", "shrink",
+             # the held node stays silent until the leader's verdict (seconds, on a loaded
+             # machine) plus HOLD_S: it must not pass for a lost node meanwhile
+             "--heartbeat-timeout", "30",
              "--events-file", str(job_dir / f"events{node}.jsonl"), str(script), "0"],
             cwd=job_dir, env={"FTRUN_SHIM": "1", "FTRUN_JOB_TOKEN": TOKEN}))
     for run in runs:
