@@ -19,7 +19,7 @@ itself escape as exceptions.
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import os
 import signal
 import socket
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
+from ftrun.agent import etcdwriter
 from ftrun.agent.events import Event, EventLog, WorkerExit
 from ftrun.agent.faults import FaultBook, explain_exits
 from ftrun.agent.forkserver import ForkServer
@@ -206,7 +207,7 @@ class Agent:
             return for_signal(self._signal())
         self._rdzv = rdzv
         supervisor = self._supervisor(rdzv)
-        self._watch_writer(rdzv)
+        etcdwriter.watch_writer(self, rdzv)
         dynamic = isinstance(rdzv, DynamicRendezvous)
         number = 0 if self.config.is_single_node else rdzv.first_number()
         restart_count = 0
@@ -307,8 +308,8 @@ class Agent:
             op_timeout_s=self._op_timeout,
         )
         if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
-            services.generation_store_of = self._generation_store
-            services.writer_gone = self._writer_gone
+            services.generation_store_of = functools.partial(etcdwriter.generation_store, self)
+            services.writer_gone = functools.partial(etcdwriter.writer_gone, self)
         self._services = services
         if self.config.recovery is Recovery.RESTART:
             return RestartSupervisor(services)
@@ -465,79 +466,6 @@ class Agent:
             self.say(f"the stores listen on every interface: {config.rdzv_host!r} is not an "
                      "address of this host other nodes can reach (set --local-addr to this "
                      "node's address to listen on that one only)", style="yellow")
-
-    def _watch_writer(self, rdzv: Rendezvous) -> None:
-        """etcd-v3, an agent that is not the writer: run for the writer's key once the last
-        writer's lease expired (ftrun.control.etcd.WriterWatch); see :meth:`_promote`."""
-        if self.config.rdzv_backend != "etcd-v3" or self.config.is_single_node \
-                or self.election is not None or self._open_client is None:
-            return
-        from ftrun.control.etcd import WriterWatch
-        self._writer_watch = WriterWatch(
-            self._open_client, f"ftrun/{self.run_id}/writer", self.node_id,
-            ttl_s=math.ceil(self.config.heartbeat_timeout_s),
-            interval_s=self.config.heartbeat_interval_s,
-            on_won=lambda election: self._promote(rdzv, election)).start()
-
-    def _promote(self, rdzv: Rendezvous, election: Election) -> None:
-        """This agent became the job's writer (called from the writer watch's thread): it
-        watches the other agents' heartbeats, hosts the next generations' worker stores and
-        forms them; the generation running now ends by itself (its workers lose the dead
-        writer's store and their peers on its node), and the join of the next one, where
-        the others wait, is formed here (ftrun.control.rendezvous: a promoted waiter
-        forms the generation it waited for)."""
-        self.election = election
-        self._bind_stores()
-        monitor = HeartbeatMonitor(rdzv.store, self.config.heartbeat_timeout_s)
-        self.nodes = NodeWatch(monitor, node_id=self.node_id,
-                               heartbeat_interval_s=self.config.heartbeat_interval_s,
-                               events=self.events, say=self.say)
-        self.nodes.begin(max(self.node_rank, 0))
-        rdzv.monitor = monitor
-        if self._services is not None:
-            self._services.nodes = self.nodes
-        rdzv.is_leader = True  # last: the rest is in place when the main thread sees it
-        self.say("the job's writer is gone (its lease expired): this agent took over",
-                 style="yellow")
-
-    def _generation_store(self, generation: Generation, prefix: str) -> JsonStore:
-        """etcd-v3: the store of ``generation``'s member epochs (its worker store, hosted by
-        the agent that formed it), with the control store's secret and reconnection."""
-        host, port, op = generation.worker_store_host, generation.worker_store_port, \
-            self._op_timeout
-        own = self.worker_stores[-1] if self.worker_stores else None
-        if own is not None and int(own.port) == port and host == self.store_host:
-            # the writer: its own store, in process (no connect: one to the last writer's
-            # dead host may still hold the connect lock, see control/store.py)
-            return JsonStore(own, prefix, signer=Signer(load_secret()),
-                             on_reject=self._rejected_record)
-        connect = lambda: connect_store(host, port, op, op_timeout_s=op)  # noqa: E731
-        # the first connect waits longer: the writer may still be opening it, and a connect
-        # to the last writer's dead host may hold the connect lock for an op timeout
-        first = connect_store(host, port, self.config.heartbeat_timeout_s * 3, op_timeout_s=op)
-        return JsonStore(first, prefix, signer=Signer(load_secret()), reconnect=connect,
-                         retry_s=self.config.heartbeat_timeout_s * 3,
-                         lost=lambda: self._lost_reason() is not None or
-                         self._writer_gone(generation) is not None,
-                         on_reject=self._rejected_record)
-
-    def _writer_gone(self, generation: Generation) -> dict[str, Any] | None:
-        """etcd-v3: the end cause ("node lost") when ``generation``'s writer, its node rank
-        0, which formed it and hosts its store, no longer holds the writer's key (its lease
-        expired); None while it does, or when etcd cannot say now."""
-        if self._rdzv is None or not generation.nodes:
-            return None
-        writer = generation.nodes[0]
-        try:
-            held = self._rdzv.store.raw.read(f"ftrun/{self.run_id}/writer")
-        except (RuntimeError, AttributeError):
-            return None
-        if held == writer.node_id.encode():
-            return None
-        return {"kind": "node lost", "node_id": writer.node_id, "node_rank": writer.node_rank,
-                "node": writer.hostname, "addr": writer.addr,
-                "silent_s": math.ceil(self.config.heartbeat_timeout_s), "by": self.node_rank,
-                "time": time.time()}
 
     def _open_worker_store(self) -> tuple[str, int]:
         """Where the workers of the generation being formed find their store (called by the

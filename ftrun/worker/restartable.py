@@ -79,7 +79,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from ftrun import protocol as P
@@ -91,6 +90,7 @@ from ftrun.snapshot.writer import SnapshotBusyError, SnapshotWriter, Where, comp
 from ftrun.worker import group, settings
 from ftrun.worker.errors import RegroupError
 from ftrun.worker.membership import POLL_S, Membership
+from ftrun.worker.reentry import forget_meshes, shutdown_peer_connections, warm_up
 
 T = TypeVar("T")
 
@@ -105,76 +105,6 @@ class EpochEnded(Exception):
 
 class SnapshotRestoreError(RuntimeError):
     """The snapshot chosen for recovery does not fit the registered objects."""
-
-
-def shutdown_peer_connections(keep_port: int) -> int:
-    """Shut down every TCP connection of this process except those to port ``keep_port``
-    (the control store): a collective blocked on a dead peer fails at once. Returns how
-    many were shut down."""
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError, ValueError):
-            fd = int(name)
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.type != socket.SOCK_STREAM or sock.family not in (
-                        socket.AF_INET, socket.AF_INET6):
-                    continue
-                if sock.getpeername()[1] != keep_port:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
-    return count
-
-
-def forget_meshes() -> None:
-    """Drop torch's DTensor caches that hold device meshes of an earlier entry.
-
-    A re-entered training function builds a new mesh equal (by torch's ``__eq__``: same
-    ranks, dims and device) to the old one, so the sharding propagator and the
-    redistribution planner would answer from their caches with specs that point at the old
-    mesh, whose process groups were destroyed ("Could not resolve the process group"). These
-    are private caches of torch 2.13: each is cleared if it exists.
-    """
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    clears = [
-        torch._C._clear_DTensor_sharding_propagator_cache,  # the C++ fast path's
-        lambda: propagator.propagate_op_sharding.cache_clear(),
-        lambda: propagator._propagate_tensor_meta_cached.cache_clear(),
-        lambda: _redistribute._gen_transform_infos.cache_clear(),
-        lambda: _redistribute.clear_redistribute_planner_cache(),
-        lambda: _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear(),
-    ]
-    for clear in clears:
-        with contextlib.suppress(AttributeError):
-            clear()
-
-
-def warm_up() -> None:
-    """Run one tiny FSDP2 step on a group of this process alone, then drop it all.
-
-    A warm spare waits anyway; the first sharded model a process builds pays about a
-    second of one-time work (lazy imports, DTensor's operator tables), which would
-    otherwise fall inside the recovery it is there to shorten. Best effort: a failure is
-    said in one line and the spare goes on waiting."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-        mesh = init_device_mesh("cpu", (1,))
-        for layer in net:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        optimizer = torch.optim.AdamW(net.parameters())
-        net(torch.ones(2, 8)).sum().backward()
-        optimizer.step()
-        del net, mesh, optimizer
-    finally:
-        dist.destroy_process_group()
-        forget_meshes()
-        gc.collect()
 
 
 class Session:
