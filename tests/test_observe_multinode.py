@@ -87,6 +87,23 @@ def _pair(net, job_dir: Path, spec: str, steps: int) -> tuple[HostLaunch, HostLa
     return nodes[0], nodes[1]
 
 
+def _node_1_lost(job_dir: Path, kind: str) -> tuple[dict, dict]:
+    """h2's inject event of ``kind`` and the leader's one fault record against it: node 1
+    lost, its rank named, path regroup, detected within the heartbeat timeout (plus an
+    interval and a tick), the survivor alone with no step lost."""
+    (inject,) = [e for e in _events(job_dir / "events-h2.jsonl") if e["event"] == "inject"]
+    assert (inject["kind"], inject["node"]) == (kind, 1), inject
+    records = [e for e in _events(job_dir / "events-h1.jsonl") if e["event"] == "fault"]
+    assert len(records) == 1, records
+    fault = records[0]
+    assert fault["path"] == "regroup" and fault["ranks"] == [1] and fault["node"] == "1", fault
+    detected = fault["detected"] - inject["ts"]
+    print(f"{kind} to the leader's detection: {detected:.2f} s (timeout {HB_TIMEOUT_S} s)")
+    assert 0 < detected < CUT_DETECT_S, (detected, fault)
+    assert fault["world"] == 1 and fault["steps_lost"] == 0, fault
+    return inject, fault
+
+
 def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     leader_host, observer = net["h1"], net["h3"]
     endpoint = f"{leader_host.addr}:29400"
@@ -127,18 +144,10 @@ def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, 
     # waits, in the leader agent's output or its worker's (issue 13).
     assert "waitForInput" not in leader.output, leader.output
     # The fault record against what happened.
-    (inject,) = [e for e in _events(job_dir / "events-h2.jsonl") if e["event"] == "inject"]
-    assert (inject["kind"], inject["node"], inject["for_s"]) == ("cut-link", 1, 20.0)
-    records = [e for e in _events(leader_events) if e["event"] == "fault"]
-    assert len(records) == 1, records
-    fault = records[0]
-    assert fault["path"] == "regroup" and fault["ranks"] == [1] and fault["node"] == "1", fault
+    inject, fault = _node_1_lost(job_dir, "cut-link")
+    assert inject["for_s"] == 20.0, inject
     assert fault["cause"].startswith("lost: no heartbeat"), fault
-    detected = fault["detected"] - inject["ts"]
-    print(f"cut to the leader's detection: {detected:.2f} s (timeout {HB_TIMEOUT_S} s)")
-    assert 0 < detected < CUT_DETECT_S, (detected, fault)
     assert fault["happened"] <= fault["detected"] <= fault["recovered"]
-    assert fault["world"] == 1 and fault["steps_lost"] == 0, fault
     assert view["faults"][0]["recovery_s"] == fault["recovery_s"], (view, fault)
     assert after["ftrun_recovery_seconds_last"] == pytest.approx(fault["recovery_s"], abs=1e-5)
 
@@ -150,17 +159,8 @@ def test_a_killed_agent_is_one_lost_node_record(job_dir: Path, net) -> None:  # 
     assert killed.wait(120) == -9, killed.output  # SIGKILL, as injected
     assert "injected: kill-agent" in killed.output
     assert leader.wait(120) == 0, leader.output
-    (inject,) = [e for e in _events(job_dir / "events-h2.jsonl") if e["event"] == "inject"]
-    assert (inject["kind"], inject["node"]) == ("kill-agent", 1), inject
-    records = [e for e in _events(job_dir / "events-h1.jsonl") if e["event"] == "fault"]
-    assert len(records) == 1, records
-    fault = records[0]
-    assert fault["path"] == "regroup" and fault["ranks"] == [1] and fault["node"] == "1", fault
+    _, fault = _node_1_lost(job_dir, "kill-agent")
     assert fault["cause"].startswith("lost"), fault
-    detected = fault["detected"] - inject["ts"]
-    print(f"kill-agent to the leader's detection: {detected:.2f} s (timeout {HB_TIMEOUT_S} s)")
-    assert 0 < detected < CUT_DETECT_S, (detected, fault)
-    assert fault["world"] == 1 and fault["steps_lost"] == 0, fault
     steps = find(leader.lines, ElasticStep)
     assert max(s.step for s in steps) == 80 and steps[-1].world == 1
 
