@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ftrun.cli import config_from_args
@@ -25,7 +26,7 @@ from ftrun.config import ConfigError
 from ftrun.control.auth import Signer
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.control.store import JsonStore, connect_store, serve_store
-from tests.launch import REPO, Launch, copy_train_script, launcher
+from tests.launch import REPO, Launch, copy_train_script, launcher, wait_until
 from tests.lines import (
     Done,
     ElasticStep,
@@ -182,6 +183,10 @@ def test_a_failed_client_is_never_reused_even_when_its_reconnect_fails() -> None
             jstore.set_record(f"rec/{i}", {"i": i, "pad": "x" * (100 + 50 * i)})
         assert jstore.add("count", 5) == 5
         os.kill(host.pid, signal.SIGSTOP)
+        # kill() returns before the host stops (it must be scheduled to): until it has, it
+        # may still answer the next request, and nothing then fails over (seen under load)
+        wait_until(lambda: psutil.Process(host.pid).status() == psutil.STATUS_STOPPED, 10,
+                   "the store host stopped")
         started = time.monotonic()
         # the check times out; its answer (one byte) comes late, after the failed reconnect
         assert jstore.exists("rec/2")
