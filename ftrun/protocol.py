@@ -334,6 +334,24 @@ def released_key(number: int, node_rank: int) -> str:
     return f"rgen/{number}/released/{node_rank}"
 
 
+def resync_key(number: int) -> str:
+    """Written by an etcd-v3 writer that took over the job's store (a new, empty one) for
+    the first member epoch it publishes: the survivors may have seen different decisions
+    of their last step, so its members compare their committed steps when it forms."""
+    return f"rgen/{number}/resync"
+
+
+#: etcd-v3: the variable that names the file where a worker's agent keeps the address of
+#: the generation's member-epoch store (a signed record: ``store_file_record``); when the
+#: job's writer dies, the new writer's store replaces it and the worker reconnects there.
+STORE_FILE_ENV = "FTRUN_STORE_FILE"
+
+
+def store_file_key(run_id: str, generation: int) -> str:
+    """The key a store-file record is signed under (binds it to the run and generation)."""
+    return f"ftrun/{run_id}/rg{generation}/store-file"
+
+
 @dataclass(frozen=True)
 class Fault:
     """A member taken out (``member``), or every member of a lost node (``node``)."""
