@@ -76,14 +76,18 @@ class NodeWatch:
             node = generation.node(node_id)
             assert node is not None
             silent = self.monitor.silent_s(node_id)
-            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: no heartbeat "
-                     f"for {silent:.1f} s", style="yellow")
+            # its agent's process ended (presence connection closed), or it went silent
+            via = "connection" if node_id in self.monitor.closed else "heartbeat"
+            how = "its agent's connection closed without a goodbye, " if via == "connection" \
+                else ""
+            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: {how}no "
+                     f"heartbeat for {silent:.1f} s", style="yellow")
             self.events.emit(Event.NODE_LOST, generation=generation.number, node=node.hostname,
-                             node_rank=node.node_rank, node_id=node_id, silent_s=silent)
+                             node_rank=node.node_rank, node_id=node_id, silent_s=silent, via=via)
             lost.append((node, {
                 "kind": "node lost", "node_id": node.node_id, "node_rank": node.node_rank,
                 "node": node.hostname, "addr": node.addr, "silent_s": round(silent, 2),
-                "by": self.node_rank, "time": time.time(),
+                "via": via, "by": self.node_rank, "time": time.time(),
             }))
         newcomer = rdzv.pending_join(generation, self.dropped)
         join = None

@@ -14,6 +14,12 @@
   sequence number has not grown for ``timeout`` by the *leader's* clock: no clock on
   another host is trusted, and a replayed older value does not count as a beat.
 
+A heartbeat timeout is the verdict for a *silent* agent. An agent whose process died is
+noticed sooner through its presence connection (:mod:`ftrun.control.presence`): the sender
+holds one to the leader (connected from its own thread once the leader's ``presence``
+record is readable, re-tried every few intervals, said goodbye to on :meth:`stop`), and the
+monitor counts a connection that ended without a goodbye as lost at its next scan.
+
 Cost at N agents: N ``set`` per interval on the store plus one N-key ``multi_get`` per
 leader scan; ``scripts/bench_multinode.py --store-load`` measures it.
 """
@@ -25,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from ftrun.control.presence import RECORD, PresenceClient, PresenceError, parse_record
 from ftrun.control.store import JsonStore
 
 if TYPE_CHECKING:
@@ -45,8 +52,12 @@ class HeartbeatSender:
         node_id: str,
         interval_s: float,
         timeout_s: float,
+        presence: PresenceClient | None = None,
     ) -> None:
         self._connect = connect
+        self.presence = presence
+        self.presence_error = ""  # why the last presence connect failed
+        self._presence_next = 0.0
         self._template = template
         self.node_id = node_id
         self.interval_s = interval_s
@@ -63,9 +74,12 @@ class HeartbeatSender:
 
     def stop(self, timeout_s: float = 0.5) -> None:
         """Stop beating; wait up to ``timeout_s`` for a request in flight (a daemon
-        thread: never wait long for one stuck on a dead host)."""
+        thread: never wait long for one stuck on a dead host), then say goodbye on the
+        presence connection: this agent ends on purpose."""
         self._stop.set()
         self._thread.join(timeout=timeout_s)
+        if self.presence is not None:
+            self.presence.goodbye()
 
     def silent_s(self) -> float:
         """Seconds since the last heartbeat the store accepted."""
@@ -92,6 +106,7 @@ class HeartbeatSender:
                 store.exists(heartbeat_key(self.node_id))  # the reply proves the set arrived
                 self.last_ok = time.monotonic()
                 self.failing_since = None
+                self._hold_presence(store)
             except Exception as error:  # StoreError; nothing may end the thread unseen
                 self.last_error = str(error) or type(error).__name__
                 if self.failing_since is None:
@@ -99,15 +114,37 @@ class HeartbeatSender:
                 store = None  # a timed-out client may be out of step: reconnect
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
+    def _hold_presence(self, store: JsonStore) -> None:
+        """Connect the presence client when it is not (at most every 3 intervals)."""
+        presence = self.presence
+        now = time.monotonic()
+        if presence is None or presence.closed or now < self._presence_next or \
+                presence.connected:
+            return
+        self._presence_next = now + 3 * self.interval_s
+        target = parse_record(store.get_record(RECORD))
+        if target is None:
+            self.presence_error = "no presence record yet"
+            return
+        try:
+            presence.connect(*target)
+            self.presence_error = ""
+        except PresenceError as error:
+            self.presence_error = str(error)
+
 
 class HeartbeatMonitor:
     """The leader's view of the other agents' heartbeats."""
 
     def __init__(self, store: JsonStore, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 presence: Callable[[], dict[str, float]] | None = None) -> None:
         self.store = store
         self.timeout_s = timeout_s
         self.clock = clock
+        # node id -> when its presence connection ended without a goodbye (PresenceServer.gone)
+        self.presence = presence
+        self.closed: set[str] = set()  # the last scan's agents lost by their connection
         self._seq: dict[str, int] = {}
         self._changed: dict[str, float] = {}
 
@@ -127,7 +164,8 @@ class HeartbeatMonitor:
 
     def scan(self) -> list[str]:
         """Read every watched heartbeat; return the agents silent for longer than the
-        timeout (they stay watched until :meth:`watch` drops them)."""
+        timeout and those whose presence connection ended without a goodbye (kept in
+        :attr:`closed`); they stay watched until :meth:`watch` drops them."""
         ids = sorted(self._changed)
         records = self.store.get_records([heartbeat_key(i) for i in ids])
         now = self.clock()
@@ -136,5 +174,7 @@ class HeartbeatMonitor:
             if isinstance(seq, int) and not isinstance(seq, bool) and seq > self._seq[node_id]:
                 self._seq[node_id] = seq
                 self._changed[node_id] = now
-        return [i for i in ids if now - self._changed[i] > self.timeout_s]
+        gone = self.presence() if self.presence is not None else {}
+        self.closed = {i for i in ids if i in gone}
+        return [i for i in ids if now - self._changed[i] > self.timeout_s or i in gone]
 
