@@ -54,6 +54,7 @@ from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
+from ftrun.control.presence import RECORD, PresenceClient, PresenceServer
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
     Generation,
@@ -135,6 +136,7 @@ class Agent:
         if not (config.rdzv_backend == "static" or config.is_single_node):
             self.launcher.node_rank = -1
         self.heartbeat: HeartbeatSender | None = None
+        self.presence: PresenceServer | None = None  # the leader's (control/presence.py)
         self.nodes: NodeWatch | None = None
         self.store_lost = False
         self.election: Election | None = None  # etcd-v3: won by this agent (the writer)
@@ -186,6 +188,8 @@ class Agent:
                 self.election.resign(0.0 if self.store_lost else 2.0 * self._op_timeout)
             if self.heartbeat is not None:
                 self.heartbeat.stop(0.0 if self.store_lost else 2.0 * self._op_timeout)
+            if self.presence is not None:
+                self.presence.close(0.0)
             self.injector.stop()
             if self.metrics is not None:
                 self.metrics.close()
@@ -384,14 +388,23 @@ class Agent:
             self.say("control records are unauthenticated: anyone who reaches "
                      f"{host}:{port} can steer this job (set FTRUN_JOB_TOKEN on every node)",
                      style="yellow")
+        # A killed agent is lost at once through its presence connection (TCPStore only)
+        if multi and hosting and etcd is None:
+            self.presence = PresenceServer(signer, self.run_id, self.store_bind,
+                                           on_reject=self._rejected_record).start()
+            jstore.set_record(RECORD, {"host": host, "port": self.presence.port})
         if multi and not hosting:
             self.heartbeat = HeartbeatSender(
                 reconnect, jstore, self.node_id,
                 config.heartbeat_interval_s, config.heartbeat_timeout_s,
+                presence=None if etcd is not None else PresenceClient(
+                    signer, self.run_id, self.node_id, min(2.0, op_timeout)),
             )
             self.heartbeat.start()
-        monitor = HeartbeatMonitor(jstore, config.heartbeat_timeout_s) if multi and hosting \
-            else None
+        monitor = HeartbeatMonitor(
+            jstore, config.heartbeat_timeout_s,
+            presence=self.presence.gone if self.presence is not None else None,
+        ) if multi and hosting else None
         if monitor is not None:
             self.nodes = NodeWatch(monitor, node_id=self.node_id,
                                    heartbeat_interval_s=config.heartbeat_interval_s,
