@@ -2,7 +2,8 @@
 
 Only the agent that hosts the control store (the leader) runs a :class:`NodeWatch`. Both
 supervisors ask it the same question at their own pace: which other nodes of this job
-generation stopped beating, and does a newcomer wait to join? What to do about it is theirs:
+generation stopped beating (or, sooner, closed their presence connection without a goodbye:
+ftrun/control/presence.py), and does a newcomer wait to join? What to do about it is theirs:
 the restart supervisor ends the job generation, the regroup leader drops the lost node's
 members (:meth:`NodeWatch.drop`) and goes on.
 
@@ -78,10 +79,10 @@ class NodeWatch:
             silent = self.monitor.silent_s(node_id)
             # its agent's process ended (presence connection closed), or it went silent
             via = "connection" if node_id in self.monitor.closed else "heartbeat"
-            how = "its agent's connection closed without a goodbye, " if via == "connection" \
-                else ""
-            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: {how}no "
-                     f"heartbeat for {silent:.1f} s", style="yellow")
+            how = ": its agent's connection closed without a goodbye" \
+                if via == "connection" else ""
+            self.say(f"node {node.node_rank} ({node.hostname}, {node.addr}) lost: no heartbeat "
+                     f"for {silent:.1f} s{how}", style="yellow")
             self.events.emit(Event.NODE_LOST, generation=generation.number, node=node.hostname,
                              node_rank=node.node_rank, node_id=node_id, silent_s=silent, via=via)
             lost.append((node, {
