@@ -46,6 +46,9 @@ class AgentServices:
     generation_store_of: Callable[[Generation, str], JsonStore] | None = None
     # etcd-v3: the end cause when a generation's writer (its store's host) is gone, else None
     writer_gone: Callable[[Generation], dict[str, Any] | None] = lambda generation: None
+    # etcd-v3: (generation, key prefix) -> the store that replaces a dead writer's member-
+    # epoch store (agent/etcdwriter.py MovedStore), or None while nothing replaces it
+    moved_store: Callable[[Generation, str], Any] = lambda generation, prefix: None
 
     @property
     def node_rank(self) -> int:
