@@ -1,23 +1,38 @@
 """The agent's part of an etcd-v3 job (``--rdzv-backend etcd-v3``) that the TCPStore
 backend has no use for: an agent that is not the writer runs for the writer's key once
 the last writer's lease expired, and takes the writer's duties when it wins; every agent
-reads a generation's member epochs from the worker store of the writer that formed it,
-and ends that generation when its writer is gone. Functions of the :class:`~ftrun.agent.
-loop.Agent` whose state they read and change (called from its loop, or from the writer
-watch's thread for :func:`promote`).
+reads a generation's member epochs from the worker store of the writer that formed it.
+
+When that writer dies, its store (the member epochs, the step decisions) dies with it.
+The agent that takes over serves a new, empty store for the running generation
+(:func:`moved_store`), seeds it (agent/leader.py, ``take_over``) and then announces it: a
+signed record ``gen/<N>/store`` in etcd for the other agents, and for its own workers the
+store file (:func:`hand_down`, ``protocol.STORE_FILE_ENV``), which every agent rewrites
+when it follows the move; the workers' failed requests reconnect to the address it names
+(worker/membership.py), so the survivors keep their processes and regroup in place. The
+generation ends instead (:func:`writer_gone`: a lost node) only when no new store is
+announced in time. Functions of the :class:`~ftrun.agent.loop.Agent` whose state they read
+and change (called from its loop, or from the writer watch's thread for :func:`promote`).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ftrun import protocol as P
 from ftrun.agent.nodes import NodeWatch
 from ftrun.control.auth import Signer, load_secret
+from ftrun.control.errors import StoreError
 from ftrun.control.heartbeat import HeartbeatMonitor
-from ftrun.control.rendezvous import Generation, Rendezvous
-from ftrun.control.store import JsonStore, connect_store
+from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
+from ftrun.control.store import JsonStore, connect_store, serve_store
 
 if TYPE_CHECKING:
     from ftrun.control.etcd import Election
@@ -85,12 +100,14 @@ def generation_store(agent: Agent, generation: Generation, prefix: str) -> JsonS
 
 
 def writer_gone(agent: Agent, generation: Generation) -> dict[str, Any] | None:
-    """etcd-v3: the end cause ("node lost") when ``generation``'s writer, its node rank
-    0, which formed it and hosts its store, no longer holds the writer's key (its lease
-    expired); None while it does, or when etcd cannot say now."""
+    """etcd-v3: the end cause ("node lost") when ``generation``'s writer (its node rank
+    0, which formed it, or the agent that took its store over) no longer holds the
+    writer's key (its lease expired); None while it does, or when etcd cannot say now."""
     if agent._rdzv is None or not generation.nodes:
         return None
-    writer = generation.nodes[0]
+    writer = _writer_of(agent, generation)
+    if writer is None:
+        return None
     try:
         held = agent._rdzv.store.raw.read(f"ftrun/{agent.run_id}/writer")
     except (RuntimeError, AttributeError):
@@ -101,3 +118,87 @@ def writer_gone(agent: Agent, generation: Generation) -> dict[str, Any] | None:
             "node": writer.hostname, "addr": writer.addr,
             "silent_s": math.ceil(agent.config.heartbeat_timeout_s), "by": agent.node_rank,
             "time": time.time()}
+
+
+def _writer_of(agent: Agent, generation: Generation) -> NodeSlot | None:
+    """The node whose agent hosts ``generation``'s member-epoch store now."""
+    node_id = agent.generation_writers.get(generation.number)
+    if node_id is None:
+        return generation.nodes[0]
+    return generation.node(node_id)
+
+
+def hand_down(agent: Agent, generation: Generation, host: str, port: int) -> None:
+    """Tell this node's workers (those started from now on by the environment, the running
+    ones by the file's new content) where ``generation``'s member-epoch store is: a record
+    signed with the job's secret, replaced atomically (worker/membership.py reads it)."""
+    path = Path(agent.launcher.run_log_dir) / "member-store.json"
+    key = P.store_file_key(agent.config.rdzv_id, generation.number)
+    record = Signer(load_secret()).wrap(
+        key, {"generation": generation.number, "host": host, "port": int(port)})
+    temporary = path.with_name(path.name + ".new")
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, path)
+    os.environ[P.STORE_FILE_ENV] = str(path)
+
+
+@dataclass
+class MovedStore:
+    """The store that replaces a dead writer's for the running generation."""
+
+    store: JsonStore  # under the generation's regroup prefix
+    lost: NodeSlot  # the dead writer's node
+    took_over: bool  # this agent serves it (and seeds it before announcing it)
+    announce: Callable[[], None]  # once seeded: the other agents and the workers may use it
+
+
+def moved_store(agent: Agent, generation: Generation, prefix: str) -> MovedStore | None:
+    """etcd-v3, after a failed request to ``generation``'s member-epoch store: the store
+    that replaces it, when its writer died and this agent is the writer now (a new store
+    served here), or another agent took over and announced its store in etcd; None when
+    nothing replaces it (yet). The caller seeds a store this agent serves, then calls
+    ``announce``. A record that is not signed with the job's secret is not read."""
+    rdzv = agent._rdzv
+    old = _writer_of(agent, generation)
+    if rdzv is None or old is None:
+        return None
+    key = f"gen/{generation.number}/store"
+    secret = Signer(load_secret())
+    if agent.election is not None and rdzv.is_leader and old.node_id != agent.node_id:
+        server = serve_store(0, agent.config.join_timeout_s, host=agent.store_bind)
+        agent.worker_stores.append(server)
+        host, port = agent.store_host, int(server.port)
+        agent.generation_writers[generation.number] = agent.node_id
+
+        def announce() -> None:
+            rdzv.store.set_record(key, {"host": host, "port": port, "writer": agent.node_id})
+            hand_down(agent, generation, host, port)
+            agent.say(f"serving generation {generation.number}'s member epochs at "
+                      f"{host}:{port} (its store died with node {old.node_rank})",
+                      style="yellow")
+        return MovedStore(JsonStore(server, prefix, signer=secret,
+                                    on_reject=agent._rejected_record), old, True, announce)
+    try:
+        record = rdzv.store.get_record(key)
+    except StoreError:
+        return None
+    if record is None:
+        return None
+    host, port, writer = record.get("host"), record.get("port"), record.get("writer")
+    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(writer, str) \
+            or writer == old.node_id or generation.node(writer) is None:
+        return None  # not moved yet (or a record this job did not write)
+    op = agent._op_timeout
+    try:
+        client = connect_store(host, port, agent.config.heartbeat_timeout_s, op_timeout_s=op)
+    except StoreError:
+        return None
+    agent.generation_writers[generation.number] = writer
+    store = JsonStore(
+        client, prefix, signer=secret,
+        reconnect=lambda: connect_store(host, port, op, op_timeout_s=op),
+        retry_s=agent.config.heartbeat_timeout_s * 3,
+        lost=lambda: agent._lost_reason() is not None or
+        writer_gone(agent, generation) is not None,
+        on_reject=agent._rejected_record)
+    return MovedStore(store, old, False, lambda: hand_down(agent, generation, host, port))
