@@ -143,6 +143,9 @@ class Agent:
         self._writer_watch: WriterWatch | None = None  # etcd-v3: the other agents'
         self._services: AgentServices | None = None
         self._rdzv: Rendezvous | None = None
+        # etcd-v3: generation -> the node id whose agent took its member-epoch store over
+        # after its writer died (agent/etcdwriter.py); absent: the writer that formed it
+        self.generation_writers: dict[int, str] = {}
         self.control_endpoint: tuple[str, int] = (config.rdzv_host, config.rdzv_port)
         # The stores this agent hosts: the address they listen on (None: every interface)
         # and the host name their clients are given (see _bind_stores).
@@ -236,6 +239,8 @@ class Agent:
                 # the member epochs live in the generation's worker store (its writer's)
                 self.launcher.control_addr = \
                     f"{generation.worker_store_host}:{generation.worker_store_port}"
+                etcdwriter.hand_down(self, generation, generation.worker_store_host,
+                                     generation.worker_store_port)
             if self.nodes is not None:
                 self.nodes.begin(member.node_rank)
             restart_count = generation.restart_count
@@ -314,6 +319,7 @@ class Agent:
         if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
             services.generation_store_of = functools.partial(etcdwriter.generation_store, self)
             services.writer_gone = functools.partial(etcdwriter.writer_gone, self)
+            services.moved_store = functools.partial(etcdwriter.moved_store, self)
         self._services = services
         if self.config.recovery is Recovery.RESTART:
             return RestartSupervisor(services)
