@@ -36,7 +36,7 @@ from ftrun.agent.outcome import restart_all_words
 from ftrun.agent.stragglers import StragglerWatch
 from ftrun.config import LaunchConfig
 from ftrun.control.errors import StoreValueError
-from ftrun.control.rendezvous import Generation, Rendezvous
+from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 from ftrun.snapshot import records as snapshot_records
 
 
@@ -214,6 +214,28 @@ class RegroupLeader:
                                      "cause": m.removed.get(x.id) or "node lost"}
                                     for x in gone])
         return None
+
+    def take_over(self, latest: P.MemberEpoch, lost: NodeSlot) -> None:
+        """etcd-v3: this agent became the job's writer after ``lost``'s agent, the last
+        writer, died with the store of these member epochs; ``m`` is on a new, empty store.
+        Publish ``latest`` again there (the members' next epoch is counted from it), end it
+        for the lost node (its address in the end: workers cut their connections to it)
+        and drop that node, and mark the next member epoch as one whose members compare
+        their committed steps (``protocol.resync_key``: the step decisions died too). The
+        lost node's members had called ftrun.init() (they were in ``latest``): no restart
+        fallback for them."""
+        m = self.m
+        gone = [x.id for x in latest.members if P.node_of(x.id) == lost.node_rank]
+        self.ready_checked.update(gone)
+        m.publish(latest)
+        m.lost_nodes.add(lost.node_rank)
+        if self.nodes is not None:
+            self.nodes.drop(lost.node_id)
+        m.store.put_record(P.resync_key(latest.number + 1), {})
+        m.end(latest.number, {"node": lost.node_rank, "addr": lost.addr,
+                              "cause": "node lost"})
+        m.append_fault(P.Fault("node lost: the job's writer, with the member epochs' store",
+                               node=lost.node_rank))
 
     def _read_pools(self) -> None:
         m = self.m
