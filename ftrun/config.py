@@ -106,6 +106,7 @@ class LaunchConfig:
     recovery: Recovery = Recovery.AUTO
     on_failure: str = "replace"  # regroup: "replace" the failed worker or "shrink"
     spares: int = 0  # warm spare workers per node (regroup)
+    standby_nodes: int = 0  # hot spare nodes beyond --nnodes MAX (regroup, c10d)
     min_workers: int = 1  # regroup: below this many workers the job stops
     liveness_timeout_s: float = 5.0  # regroup: silence of a worker's heartbeat
     stall_floor_s: float = 5.0  # regroup: least time without a step before a stall
