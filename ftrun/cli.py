@@ -134,6 +134,9 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "Regroup: replace the failed worker, or shrink the job."),
     ("--spares", "spares", "FTRUN_SPARES", "0",
      "Regroup: warm spare workers per node."),
+    ("--standby-nodes", "standby_nodes", "FTRUN_STANDBY_NODES", "0",
+     "Regroup, c10d: up to this many nodes beyond --nnodes MAX stand by, their workers "
+     "started and waiting, and take a lost node's ranks."),
     ("--min-workers", "min_workers", "FTRUN_MIN_WORKERS", "1",
      "Regroup: stop the job below this many workers."),
     ("--liveness-timeout", "liveness_timeout", "FTRUN_LIVENESS_TIMEOUT", "5.0",
@@ -324,6 +327,11 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     spares = _count(ns.spares, "--spares", minimum=0)
     if spares and recovery is not Recovery.REGROUP:
         raise ConfigError("--spares needs --recovery regroup (spares run the worker API)")
+    standby_nodes = _count(ns.standby_nodes, "--standby-nodes", minimum=0)
+    if standby_nodes and (recovery is not Recovery.REGROUP or backend != "c10d"
+                          or nnodes_max < 2):
+        raise ConfigError("--standby-nodes needs --recovery regroup, --rdzv-backend c10d and "
+                          "--nnodes MAX of at least 2 (a standby node's workers are spares)")
     min_workers = _count(ns.min_workers, "--min-workers", minimum=1)
     if min_workers > nproc * nnodes_max:
         raise ConfigError(f"--min-workers={min_workers}: more than the job's "
@@ -368,6 +376,7 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         recovery=recovery,
         on_failure=on_failure,
         spares=spares,
+        standby_nodes=standby_nodes,
         min_workers=min_workers,
         liveness_timeout_s=parse_seconds(ns.liveness_timeout, "--liveness-timeout"),
         stall_floor_s=parse_seconds(ns.stall_floor, "--stall-floor"),
