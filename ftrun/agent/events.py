@@ -55,6 +55,7 @@ class Event(str, Enum):
     INJECT = "inject"  # a fault was injected on purpose (spec, rank)
     ERROR = "error"  # a failed worker's own last error, once read (rank, pid, message)
     STRAGGLER = "straggler"  # regroup leader: a rank keeps the others waiting (flagged, rank)
+    REFUSED = "refused"  # leader: a node failed its health gate and is not in the job (detail)
 
 
 def describe_returncode(code: int) -> str:
