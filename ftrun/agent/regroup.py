@@ -142,7 +142,12 @@ class _RegroupRun:
                 if inbox.received is not None:
                     self._stop_all(inbox.received, "signal")
                     return GenerationResult(Outcome.SIGNALED, self._exits())
-                result = self._tick()
+                try:
+                    result = self._tick()
+                except StoreError:
+                    if not self._follow_moved_store():
+                        raise
+                    continue
                 if result is not None:
                     return result
                 procs = [x.process for x in self.members.values() if x.process.poll() is None]
@@ -163,6 +168,10 @@ class _RegroupRun:
             local.join_pumps([x.process for x in self.members.values()])
 
     def _tick(self) -> GenerationResult | None:
+        # etcd-v3: this agent took the dead writer's place during this generation
+        if self.leader is None and self.services.rdzv.is_leader and self.multi \
+                and not self._follow_moved_store():
+            raise StoreError("the job's writer died and no store replaced its own")
         if self.multi:
             result = self._watch_job()
             if result is not None:
@@ -229,6 +238,48 @@ class _RegroupRun:
         self._end_job_generation({"kind": "regroup", "reason": verdict.reason, **verdict.cause})
         self._stop_all(signal.SIGTERM, verdict.reason)
         return Outcome.FAILED
+
+    def _follow_moved_store(self) -> bool:
+        """etcd-v3: the job's writer died with this generation's member-epoch store. Wait
+        (up to three heartbeat timeouts) for the store that replaces it: one this agent
+        serves, if it took the writer's place (it seeds it as the regroup leader), or the
+        one the new writer announced. Then carry what this agent knows over to it, give its
+        live members' last statuses there (their heartbeats reconnect meanwhile: not a
+        silence), and hand the address down to the workers. False when none came (the
+        generation then ends as for a lost store)."""
+        services = self.services
+        if self.config.rdzv_backend != "etcd-v3" or not self.multi:
+            return False  # the store never moves: losing its host ends the generation
+        deadline = time.monotonic() + 3 * self.config.heartbeat_timeout_s
+        moved = services.moved_store(self.generation, self.prefix)
+        while moved is None:
+            if time.monotonic() >= deadline or services.inbox.received is not None \
+                    or services.store_lost() is not None:
+                return False
+            time.sleep(0.1)
+            moved = services.moved_store(self.generation, self.prefix)
+        old, latest = self.m, self.m.latest
+        if latest is None:
+            return False
+        self.m = Membership(moved.store, services.say)
+        self.m.latest, self.m.statuses, self.m.removed = latest, old.statuses, old.removed
+        self.m.lost_nodes, self.m.done = old.lost_nodes, old.done
+        now = time.monotonic()
+        for member in self.members.values():
+            status = old.statuses.get(member.id)
+            if member.live and status is not None:
+                self.m.store.set_record(P.status_key(member.id), status.to_json())
+            member.alive_at = now
+        if moved.took_over:
+            self.leader = RegroupLeader(
+                self.m, self.generation, self.config, events=services.events,
+                say=services.say, rdzv=services.rdzv, nodes=services.nodes)
+            self.leader.take_over(latest, moved.lost)
+        elif self.leader is not None:
+            self.leader.m = self.m
+        self.pool_sent = None
+        moved.announce()
+        return True
 
     # --- this node's members -------------------------------------------------------------
 
