@@ -23,6 +23,7 @@ a worker without the job's state waits to be admitted for as long as the job run
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import stat
@@ -30,13 +31,14 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ftrun import protocol as P
 from ftrun.control.auth import Signer, load_secret
-from ftrun.control.store import JsonStore, StoreError, StoreValueError
+from ftrun.control.store import JsonStore, StoreError, StoreValueError, connect_store
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
 
 POLL_S = 0.005  # between two looks at a record that a peer or the leader writes
@@ -69,6 +71,23 @@ def shutdown_connections_to(host: str) -> int:
     return count
 
 
+def store_file_address(path: str, signer: Signer, key: str, generation: int
+                       ) -> tuple[str, int]:
+    """etcd-v3: where the agent says the generation's member-epoch store is now (the file
+    of ``protocol.STORE_FILE_ENV``, a record signed under ``key``); StoreError when the
+    file cannot be read, is not signed with the job's secret or names another generation
+    (a request then retries, as for any failed connect)."""
+    try:
+        body = signer.unwrap(key, json.loads(Path(path).read_text()))
+    except (OSError, ValueError) as error:  # AuthError and JSONDecodeError are ValueErrors
+        raise StoreError(f"the store file {path}: {error}") from None
+    host, port = body.get("host"), body.get("port")
+    if body.get("generation") != generation or not isinstance(host, str) or not host \
+            or not isinstance(port, int) or not 0 < port < 65536:
+        raise StoreError(f"the store file {path} names no store of generation {generation}")
+    return host, port
+
+
 def checked(record: dict[str, Any], allowed: tuple[str, ...]) -> str:
     try:
         return P.outcome_of(record, allowed)
@@ -97,14 +116,27 @@ class Membership:
         signer = Signer(load_secret())  # the job's secret, from the agent's environment
         self.member_id = member.member_id
         self.prefix = member.prefix
+        # etcd-v3: the store may move (the job's writer died and a new one took over); a
+        # failed request then reconnects to where the agent's store file says it is now,
+        # for up to a collective timeout (op_timeout), and fails with StoreError after it.
+        moved = self._moved_store(env, signer, op_timeout)
+        retry_s = op_timeout.total_seconds() if moved is not None else 0.0
         self.store = JsonStore(dist.TCPStore(host, port, is_master=False, timeout=op_timeout),
-                               member.prefix, signer=signer)
+                               member.prefix, signer=signer, reconnect=moved, retry_s=retry_s)
         # The heartbeat's own connection: connected with the main bound (a loaded node can
         # take over 10 s to accept it), then each beat bounded by 10 s so a slow store
         # cannot stall the thread that says this member is alive.
         beat_client = dist.TCPStore(host, port, is_master=False, timeout=op_timeout)
         beat_client.set_timeout(timedelta(seconds=10))
-        self._beat_store = JsonStore(beat_client, member.prefix, signer=signer)
+
+        def beat_reconnect() -> dist.TCPStore:
+            assert moved is not None
+            client = moved()
+            client.set_timeout(timedelta(seconds=10))
+            return client
+        self._beat_store = JsonStore(beat_client, member.prefix, signer=signer,
+                                     reconnect=None if moved is None else beat_reconnect,
+                                     retry_s=retry_s)
         self.epoch = -1  # the member epoch this member computes in; -1 before the first
         self.members: tuple[str, ...] = ()  # of the current member epoch, in rank order
         self.synced = member.initial  # holds the job's state (a joiner once it received it)
@@ -115,6 +147,24 @@ class Membership:
         self._progress = progress  # (committed steps, collectives issued in this step)
         self._heartbeat_s = heartbeat_s
         self.regroup_timeout_s = regroup_timeout_s
+
+    @staticmethod
+    def _moved_store(env: P.WorkerEnv, signer: Signer, op_timeout: timedelta
+                     ) -> Callable[[], dist.TCPStore] | None:
+        """etcd-v3 jobs (the agent set ``STORE_FILE_ENV``): a connect to the store the
+        agent's file names now, each attempt bounded by 2 s so that a new address written
+        meanwhile is read on the next one; None for the other backends (the store never
+        moves there: losing its host ends the job generation)."""
+        path = os.environ.get(P.STORE_FILE_ENV)
+        if not path:
+            return None
+        key = P.store_file_key(env.run_id, env.generation)
+        bound_s = op_timeout.total_seconds()
+
+        def connect() -> dist.TCPStore:
+            host, port = store_file_address(path, signer, key, env.generation)
+            return connect_store(host, port, min(2.0, bound_s), op_timeout_s=bound_s)
+        return connect
 
     # --- status and the heartbeat thread --------------------------------------------------
 
