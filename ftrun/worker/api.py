@@ -84,6 +84,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -354,6 +355,8 @@ class FaultTolerance:
             self.process_group.swap(backend)
             membership.epoch = number
             self._renew_reducers()
+            if membership.store.exists(P.resync_key(number)):
+                self._resync_steps(epoch, rank)
             if epoch.has_joiners:
                 share_state(self.process_group.backend, epoch, rank, self.state_dict,
                             self.load_state_dict)
@@ -367,6 +370,33 @@ class FaultTolerance:
         for callback in self._callbacks:
             callback(rank, size)
         return True
+
+    def _resync_steps(self, epoch: P.MemberEpoch, rank: int) -> None:
+        """The first member epoch in a store that replaced a dead one (etcd-v3: the job's
+        writer died with the store of the step decisions): a survivor may have read its
+        last step's ``commit`` just before the store died while another had not and
+        aborted it. The members compare their committed steps (two small collectives); if
+        they differ, the lowest rank among those furthest on sends its state to all the
+        others, as to joiners, so every member goes on from the same step and state."""
+        backend = self.process_group.backend
+        bounds = torch.tensor([self._step, -self._step], dtype=torch.int64)
+        _allreduce(backend, bounds, dist.ReduceOp.MAX)
+        highest, lowest = int(bounds[0]), -int(bounds[1])
+        if highest == lowest:
+            return
+        source = torch.tensor([rank if self._step == highest else epoch.world_size],
+                              dtype=torch.int64)
+        _allreduce(backend, source, dist.ReduceOp.MIN)
+        ahead = int(source.item())
+        members = tuple(P.Member(m.id, m.rank, m.rank != ahead) for m in epoch.members)
+        share_state(backend, P.MemberEpoch(epoch.number, members), rank, self.state_dict,
+                    self.load_state_dict)
+
+
+def _allreduce(backend: dist.ProcessGroup, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    backend.allreduce([tensor], options).wait()
 
 
 def init(
