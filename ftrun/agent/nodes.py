@@ -13,15 +13,46 @@ calls :meth:`NodeWatch.begin` for each, so a node dropped from the last one is b
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ftrun.agent.events import Event, EventLog
+from ftrun.config import LaunchConfig
 from ftrun.control.heartbeat import HeartbeatMonitor
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 
 LostNode = tuple[NodeSlot, dict[str, Any]]
+
+
+def health_refusal() -> str:
+    """Why this node fails its health gate (the quick ``ftrun doctor`` checks,
+    :mod:`ftrun.doctor.gate`), or "" when it passes or the gate is off. Run by every agent
+    but the store's host before it offers itself to a generation."""
+    from ftrun.doctor.gate import gate_enabled, health_gate  # the doctor only when used
+
+    if not gate_enabled():
+        return ""
+    return "; ".join(health_gate())
+
+
+def standby_config(config: LaunchConfig) -> LaunchConfig:
+    """A standby node's share of a generation (``--standby-nodes``): no rank of its own, so
+    every one of its ``--nproc-per-node`` workers starts as a spare (``ftrun.agent.regroup``
+    spawns ``nproc_per_node`` members and ``spares`` spares) and waits, torch imported, for
+    the leader to give it a lost node's rank."""
+    return dataclasses.replace(config, nproc_per_node=0,
+                               spares=config.spares + config.nproc_per_node)
+
+
+def say_refused(slot: NodeSlot, say: Callable[..., None], events: EventLog) -> None:
+    """The leader's line and event for a node its health gate refused."""
+    text = (f"node {slot.hostname} ({slot.addr}) refused: it failed its health gate: "
+            f"{slot.health}")
+    say(text, style="yellow")
+    events.emit(Event.REFUSED, node=slot.hostname, addr=slot.addr, node_id=slot.node_id,
+                detail=slot.health)
 
 
 class NodeWatch:

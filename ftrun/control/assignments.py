@@ -23,7 +23,14 @@ def assignment_key(number: int, node_id: str) -> str:
 @dataclass(frozen=True)
 class NodeSlot:
     """One agent's offer to take part in a generation (c10d: ``node_rank`` is given by the
-    leader in the record; the agent offers -1)."""
+    leader in the record; the agent offers -1).
+
+    ``standby``: in a generation record, a hot spare node (``--standby-nodes``): it holds no
+    rank (``local_world_size`` 0), its agent starts its workers as waiting spares, and the
+    regroup leader gives them a lost node's ranks. ``health``: in an offer, why the node
+    failed its health gate (the quick ``ftrun doctor`` checks, :mod:`ftrun.doctor.gate`);
+    the leader refuses such an offer and says why. Both are left out of the JSON when unset
+    (the records of jobs without them are unchanged)."""
 
     node_rank: int
     local_world_size: int
@@ -31,6 +38,8 @@ class NodeSlot:
     hostname: str
     pid: int
     node_id: str = ""
+    standby: bool = False
+    health: str = ""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeSlot:
@@ -41,21 +50,35 @@ class NodeSlot:
             addr=require(data, "addr", str),
             hostname=require(data, "hostname", str),
             pid=require(data, "pid", int),
+            standby=data.get("standby", False),
+            health=data.get("health", ""),
         )
-        if slot.node_rank < -1 or slot.local_world_size < 1 or not slot.node_id:
+        if not isinstance(slot.standby, bool) or not isinstance(slot.health, str) \
+                or len(slot.health) > 2000:
+            raise StoreValueError("node slot with a malformed standby or health field")
+        if slot.node_rank < -1 or not slot.node_id or \
+                slot.local_world_size < (0 if slot.standby else 1):
             raise StoreValueError("node slot with a bad rank, no workers or no id")
         return slot
 
     def to_json(self) -> dict[str, Any]:
         """The record's fields (``dataclasses.asdict`` deep-copies: 20x slower, and the
         leader writes 4,096 of these per generation at that size)."""
-        return {"node_rank": self.node_rank, "local_world_size": self.local_world_size,
-                "addr": self.addr, "hostname": self.hostname, "pid": self.pid,
-                "node_id": self.node_id}
+        made: dict[str, Any] = {
+            "node_rank": self.node_rank, "local_world_size": self.local_world_size,
+            "addr": self.addr, "hostname": self.hostname, "pid": self.pid,
+            "node_id": self.node_id}
+        if self.standby:
+            made["standby"] = True
+        if self.health:
+            made["health"] = self.health
+        return made
 
-    def with_rank(self, node_rank: int) -> NodeSlot:
-        return NodeSlot(node_rank, self.local_world_size, self.addr, self.hostname, self.pid,
-                        self.node_id)
+    def with_rank(self, node_rank: int, *, standby: bool = False) -> NodeSlot:
+        """This node at ``node_rank`` in a generation (``standby``: as a hot spare node,
+        with no rank of its own)."""
+        return NodeSlot(node_rank, 0 if standby else self.local_world_size, self.addr,
+                        self.hostname, self.pid, self.node_id, standby)
 
 
 @dataclass(frozen=True)

@@ -179,8 +179,11 @@ class Rendezvous:
         lost: Callable[[], str | None] = lambda: None,
         monitor: HeartbeatMonitor | None = None,
         on_wait: Callable[[str], None] = lambda text: None,
+        on_refused: Callable[[NodeSlot], None] = lambda slot: None,
     ) -> None:
         self.store = store
+        self.on_refused = on_refused  # leader: a node that failed its health gate, once each
+        self._refused: set[str] = set()
         self.is_leader = is_leader
         self.poll_s = poll_s
         self.interrupted = interrupted
@@ -297,6 +300,20 @@ class Rendezvous:
 
     def _offer(self, number: int, slot: NodeSlot) -> None:
         raise NotImplementedError
+
+    def offer_refused(self, number: int, slot: NodeSlot) -> None:
+        """Offer a slot that failed this node's health gate (``slot.health`` says why), so
+        the leader says the reason; this agent then leaves without waiting."""
+        self._offer(number, slot)
+
+    def _healthy(self, slot: NodeSlot) -> bool:
+        """Leader: whether ``slot`` passed its node's health gate; a refusal is said once."""
+        if not slot.health:
+            return True
+        if slot.node_id not in self._refused:
+            self._refused.add(slot.node_id)
+            self.on_refused(slot)
+        return False
 
     def _collect(self, number: int, own: NodeSlot, deadline: float,
                  expected: tuple[str, ...]) -> list[NodeSlot]:
@@ -442,10 +459,12 @@ class DynamicRendezvous(Rendezvous):
     """c10d-style rendezvous of MIN to MAX agents; see the module docstring."""
 
     def __init__(self, store: JsonStore, *, min_nodes: int, max_nodes: int,
-                 last_call_s: float, **kwargs: Any) -> None:
+                 last_call_s: float, standby_nodes: int = 0, **kwargs: Any) -> None:
         super().__init__(store, **kwargs)
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
+        # hot spare nodes beyond MAX: in the generation with no ranks (NodeSlot.standby)
+        self.standby_nodes = standby_nodes
         self.last_call_s = last_call_s
         # Leader: every valid slot popped so far, per generation, in arrival order (a
         # newcomer seen by pending_join is in generation N+1's list when it forms).
@@ -482,14 +501,14 @@ class DynamicRendezvous(Rendezvous):
             arrived = self._arrivals(number)
             for index in range(seen, len(arrived)):
                 slot = arrived[index]
-                if slot.node_id not in slots:
+                if slot.node_id not in slots and self._healthy(slot):
                     slots[slot.node_id] = (index + 1, slot)
             seen = len(arrived)
-            waiting -= slots.keys()
+            waiting -= slots.keys() | self._refused
             if self.monitor is not None and waiting:
                 self.monitor.watch(waiting)
                 waiting -= set(self.monitor.scan())
-            if len(slots) >= self.max_nodes:
+            if len(slots) >= self.max_nodes + self.standby_nodes:
                 break
             if len(slots) >= self.min_nodes:
                 min_reached = min_reached if min_reached is not None else now
@@ -514,8 +533,9 @@ class DynamicRendezvous(Rendezvous):
                 return (1, previous[node_id], 0)
             return (2, 0, index)
 
-        chosen = sorted(slots.items(), key=order)[: self.max_nodes]
-        return [slot.with_rank(rank) for rank, (_, (_, slot)) in enumerate(chosen)]
+        chosen = sorted(slots.items(), key=order)[: self.max_nodes + self.standby_nodes]
+        return [slot.with_rank(rank, standby=rank >= self.max_nodes)
+                for rank, (_, (_, slot)) in enumerate(chosen)]
 
     def _join_status(self, slots: dict[str, tuple[int, NodeSlot]], waiting: set[str]) -> str:
         """Who joined and what is missing (built only when a wait is reported: at 4,096
@@ -531,13 +551,15 @@ class DynamicRendezvous(Rendezvous):
     def pending_join(self, generation: Generation,
                      left_out: Collection[str] = ()) -> NodeSlot | None:
         gone = {n.node_id for n in generation.nodes} & set(left_out)
-        if generation.nnodes - len(gone) >= self.max_nodes:
+        if generation.nnodes - len(gone) >= self.max_nodes + self.standby_nodes:
             return None
         number = generation.number + 1
         arrived = self._arrivals(number)
         for index in range(self._scanned.get(number, 0), len(arrived)):
             self._scanned[number] = index + 1
             slot = arrived[index]
+            if not self._healthy(slot):
+                continue
             if generation.node(slot.node_id) is None or slot.node_id in gone:
                 return slot
         return None
