@@ -256,8 +256,9 @@ class RegroupLeader:
     @property
     def target(self) -> int:
         """The world size the job aims for: every node's share, lost nodes aside (a sharded
-        job's whole world, lost nodes included: their ranks go to spares)."""
-        if self.whole_world:
+        job's whole world, lost nodes included: their ranks go to spares; so also with
+        standby nodes in the generation, whose workers wait as spares to take them)."""
+        if self.whole_world or any(n.standby for n in self.generation.nodes):
             return self.generation.world_size
         return sum(n.local_world_size for n in self.generation.nodes
                    if n.node_rank not in self.m.lost_nodes)
