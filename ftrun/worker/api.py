@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -389,8 +390,13 @@ class FaultTolerance:
         _allreduce(backend, source, dist.ReduceOp.MIN)
         ahead = int(source.item())
         members = tuple(P.Member(m.id, m.rank, m.rank != ahead) for m in epoch.members)
+        behind = self._step
         share_state(backend, P.MemberEpoch(epoch.number, members), rank, self.state_dict,
                     self.load_state_dict)
+        if behind != highest:  # said, as this process's committed steps skip one here
+            print(f"ftrun: member {self.member_id} (pid {os.getpid()}) took the state after "
+                  f"step {highest - 1} from rank {ahead}: the decision of its step {behind} "
+                  "died with the job's store", file=sys.stderr, flush=True)
 
 
 def _allreduce(backend: dist.ProcessGroup, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
