@@ -14,6 +14,7 @@ calls :meth:`NodeWatch.begin` for each, so a node dropped from the last one is b
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,21 @@ def health_refusal() -> str:
     if not gate_enabled():
         return ""
     return "; ".join(health_gate())
+
+
+def passes_health_gate(rdzv: Rendezvous, number: int, slot: NodeSlot,
+                       events: EventLog) -> bool:
+    """Before an agent offers ``slot`` for generation ``number``: run the health gate; a
+    node that fails offers its refusal (the leader says why), says it in one line and
+    leaves (False)."""
+    health = health_refusal()
+    if not health:
+        return True
+    rdzv.offer_refused(number, dataclasses.replace(slot, health=health))
+    events.emit(Event.STOP, reason="health gate", detail=health)
+    print(f"ftrun: error: {slot.hostname} failed its health gate, not joining: {health}",
+          file=sys.stderr)
+    return False
 
 
 def standby_config(config: LaunchConfig) -> LaunchConfig:

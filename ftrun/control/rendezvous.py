@@ -303,8 +303,11 @@ class Rendezvous:
 
     def offer_refused(self, number: int, slot: NodeSlot) -> None:
         """Offer a slot that failed this node's health gate (``slot.health`` says why), so
-        the leader says the reason; this agent then leaves without waiting."""
+        the leader says the reason; this agent then leaves without waiting. Offered to the
+        next generation too: ``number`` may have formed meanwhile, and the leader looks
+        for newcomers (and refusals) in the one after the running one."""
         self._offer(number, slot)
+        self._offer(number + 1, slot)
 
     def _healthy(self, slot: NodeSlot) -> bool:
         """Leader: whether ``slot`` passed its node's health gate; a refusal is said once."""
@@ -470,6 +473,7 @@ class DynamicRendezvous(Rendezvous):
         # newcomer seen by pending_join is in generation N+1's list when it forms).
         self._arrived: dict[int, tuple[list[NodeSlot], int]] = {}  # slots, bytes read
         self._scanned: dict[int, int] = {}  # generation -> arrived slots pending_join read
+        self._gated: dict[int, int] = {}  # generation -> arrived slots health-checked
 
     def _offer(self, number: int, slot: NodeSlot) -> None:
         self.store.put_record(f"gen/{number}/slots", slot.to_json())
@@ -551,10 +555,13 @@ class DynamicRendezvous(Rendezvous):
     def pending_join(self, generation: Generation,
                      left_out: Collection[str] = ()) -> NodeSlot | None:
         gone = {n.node_id for n in generation.nodes} & set(left_out)
-        if generation.nnodes - len(gone) >= self.max_nodes + self.standby_nodes:
-            return None
         number = generation.number + 1
         arrived = self._arrivals(number)
+        for slot in arrived[self._gated.get(number, 0):]:  # refusals are said even when full
+            self._healthy(slot)
+        self._gated[number] = len(arrived)
+        if generation.nnodes - len(gone) >= self.max_nodes + self.standby_nodes:
+            return None
         for index in range(self._scanned.get(number, 0), len(arrived)):
             self._scanned[number] = index + 1
             slot = arrived[index]
