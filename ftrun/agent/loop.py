@@ -41,7 +41,7 @@ from ftrun.agent.forkserver import ForkServer
 from ftrun.agent.inject import Injector
 from ftrun.agent.launcher import Launcher, WorkerStartError
 from ftrun.agent.metrics import Metrics, MetricsError
-from ftrun.agent.nodes import NodeWatch
+from ftrun.agent.nodes import NodeWatch, passes_health_gate, say_refused, standby_config
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
 from ftrun.agent.regroup import RegroupSupervisor
 from ftrun.agent.report import print_failure_summary, print_job_summary
@@ -228,6 +228,9 @@ class Agent:
                 pid=os.getpid(),
                 node_id=self.node_id,
             )
+            if dynamic and not rdzv.is_leader and not passes_health_gate(
+                    rdzv, number, slot, self.events):  # the quick doctor checks (nodes.py)
+                return ExitCode.RENDEZVOUS_FAILED
             generation = rdzv.join(
                 number, slot, self.config.join_timeout_s, self._open_worker_store,
                 restart_count=restart_count, expected=expected,
@@ -235,6 +238,11 @@ class Agent:
             member = generation.node(self.node_id)
             assert member is not None
             self.launcher.node_rank = member.node_rank
+            if self._services is not None:  # a standby's workers all start as spares
+                self._services.config = standby_config(self.config) if member.standby \
+                    else self.config
+            if member.standby:
+                self.say("standing by: the workers start and wait to take a lost node's ranks")
             if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
                 # the member epochs live in the generation's worker store (its writer's)
                 self.launcher.control_addr = \
@@ -422,12 +430,14 @@ class Agent:
             lost=self._lost_reason,
             monitor=monitor,
             on_wait=lambda text: self.say(text, style="yellow"),
+            on_refused=lambda slot: say_refused(slot, self.say, self.events),
         )
         if dynamic:
             last_call = parse_seconds(config.rdzv_conf.get("last_call_timeout", "30"),
                                       "last_call_timeout", allow_zero=True)
             return DynamicRendezvous(jstore, min_nodes=config.nnodes_min,
-                                     max_nodes=config.nnodes_max, last_call_s=last_call, **common)
+                                     max_nodes=config.nnodes_max, last_call_s=last_call,
+                                     standby_nodes=config.standby_nodes, **common)
         return StaticRendezvous(jstore, node_rank=config.node_rank, nnodes=config.nnodes,
                                 **common)
 
