@@ -229,8 +229,10 @@ class RegroupLeader:
         self.ready_checked.update(gone)
         m.publish(latest)
         m.lost_nodes.add(lost.node_rank)
-        if self.nodes is not None:
-            self.nodes.drop(lost.node_id)
+        if self.nodes is not None:  # a new watch: it knows no node dropped before
+            for node in self.generation.nodes:
+                if node.node_rank in m.lost_nodes:
+                    self.nodes.drop(node.node_id)
         m.store.put_record(P.resync_key(latest.number + 1), {})
         m.end(latest.number, {"node": lost.node_rank, "addr": lost.addr,
                               "cause": "node lost"})
