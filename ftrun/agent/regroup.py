@@ -264,12 +264,14 @@ class _RegroupRun:
         self.m = Membership(moved.store, services.say)
         self.m.latest, self.m.statuses, self.m.removed = latest, old.statuses, old.removed
         self.m.lost_nodes, self.m.done = old.lost_nodes, old.done
-        now = time.monotonic()
+        # A worker's beat blocked on the dead store ends within its request bound (10 s,
+        # worker/membership.py) before it reconnects: silence counts from there.
+        since = time.monotonic() + 10.0
         for member in self.members.values():
             status = old.statuses.get(member.id)
             if member.live and status is not None:
                 self.m.store.set_record(P.status_key(member.id), status.to_json())
-            member.alive_at = now
+            member.alive_at = since
         if moved.took_over:
             self.leader = RegroupLeader(
                 self.m, self.generation, self.config, events=services.events,
