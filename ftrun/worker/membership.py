@@ -119,21 +119,29 @@ class Membership:
         # etcd-v3: the store may move (the job's writer died and a new one took over); a
         # failed request then reconnects to where the agent's store file says it is now,
         # for up to a collective timeout (op_timeout), and fails with StoreError after it.
+        # There the bounds are also put on the clients' sockets (control/store.py
+        # connect_store): a request to a writer whose link is cut fails within its bound
+        # instead of waiting for TCP to give up.
         moved = self._moved_store(env, signer, op_timeout)
-        retry_s = op_timeout.total_seconds() if moved is not None else 0.0
-        self.store = JsonStore(dist.TCPStore(host, port, is_master=False, timeout=op_timeout),
-                               member.prefix, signer=signer, reconnect=moved, retry_s=retry_s)
+        bound_s = op_timeout.total_seconds()
+        retry_s = bound_s if moved is not None else 0.0
+
+        def first_client(request_s: float) -> dist.TCPStore:
+            if moved is None:
+                client = dist.TCPStore(host, port, is_master=False, timeout=op_timeout)
+                client.set_timeout(timedelta(seconds=request_s))
+                return client
+            return connect_store(host, port, bound_s, op_timeout_s=request_s)
+        self.store = JsonStore(first_client(bound_s), member.prefix, signer=signer,
+                               reconnect=moved, retry_s=retry_s)
         # The heartbeat's own connection: connected with the main bound (a loaded node can
         # take over 10 s to accept it), then each beat bounded by 10 s so a slow store
         # cannot stall the thread that says this member is alive.
-        beat_client = dist.TCPStore(host, port, is_master=False, timeout=op_timeout)
-        beat_client.set_timeout(timedelta(seconds=10))
+        beat_client = first_client(10.0)
 
         def beat_reconnect() -> dist.TCPStore:
             assert moved is not None
-            client = moved()
-            client.set_timeout(timedelta(seconds=10))
-            return client
+            return moved(10.0)
         self._beat_store = JsonStore(beat_client, member.prefix, signer=signer,
                                      reconnect=None if moved is None else beat_reconnect,
                                      retry_s=retry_s)
@@ -150,20 +158,25 @@ class Membership:
 
     @staticmethod
     def _moved_store(env: P.WorkerEnv, signer: Signer, op_timeout: timedelta
-                     ) -> Callable[[], dist.TCPStore] | None:
+                     ) -> Callable[..., dist.TCPStore] | None:
         """etcd-v3 jobs (the agent set ``STORE_FILE_ENV``): a connect to the store the
         agent's file names now, each attempt bounded by 2 s so that a new address written
-        meanwhile is read on the next one; None for the other backends (the store never
-        moves there: losing its host ends the job generation)."""
+        meanwhile is read on the next one, its requests by ``request_s`` (default: the
+        collective timeout); None for the other backends (the store never moves there:
+        losing its host ends the job generation)."""
         path = os.environ.get(P.STORE_FILE_ENV)
         if not path:
             return None
         key = P.store_file_key(env.run_id, env.generation)
         bound_s = op_timeout.total_seconds()
 
-        def connect() -> dist.TCPStore:
+        def connect(request_s: float = bound_s) -> dist.TCPStore:
             host, port = store_file_address(path, signer, key, env.generation)
-            return connect_store(host, port, min(2.0, bound_s), op_timeout_s=bound_s)
+            try:  # a plain connect first: torch logs every failed one (a dead store's)
+                socket.create_connection((host, port), timeout=min(2.0, bound_s)).close()
+            except OSError as error:
+                raise StoreError(f"cannot reach the store at {host}:{port}: {error}") from None
+            return connect_store(host, port, min(2.0, bound_s), op_timeout_s=request_s)
         return connect
 
     # --- status and the heartbeat thread --------------------------------------------------
