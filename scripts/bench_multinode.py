@@ -171,15 +171,17 @@ TORCHRUN_RDZV_QUOTE_SOURCE = (
 # --- node-loss recovery on namespace hosts -------------------------------------------------
 
 
-#: The three ways a job meets a lost node: torchrun's restart, ftrun's restart (a script
-#: without the worker API) and ftrun's in-process regroup (scripts/train_elastic.py).
-VARIANTS = ("ftrun", "ftrun_regroup", "torchrun")
+#: The ways a job meets a lost node: torchrun's restart, ftrun's restart (a script
+#: without the worker API), ftrun's in-process regroup (scripts/train_elastic.py), and the
+#: same with a standby node that takes the lost node's ranks (--standby-nodes 1).
+VARIANTS = ("ftrun", "ftrun_regroup", "torchrun", "ftrun_spare")
 
 
 def _launcher_args(variant: str, leader_addr: str, host_addr: str, script: Path,
                    workdir: Path) -> list[str]:
     program = "torchrun" if variant == "torchrun" else "ftrun"
-    common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    nnodes = ["2", "--standby-nodes", "1"] if variant == "ftrun_spare" else ["2:3"]
+    common = ["--nnodes", *nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"{leader_addr}:29400", "--rdzv-id", "bench",
               "--max-restarts", "3", "--local-addr", host_addr]
     # is_host: torchrun recognises the store host by its hostname, which the namespaces
@@ -188,7 +190,7 @@ def _launcher_args(variant: str, leader_addr: str, host_addr: str, script: Path,
     common += ["--rdzv-conf", f"last_call_timeout=15,is_host={is_host}"]
     if program == "torchrun":
         common += ["--monitor-interval", "0.1"]
-    if variant == "ftrun_regroup":
+    if variant in ("ftrun_regroup", "ftrun_spare"):
         common += ["--recovery", "regroup"]
     return [str(BIN / program), *common, str(script), "--steps", "100000",
             "--step-sleep", "0.05", "--checkpoint-dir", str(workdir),
@@ -213,13 +215,18 @@ class _Reader:
                 self.numbers.append(int(match[1]))
 
 
-def node_loss_once(variant: str, cap_s: float) -> tuple[float | None, int | None]:
-    """Seconds from h3's link cut to a new step on both survivors, and the committed steps
-    the survivors lost (the last step before the cut minus the step they went on from)."""
+def node_loss_once(variant: str, cap_s: float, fault: str = "cut"
+                   ) -> tuple[float | None, int | None]:
+    """Seconds from the fault to a new step on both survivors, and the committed steps
+    the survivors lost (the last step before the fault minus the step they went on from).
+    The fault: h3's link cut (``cut``) or its launcher's process group SIGKILLed
+    (``kill``); for ``ftrun_spare`` it hits the active non-leader node (h2 or h3, whichever
+    did not stand by) and the survivors are the leader and the standby."""
     from tests.infra.netns import NetnsNetwork
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_mn_"))
-    name = "train_elastic.py" if variant == "ftrun_regroup" else "train_ddp.py"
+    name = "train_elastic.py" if variant in ("ftrun_regroup", "ftrun_spare") \
+        else "train_ddp.py"
     script = workdir / name
     shutil.copy(REPO / "scripts" / name, script)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", FTRUN_JOB_TOKEN="bench-token")
@@ -231,30 +238,124 @@ def node_loss_once(variant: str, cap_s: float) -> tuple[float | None, int | None
                 proc = host.popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, errors="replace", env=env, cwd=workdir)
                 readers.append(_Reader(proc))
+            victim = 2
+            if variant == "ftrun_spare":  # the standby says so; the other one is the victim
+                victim = _wait_victim(readers)
+            stepping = [r for i, r in enumerate(readers) if variant != "ftrun_spare"
+                        or i in (0, victim)]
             deadline = time.time() + 180
-            while not all(len(r.steps) >= 5 for r in readers):
+            while not all(len(r.steps) >= 5 for r in stepping):
                 if time.time() > deadline:
                     raise RuntimeError(f"{variant}: no steps: {readers[0].lines[-20:]}")
                 time.sleep(0.1)
-            net.cut_link(net["h3"])
+            if fault == "cut":
+                net.cut_link(net.hosts[victim])
+            else:
+                os.killpg(readers[victim].proc.pid, signal.SIGKILL)
             cut = time.time()
+            survivors = [r for i, r in enumerate(readers) if i != victim]
             # Progress again: a step of each survivor, read after the cut, that is not the
             # tail of steps already in flight (half a second of grace).
             deadline = cut + cap_s
             while time.time() < deadline:
-                if all(any(t > cut + 0.5 for t in r.steps) for r in readers[:2]):
+                if all(any(t > cut + 0.5 for t in r.steps) for r in survivors):
                     firsts = [next(i for i, t in enumerate(r.steps) if t > cut + 0.5)
-                              for r in readers[:2]]
-                    after = [r.steps[i] for r, i in zip(readers[:2], firsts, strict=True)]
+                              for r in survivors]
+                    after = [r.steps[i] for r, i in zip(survivors, firsts, strict=True)]
                     done = max(max((n for n, t in zip(r.numbers, r.steps, strict=True)
-                                    if t <= cut), default=0) for r in readers[:2])
-                    went_on = min(r.numbers[i] for r, i in zip(readers[:2], firsts, strict=True))
+                                    if t <= cut), default=0) for r in survivors)
+                    went_on = min(r.numbers[i] for r, i in zip(survivors, firsts, strict=True))
                     # A survivor that kept stepping through the cut never lost progress.
                     return max(after) - cut, max(0, done - went_on + 1)
                 time.sleep(0.05)
             return None, None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def false_alarms(minutes: float, busy: int) -> dict[str, Any]:
+    """A regroup job on three namespace hosts with the default heartbeat settings (1 s /
+    5 s) and presence connections, trained for ``minutes`` while ``busy`` busy-loop
+    processes keep the cores busy; counts the node-loss declarations (node_lost events and
+    'lost: no heartbeat' lines on every agent) and the store-lost exits: all must be 0."""
+    from tests.infra.netns import NetnsNetwork
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench_fa_"))
+    script = workdir / "train_elastic.py"
+    shutil.copy(REPO / "scripts" / "train_elastic.py", script)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", FTRUN_JOB_TOKEN="bench-token")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(busy)]
+    load_before = os.getloadavg()
+    started = time.time()
+    try:
+        with NetnsNetwork(3) as net:
+            readers = []
+            for host in net:
+                events = workdir / f"events-{host.name}.jsonl"
+                args = [str(BIN / "ftrun"), "--nnodes", "3", "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net['h1'].addr}:29400",
+                        "--rdzv-id", "falsealarms", "--recovery", "regroup",
+                        "--rdzv-conf", f"is_host={int(host.name == 'h1')}",
+                        "--local-addr", host.addr, "--events-file", str(events),
+                        str(script), "--steps", "100000000", "--hidden", "32",
+                        "--step-sleep", "0.05"]
+                proc = host.popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, errors="replace", env=env, cwd=workdir)
+                readers.append(_Reader(proc))
+            end = time.time() + minutes * 60
+            loads = []
+            while time.time() < end and all(r.proc.poll() is None for r in readers):
+                time.sleep(min(10.0, max(0.0, end - time.time())))
+                loads.append(os.getloadavg()[0])
+            exits = [r.proc.poll() for r in readers]
+            for reader in readers:
+                if reader.proc.poll() is None:
+                    reader.proc.send_signal(signal.SIGTERM)
+            for reader in readers:
+                try:
+                    reader.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(reader.proc.pid, signal.SIGKILL)
+            declared = sum(1 for host in ("h1", "h2", "h3")
+                           for line in _lines(workdir / f"events-{host}.jsonl")
+                           if '"event":"node_lost"' in line)
+            said = sum(1 for r in readers for line in r.lines if "lost: no heartbeat" in line)
+            store_lost = sum(1 for r in readers for line in r.lines
+                             if "lost the rendezvous store" in line)
+            return {
+                "minutes": round((time.time() - started) / 60, 2),
+                "busy_processes": busy,
+                "node_loss_declarations": declared,
+                "lost_lines": said,
+                "store_lost_exits": store_lost,
+                "exited_early": [code for code in exits if code is not None],
+                "steps_on_leader": len(readers[0].steps),
+                "load_avg_1m_before": round(load_before[0], 2),
+                "load_avg_1m_median": round(statistics.median(loads), 2) if loads else None,
+                "load_avg_1m_min": round(min(loads), 2) if loads else None,
+            }
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _wait_victim(readers: list[_Reader], timeout_s: float = 180.0) -> int:
+    """ftrun_spare: the index of the active non-leader (h2 or h3: the one that did not say
+    it stands by)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for index in (1, 2):
+            if any("standing by" in line for line in readers[index].lines):
+                return 3 - index
+        time.sleep(0.1)
+    raise RuntimeError(f"ftrun_spare: no standby node: {readers[1].lines[-20:]}")
 
 
 def leader_loss_once_etcd(cap_s: float) -> tuple[float | None, int | None]:
@@ -1523,8 +1624,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", choices=["recovery", "rendezvous", "rendezvous-light",
                                            "rendezvous-light-etcd", "leader-loss",
-                                           "store-load"])
+                                           "store-load", "false-alarms"])
     parser.add_argument("--runs", type=int, default=2, help="node-loss runs per launcher")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="recovery: the variants to run (ftrun_spare also runs "
+                             "ftrun_spare_kill: the same job, the node SIGKILLed)")
+    parser.add_argument("--minutes", type=float, default=10.0,
+                        help="false-alarms: how long the loaded job runs")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="false-alarms: busy-loop processes (0: one per core)")
     parser.add_argument("--cap", type=float, default=90.0, help="torchrun recovery cap (s)")
     parser.add_argument("--agents", default="64,128,256,512")
     parser.add_argument("--torchrun-rendezvous", action="store_true",
@@ -1580,18 +1688,24 @@ def main() -> None:
         assert isinstance(recovery, dict)
         lost = result["node_loss_steps_lost"]
         assert isinstance(lost, dict)
+        wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+        runs = [(v, "cut") for v in VARIANTS if v in wanted]
+        if "ftrun_spare" in wanted:  # the standby's goal is about a killed node: both faults
+            runs.append(("ftrun_spare_kill", "kill"))
         for _ in range(args.runs):
-            for program in VARIANTS:
-                took, steps_lost = node_loss_once(program, args.cap)
-                print(f"  node loss, {program}: {took} s, {steps_lost} steps lost",
+            for key, fault in runs:
+                program = "ftrun_spare" if key == "ftrun_spare_kill" else key
+                took, steps_lost = node_loss_once(program, args.cap, fault)
+                print(f"  node loss ({fault}), {key}: {took} s, {steps_lost} steps lost",
                       file=sys.stderr, flush=True)
-                lost[program].append(steps_lost)
+                lost.setdefault(key, []).append(steps_lost)
+                recovery.setdefault(key, [])
                 if took is None:
                     took = args.cap
                     censored = result["censored"]
                     assert isinstance(censored, dict)
-                    censored.setdefault(program, []).append(len(recovery[program]))
-                recovery[program].append(round(took, 2))
+                    censored.setdefault(key, []).append(len(recovery[key]))
+                recovery[key].append(round(took, 2))
     if args.only in (None, "leader-loss"):
         for _ in range(args.runs):
             took, steps_lost = leader_loss_once_etcd(args.cap)
@@ -1608,13 +1722,20 @@ def main() -> None:
         measure_rendezvous_light_etcd(args, result)
     if args.only in (None, "store-load"):
         measure_store_load(args, result)
+    if args.only == "false-alarms":  # long: only when asked for
+        result["false_alarms"] = false_alarms(args.minutes, args.busy or os.cpu_count() or 2)
     if args.json:
         print(json.dumps(result, indent=2))
         return
+    if "false_alarms" in result:
+        print("false alarms: node-loss declarations in a loaded job:")
+        for key, value in result["false_alarms"].items():  # type: ignore[union-attr]
+            print(f"  {key:28} {value}")
     rec = result["node_loss_recovery_s"]
     if any(rec.values()):  # type: ignore[union-attr]
-        print("node loss -> training progressing again (s), link of h3 cut:")
-    for program in VARIANTS:
+        print("node loss -> training progressing again (s), link of h3 cut (ftrun_spare: "
+              "the active non-leader's; ftrun_spare_kill: its launcher SIGKILLed):")
+    for program in rec:  # type: ignore[union-attr]
         values = rec[program]  # type: ignore[index]
         if values:
             note = f"  (>= cap {args.cap:.0f} s: no progress)" if program in result[
