@@ -7,6 +7,8 @@ per host. Skipped only when etcd-server (or, for the job, iproute2/iptables) is 
 
 from __future__ import annotations
 
+import itertools
+import re
 import shutil
 import subprocess
 import threading
@@ -24,8 +26,8 @@ from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
 from ftrun.control.store import JsonStore
 from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
 from tests.launch import REPO, Launch, launcher
-from tests.lines import Done, ElasticStep, find
-from tests.test_multinode import TOKEN, HostLaunch
+from tests.lines import Done, ElasticStep, find, parse, reached
+from tests.test_multinode import TOKEN, HostLaunch, _check_regroup_across_nodes
 
 pytestmark = pytest.mark.skipif(etcd_missing_reason() is not None,
                                 reason=etcd_missing_reason() or "")
@@ -185,7 +187,7 @@ def etcd_net(infra_leak_check, netns_network, etcd_cluster):  # type: ignore[no-
 def _etcd_job(net, cluster, job_dir: Path, steps: int) -> list[Launch]:  # type: ignore[no-untyped-def]
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
-    args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
+    args = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
             "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "etcdjob",
             "--rdzv-conf", "last_call_timeout=5", "--heartbeat-interval", "0.5",
             "--heartbeat-timeout", str(HB_TIMEOUT_S), "--recovery", "regroup",
@@ -204,22 +206,53 @@ def _steps_by_pid(node: Launch) -> dict[int, list[ElasticStep]]:
     return by_pid
 
 
-def test_netns_etcd_member_killed_then_writer_node_killed(job_dir: Path, etcd_net) -> None:  # type: ignore[no-untyped-def]
+def _resynced(node: Launch) -> set[int]:
+    """Worker pids that took another member's state at a step resync (ftrun/worker/api.py
+    says so: the decision of their last step died with the writer's store)."""
+    return {int(m[1]) for x in node.lines
+            if (m := re.search(r"ftrun: member \S+ \(pid (\d+)\) took the state", x))}
+
+
+def _check_in_place(survivors: list[Launch], before: dict[int, int], world: int) -> None:
+    """tests/lines.py's invariants for survivors that regrouped in process (same pids, one
+    checksum per member epoch, each epoch starting after the last committed step, no
+    restart). A survivor that took the state at a step resync skipped that one step's
+    computation (it received its result): it is held to every invariant but that one, and
+    its steps may skip exactly one number, once, at the fault."""
+    resynced = set().union(*(_resynced(n) for n in survivors))
+    _check_regroup_across_nodes(
+        survivors, {p: s for p, s in before.items() if p not in resynced}, world)
+    for node in survivors:
+        for pid, mine in _steps_by_pid(node).items():
+            if pid in resynced:
+                gaps = [b.step - a.step for a, b in itertools.pairwise(mine)]
+                assert sorted(set(gaps)) in ([1], [1, 2]) and gaps.count(2) <= 1, gaps
+
+
+def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
+        job_dir: Path, etcd_net) -> None:  # type: ignore[no-untyped-def]
     """Three ftrun nodes on a 3-member etcd cluster (one member per host), in-process
-    regroup, one run, two faults:
+    regroup, one run, three faults:
 
     1. the etcd member every agent talks to first (h1's, the first endpoint) is SIGKILLed:
        the agents move to the next member; for longer than the heartbeat timeout and 15
        more steps no node is declared lost, no generation ends, nothing restarts, and each
-       worker commits consecutive steps in the same process;
+       worker commits consecutive steps in the same process (the member is then started
+       again: the cluster needs it for the third fault);
     2. the node of the agent elected as the job's writer (it forms the generations and
-       hosts their store) is SIGKILLed, agent and workers: its lease expires, exactly one
-       survivor takes the writer's key, the two survivors form a generation without it,
-       finish the training (from the checkpoint: the dead writer's store held the member
-       epochs, so their workers restart) with equal parameters, and exit 0.
+       hosts the store of their member epochs) is SIGKILLed, agent and workers: its lease
+       expires, exactly one survivor takes the writer's key and serves a new member-epoch
+       store, and the survivors' workers reconnect to it and regroup in place: the same
+       pids, no step lost or repeated, one checksum per member epoch, a world of two, no
+       restart (tests/lines.py's invariants);
+    3. the link of that new writer's host is cut (no reset, its etcd member cut off too):
+       it cannot renew its lease, says so and exits 3 within the bound (no second writer
+       runs beside the next); the last node takes over as in 2. and its worker goes on in
+       place alone; it finishes the training and exits 0, and every survivor of 2. agrees
+       on the parameters at the moment of the cut.
     """
     net, cluster = etcd_net
-    steps = 100
+    steps = 120
     nodes = _etcd_job(net, cluster, job_dir, steps)
     try:
         for node in nodes:
@@ -243,26 +276,45 @@ def test_netns_etcd_member_killed_then_writer_node_killed(job_dir: Path, etcd_ne
             own = "\n".join(x for x in node.lines if "step=" not in x)
             for sign in ("lost", "ended", "restarting", "failed", "Traceback"):
                 assert sign not in own, own[-3000:]
+        cluster.restart(0)
 
         (writer,) = [n for n in nodes if any("job's writer (elected" in x for x in n.lines)]
         survivors = [n for n in nodes if n is not writer]
         marks = [len(n.lines) for n in survivors]
+        reached_at: dict[int, int] = {}
+        for node, mark in zip(survivors, marks, strict=True):
+            reached_at.update(reached(parse(node.lines[:mark])))
         writer.kill()
         killed = time.monotonic()
         for node, mark in zip(survivors, marks, strict=True):
             node.wait_for(lambda lines, mark=mark: any(
                 s.world == 2 for s in find(lines[mark:], ElasticStep)),
-                120, "the survivors re-formed with two nodes")
-        print(f"writer's node SIGKILLed to the survivors' workers started: "
+                120, "the survivors regrouped with two nodes")
+        print(f"writer's node SIGKILLed to the survivors stepping at world 2: "
               f"{time.monotonic() - killed:.2f}s")
-        assert sum("took over" in n.output for n in survivors) == 1, \
-            [n.output[-2000:] for n in survivors]
-        for node in survivors:
-            assert node.wait(120) == 0, node.output[-3000:]
-        done = [d for node, mark in zip(survivors, marks, strict=True)
-                for d in find(node.lines[mark:], Done)]
-        assert sorted(d.rank for d in done) == [0, 1], done
-        assert len({d.param_sum for d in done}) == 1 and all(d.steps == steps for d in done)
+        (second,) = [n for n in survivors if "took over" in n.output]
+        (last,) = [n for n in survivors if n is not second]
+        _check_in_place(survivors, reached_at, world=2)
+
+        mark = len(last.lines)
+        reached_at = reached(parse(last.lines[:mark]))
+        second.host.cut_link()
+        cut = time.monotonic()
+        last.wait_for(lambda lines: any(s.world == 1 for s in find(lines[mark:], ElasticStep)),
+                      120, "the last node going on alone")
+        print(f"new writer's link cut to the last node stepping alone: "
+              f"{time.monotonic() - cut:.2f}s")
+        # cut off, it renews neither its heartbeat nor its lease (5 s): it stops its workers
+        # and exits 3 (measured 10 s from the cut)
+        assert second.wait(60) == 3, second.output[-3000:]
+        stopped = time.monotonic() - cut
+        assert stopped < 45, stopped
+        assert "lost the rendezvous store" in second.output, second.output[-3000:]
+        assert sum("took over" in x for x in last.lines[mark:]) == 1, last.output[-3000:]
+        assert last.wait(120) == 0, last.output[-3000:]
+        _check_in_place([last], reached_at, world=1)
+        (done,) = find(last.lines[mark:], Done)
+        assert done.steps == steps and done.rank == 0, done
     finally:
         for node in nodes:
             node.kill()

@@ -79,28 +79,43 @@ class EtcdCluster:
     def start(self, timeout: float = 30.0) -> None:
         """Start every member; return when each says it is healthy (RuntimeError with the
         members' logs otherwise)."""
-        token = self.root.name
-        peers = ",".join(f"m{i}=http://{h.addr}:{self.peer_port}"
-                         for i, h in enumerate(self.hosts))
-        for i, host in enumerate(self.hosts):
-            client = f"http://{host.addr}:{self.client_port}"
-            peer = f"http://{host.addr}:{self.peer_port}"
-            log = open(self.root / f"m{i}.log", "wb")  # noqa: SIM115 - the member owns it
-            self.procs[i] = host.popen(
-                ["etcd", "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", peers, "--initial-cluster-state", "new",
-                 "--initial-cluster-token", token, "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            log.close()
+        for i in range(len(self.hosts)):
+            self._launch(i, "new")
         deadline = time.monotonic() + timeout
-        for i, host in enumerate(self.hosts):
-            while not _health(host.socket(), host.addr, self.client_port, 2.0):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"etcd member m{i} on {host} not healthy in {timeout} s:"
-                                       f"\n{self.log(i)[-2000:]}")
-                time.sleep(0.1)
+        for i in range(len(self.hosts)):
+            self._wait_healthy(i, deadline, timeout)
+
+    def _launch(self, i: int, state: str) -> None:
+        """Start member ``i`` (``state``: etcd's initial cluster state; a member that
+        restarts on its data directory rejoins whatever it says)."""
+        host = self.hosts[i]
+        peers = ",".join(f"m{j}=http://{h.addr}:{self.peer_port}"
+                         for j, h in enumerate(self.hosts))
+        client = f"http://{host.addr}:{self.client_port}"
+        peer = f"http://{host.addr}:{self.peer_port}"
+        log = open(self.root / f"m{i}.log", "ab")  # noqa: SIM115 - the member owns it
+        self.procs[i] = host.popen(
+            ["etcd", "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", peers, "--initial-cluster-state", state,
+             "--initial-cluster-token", self.root.name, "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+
+    def _wait_healthy(self, i: int, deadline: float, timeout: float) -> None:
+        host = self.hosts[i]
+        while not _health(host.socket(), host.addr, self.client_port, 2.0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member m{i} on {host} not healthy in {timeout} s:"
+                                   f"\n{self.log(i)[-2000:]}")
+            time.sleep(0.1)
+
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        """Start member ``i`` again after :meth:`kill` (on its data directory: it rejoins
+        the cluster); return once it says it is healthy."""
+        self._launch(i, "existing")
+        self._wait_healthy(i, time.monotonic() + timeout, timeout)
 
     def log(self, i: int) -> str:
         with contextlib.suppress(OSError):
