@@ -163,16 +163,22 @@ class PresenceServer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._sel.select(timeout=_TICK_S):
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._readable(key.data)
-            now = self._clock()
-            for conn in [c for c in self._conns.values() if c.node_id is None]:
-                if now > conn.deadline:
-                    self._reject(conn, "no hello within "
-                                 f"{HELLO_TIMEOUT_S:.0f} s")
+            try:
+                self._serve_once()
+            except Exception as error:  # never end unseen: verdicts would silently stop
+                self._say(f"presence: server error: {type(error).__name__}: {error}")
+                self._stop.wait(_TICK_S)
+
+    def _serve_once(self) -> None:
+        for key, _ in self._sel.select(timeout=_TICK_S):
+            if key.data is None:
+                self._accept()
+            else:
+                self._readable(key.data)
+        now = self._clock()
+        for conn in [c for c in self._conns.values() if c.node_id is None]:
+            if now > conn.deadline:
+                self._reject(conn, f"no hello within {HELLO_TIMEOUT_S:.0f} s")
 
     def _accept(self) -> None:
         while True:
