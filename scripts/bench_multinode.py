@@ -11,11 +11,12 @@
 
 * ``leader_loss_recovery_s.ftrun_etcd`` (and ``leader_loss_steps_lost``): ``--rdzv-backend
   etcd-v3`` on three namespace hosts, a 3-member etcd cluster (one member per host,
-  tests/infra/etcd_cluster.py) and one agent with one gloo worker (scripts/train_ddp.py,
-  checkpoints every 10 steps) per host; the node of the agent elected as the job's writer is
+  tests/infra/etcd_cluster.py) and one agent with one gloo worker (scripts/train_elastic.py,
+  ``--recovery regroup``) per host; the node of the agent elected as the job's writer is
   SIGKILLed (agent and worker); the figure is from the kill to a step of both survivors
-  (the writer's lease of --heartbeat-timeout, 5 s, expires, a survivor takes the key, the
-  two re-form and restart their workers from the checkpoint). With the embedded TCPStore
+  (the writer's lease of --heartbeat-timeout, 5 s, expires, a survivor takes the key and
+  serves a new member-epoch store, the survivors' workers reconnect to it and regroup in
+  process). With the embedded TCPStore
   the same fault (the store host's node) stops the whole job: there is no figure to put
   next to it.
 * ``rendezvous_s.ftrun_etcd``: the light-agent rendezvous below with the etcd-v3 backend's
@@ -360,15 +361,16 @@ def _wait_victim(readers: list[_Reader], timeout_s: float = 180.0) -> int:
 
 def leader_loss_once_etcd(cap_s: float) -> tuple[float | None, int | None]:
     """``--rdzv-backend etcd-v3`` on three namespace hosts, one etcd member and one ftrun
-    agent (one gloo worker, scripts/train_ddp.py, checkpoints every 10 steps) per host: the
+    agent (one gloo worker, scripts/train_elastic.py, ``--recovery regroup``) per host: the
     node of the agent elected as the job's writer is SIGKILLed (agent and workers). Seconds
-    from the kill to a new step on both survivors, and the committed steps they lost."""
+    from the kill to a new step on both survivors, and the committed steps they lost (the
+    survivors follow the member-epoch store to the new writer and regroup in process)."""
     from tests.infra.etcd_cluster import EtcdCluster
     from tests.infra.netns import NetnsNetwork
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_mn_"))
-    script = workdir / "train_ddp.py"
-    shutil.copy(REPO / "scripts" / "train_ddp.py", script)
+    script = workdir / "train_elastic.py"
+    shutil.copy(REPO / "scripts" / "train_elastic.py", script)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", FTRUN_JOB_TOKEN="bench-token")
     try:
         with NetnsNetwork(3) as net, EtcdCluster(list(net)) as cluster:
@@ -377,9 +379,9 @@ def leader_loss_once_etcd(cap_s: float) -> tuple[float | None, int | None]:
                 args = [str(BIN / "ftrun"), "--nnodes", "2:3", "--nproc-per-node", "1",
                         "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", cluster.endpoints,
                         "--rdzv-id", "bench", "--max-restarts", "3", "--local-addr", host.addr,
-                        "--rdzv-conf", "last_call_timeout=15", str(script),
-                        "--steps", "100000", "--step-sleep", "0.05",
-                        "--checkpoint-dir", str(workdir), "--checkpoint-every", "10"]
+                        "--rdzv-conf", "last_call_timeout=15", "--recovery", "regroup",
+                        str(script), "--steps", "100000", "--hidden", "64",
+                        "--step-sleep", "0.05"]
                 proc = host.popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, errors="replace", env=env, cwd=workdir)
                 procs.append(proc)
