@@ -1733,6 +1733,7 @@ def main() -> None:
         print("false alarms: node-loss declarations in a loaded job:")
         for key, value in result["false_alarms"].items():  # type: ignore[union-attr]
             print(f"  {key:28} {value}")
+        print(json.dumps({"false_alarms": result["false_alarms"]}))  # the one JSON, last
     rec = result["node_loss_recovery_s"]
     if any(rec.values()):  # type: ignore[union-attr]
         print("node loss -> training progressing again (s), link of h3 cut (ftrun_spare: "
