@@ -16,17 +16,21 @@ regroup (scripts/train_elastic.py, the DDP ``run_step`` path):
   (one checksum per member generation, consecutive steps for the survivor, a world of 2
   after the regroup), and the job finishes with both ranks done on one set of parameters.
 
-It prints the time from the kill to the first step of the new world of 2.
+It prints the time from the kill to the first step of the new world of 2. A second, cheap
+test checks that the gate is ``ftrun doctor --quick``'s subset and what it reports.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
-from tests.launch import REPO
+from ftrun.doctor.gate import health_gate, quick_check_names
+from tests.launch import REPO, launcher
 from tests.lines import ElasticStep, check_regroup_invariants, find, parse
 from tests.test_multinode import HostLaunch
 
@@ -104,3 +108,23 @@ def test_a_standby_node_takes_a_lost_nodes_ranks_and_a_failing_node_is_refused( 
     epochs = [e for e in leader_events if e["event"] == "epoch"]
     assert [e["world_size"] for e in epochs] == [2, 2], epochs  # never a world of 1
     assert epochs[-1]["joiners"] and epochs[-1]["joiners"][0].startswith("2."), epochs
+
+
+def test_the_gate_is_doctors_quick_subset_and_names_what_failed() -> None:
+    """``ftrun doctor --quick`` runs exactly the gate's checks (ftrun/doctor/gate.py), in
+    well under its 1 s budget here, and a bogus GLOO_SOCKET_IFNAME fails it, exit 1; the
+    agent's gate gives the same failure as one line per check."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "bogus0"}
+    env.pop("NCCL_SOCKET_IFNAME", None)
+    done = subprocess.run([launcher(), "doctor", "--quick", "--json"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    report = json.loads(done.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert set(checks) == set(quick_check_names(env)), checks
+    assert checks["net.gloo_ifname"]["status"] == "fail", checks
+    assert [c for c in checks if checks[c]["status"] == "fail"] == ["net.gloo_ifname"]
+    assert all(c["elapsed_s"] < 1.0 for c in checks.values()), checks
+    (failure,) = health_gate(env)
+    assert failure.startswith("net.gloo_ifname: GLOO_SOCKET_IFNAME=bogus0"), failure
+    assert health_gate({**env, "GLOO_SOCKET_IFNAME": "lo"}) == []

@@ -53,11 +53,16 @@ def passes_health_gate(rdzv: Rendezvous, number: int, slot: NodeSlot,
     return False
 
 
-def standby_config(config: LaunchConfig) -> LaunchConfig:
-    """A standby node's share of a generation (``--standby-nodes``): no rank of its own, so
-    every one of its ``--nproc-per-node`` workers starts as a spare (``ftrun.agent.regroup``
-    spawns ``nproc_per_node`` members and ``spares`` spares) and waits, torch imported, for
-    the leader to give it a lost node's rank."""
+def standby_config(config: LaunchConfig, standby: bool,
+                   say: Callable[..., None]) -> LaunchConfig:
+    """The configuration a supervisor runs this node's share of a generation with: as given,
+    or on a standby node (``--standby-nodes``: no rank of its own, said once per
+    generation) one where every one of its ``--nproc-per-node`` workers starts as a spare
+    (``ftrun.agent.regroup`` spawns ``nproc_per_node`` members and ``spares`` spares) and
+    waits, torch imported, for the leader to give it a lost node's rank."""
+    if not standby:
+        return config
+    say("standing by: the workers start and wait to take a lost node's ranks")
     return dataclasses.replace(config, nproc_per_node=0,
                                spares=config.spares + config.nproc_per_node)
 

@@ -31,7 +31,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ftrun.control.presence import RECORD, PresenceClient, PresenceError, parse_record
+from ftrun.control.auth import Signer
+from ftrun.control.presence import (
+    RECORD,
+    PresenceClient,
+    PresenceError,
+    PresenceServer,
+    parse_record,
+)
 from ftrun.control.store import JsonStore
 
 if TYPE_CHECKING:
@@ -131,6 +138,16 @@ class HeartbeatSender:
             self.presence_error = ""
         except PresenceError as error:
             self.presence_error = str(error)
+
+
+def serve_presence(store: JsonStore, signer: Signer, run_id: str, bind: str | None,
+                   host: str, on_reject: Callable[[str], None]) -> PresenceServer:
+    """The leader's presence server, started on ``bind`` (None: every interface, as the
+    stores) and published as the signed ``presence`` record with the ``host`` other nodes
+    reach this node at."""
+    server = PresenceServer(signer, run_id, bind, on_reject=on_reject).start()
+    store.set_record(RECORD, {"host": host, "port": server.port})
+    return server
 
 
 class HeartbeatMonitor:

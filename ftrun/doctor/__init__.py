@@ -15,6 +15,8 @@ The package:
   endpoint), ``slurm``;
 * ``runner``: runs the checks in parallel under a deadline, prints the report, and is the
   ``ftrun doctor`` command (:data:`app`, :func:`main`).
+* ``gate``: the health gate, the quick subset a node passes before it joins a multi-node
+  job (``ftrun doctor --quick`` runs it by hand).
 
 Exit codes: 0 nothing failed, 1 something failed, 2 bad usage.
 """

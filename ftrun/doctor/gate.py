@@ -14,12 +14,13 @@ answers them.
 healthy node; warnings do not refuse a node. It never raises for a failing node and is
 bounded by ``timeout_s`` (a check still running then counts as a failure, as in
 ``ftrun doctor``). ``FTRUN_HEALTH_GATE=0`` in the agent's environment skips it.
+``ftrun doctor --quick`` runs the same checks by hand.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ftrun.doctor.options import Options
 
@@ -43,6 +44,14 @@ def gate_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(GATE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def quick_selector(environ: Mapping[str, str] | None = None) -> Callable[[str], bool]:
+    """Selects the gate's checks by name (for ``run_checks(only=...)``, ``ftrun doctor
+    --quick``)."""
+    wanted = set(quick_check_names(environ))
+    return lambda name: name in wanted or any(
+        name.startswith(f"{g}.") for g in GPU_CHECKS if g in wanted)
+
+
 def health_gate(environ: Mapping[str, str] | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Run the quick checks; return one line per failed check (see the module docstring)."""
@@ -53,7 +62,5 @@ def health_gate(environ: Mapping[str, str] | None = None,
     gpus = any(n.startswith("gpu") for n in names)
     options = Options(nproc_per_node="gpu" if gpus else "cpu", timeout=timeout_s,
                       environ=env)
-    wanted = set(names)
-    results = run_checks(options, only=lambda name: name in wanted or any(
-        name.startswith(f"{g}.") for g in GPU_CHECKS if g in wanted))
+    results = run_checks(options, only=quick_selector(env))
     return [f"{r.name}: {r.detail}" for r in results if r.status == "fail"]

@@ -36,6 +36,7 @@ from ftrun.doctor.core import (
     nvml_hint,
     one_line,
 )
+from ftrun.doctor.gate import quick_selector
 from ftrun.doctor.options import (
     DEFAULT_TIMEOUT_S,
     Options,
@@ -178,6 +179,9 @@ def doctor(
     timeout: str = typer.Option(
         str(DEFAULT_TIMEOUT_S), "--timeout", metavar="SECONDS",
         help="Seconds before a check that hangs is failed."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Only the health gate's quick checks (what a node passes "
+        "before it joins a multi-node job: ftrun/doctor/gate.py)."),
 ) -> None:
     """Check this node (GPUs, drivers, NCCL, shim, host limits, network, Slurm) in seconds.
 
@@ -195,7 +199,7 @@ def doctor(
     except UsageError as exc:
         raise _usage_error(str(exc)) from None
     t0 = time.monotonic()
-    results = run_checks(options)
+    results = run_checks(options, quick_selector(options.environ) if quick else None)
     elapsed = time.monotonic() - t0
     if as_json:
         sys.stdout.write(json.dumps(report(results, elapsed)) + "\n")
