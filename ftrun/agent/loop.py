@@ -53,8 +53,8 @@ from ftrun.agent.statusboard import StatusBoard
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
-from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
-from ftrun.control.presence import RECORD, PresenceClient, PresenceServer
+from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender, serve_presence
+from ftrun.control.presence import PresenceClient, PresenceServer
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
     Generation,
@@ -238,11 +238,8 @@ class Agent:
             member = generation.node(self.node_id)
             assert member is not None
             self.launcher.node_rank = member.node_rank
-            if self._services is not None:  # a standby's workers all start as spares
-                self._services.config = standby_config(self.config) if member.standby \
-                    else self.config
-            if member.standby:
-                self.say("standing by: the workers start and wait to take a lost node's ranks")
+            if self._services is not None:  # a standby runs its share as spares (nodes.py)
+                self._services.config = standby_config(self.config, member.standby, self.say)
             if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
                 # the member epochs live in the generation's worker store (its writer's)
                 self.launcher.control_addr = \
@@ -402,11 +399,9 @@ class Agent:
             self.say("control records are unauthenticated: anyone who reaches "
                      f"{host}:{port} can steer this job (set FTRUN_JOB_TOKEN on every node)",
                      style="yellow")
-        # A killed agent is lost at once through its presence connection (TCPStore only)
-        if multi and hosting and etcd is None:
-            self.presence = PresenceServer(signer, self.run_id, self.store_bind,
-                                           on_reject=self._rejected_record).start()
-            jstore.set_record(RECORD, {"host": host, "port": self.presence.port})
+        if multi and hosting and etcd is None:  # a killed agent is lost at once (TCPStore)
+            self.presence = serve_presence(jstore, signer, self.run_id, self.store_bind, host,
+                                           self._rejected_record)
         if multi and not hosting:
             self.heartbeat = HeartbeatSender(
                 reconnect, jstore, self.node_id,
@@ -415,10 +410,9 @@ class Agent:
                     signer, self.run_id, self.node_id, min(2.0, op_timeout)),
             )
             self.heartbeat.start()
-        monitor = HeartbeatMonitor(
-            jstore, config.heartbeat_timeout_s,
-            presence=self.presence.gone if self.presence is not None else None,
-        ) if multi and hosting else None
+        gone = self.presence.gone if self.presence is not None else None
+        monitor = HeartbeatMonitor(jstore, config.heartbeat_timeout_s, presence=gone) \
+            if multi and hosting else None
         if monitor is not None:
             self.nodes = NodeWatch(monitor, node_id=self.node_id,
                                    heartbeat_interval_s=config.heartbeat_interval_s,
