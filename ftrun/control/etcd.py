@@ -41,6 +41,7 @@ import base64
 import contextlib
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -149,7 +150,10 @@ def _next_key(key: bytes) -> bytes:
 
 class _Session(requests.Session):
     """A requests session whose requests are all bounded: etcd3gw gives no timeout to the
-    request that opens a watch, which would block on a frozen member forever."""
+    request that opens a watch, which would block on a frozen member forever. Its CA
+    (``cacert``) is given with each request: requests lets ``REQUESTS_CA_BUNDLE`` or
+    ``CURL_CA_BUNDLE`` in the environment override a session's own, which ignored the
+    option on hosts that set them (etcd's certificate then failed to verify)."""
 
     def __init__(self, timeout: tuple[float, float]) -> None:
         super().__init__()
@@ -158,6 +162,8 @@ class _Session(requests.Session):
     def request(self, *args: Any, **kwargs: Any) -> requests.Response:  # type: ignore[override]
         if kwargs.get("timeout") is None:
             kwargs["timeout"] = self.bound
+        if isinstance(self.verify, str) and kwargs.get("verify") is None:
+            kwargs["verify"] = self.verify
         return super().request(*args, **kwargs)
 
 
@@ -407,8 +413,16 @@ class EtcdClient:
 
 
 def _short(error: BaseException) -> str:
-    """The first line of an error, trimmed (requests' messages nest the whole chain)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    """The first line of an error, trimmed (requests' messages nest the whole chain;
+    etcd3gw keeps requests' in ``detail_text``); a TLS failure as OpenSSL's reason
+    ("TLS: certificate verify failed: unable to get local issuer certificate")."""
+    whole = str(error).strip() or str(getattr(error, "detail_text", "") or "").strip()
+    text = whole.splitlines()[0] if whole else type(error).__name__
+    tls = re.search(r"\[SSL: [A-Z0-9_]+\] ([^(]+?)\s*\(_ssl", text)
+    if tls is not None:
+        return f"TLS: {tls[1]}"
+    if "SSLError" in text or "SSL" in type(error).__name__:
+        return f"TLS: {text[:160]}"
     for marker in ("Connection refused", "timed out", "Name or service not known",
                    "No route to host", "certificate verify failed", "Connection reset"):
         if marker in text:
