@@ -21,16 +21,18 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.infra.netns import NetnsHost
 
-__all__ = ["EtcdCluster", "etcd_missing_reason", "loopback_etcd"]
+__all__ = ["EtcdCluster", "ServerTls", "etcd_missing_reason", "loopback_etcd"]
 
 _seq = itertools.count()
 
@@ -42,12 +44,15 @@ def etcd_missing_reason() -> str | None:
     return None
 
 
-def _health(sock: socket.socket, host: str, port: int, timeout: float) -> bool:
-    """One ``GET /health`` over ``sock``: whether the member says it is healthy (it has a
-    leader and can serve)."""
+def _health(sock: socket.socket, host: str, port: int, timeout: float,
+            tls: ssl.SSLContext | None = None) -> bool:
+    """One ``GET /health`` over ``sock`` (through ``tls`` when given): whether the member
+    says it is healthy (it has a leader and can serve)."""
     try:
         sock.settimeout(timeout)
         sock.connect((host, port))
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host)
         sock.sendall(f"GET /health HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
         data = b""
         while chunk := sock.recv(4096):
@@ -143,16 +148,33 @@ class EtcdCluster:
         self.stop()
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """A member's client TLS: its certificate and key, and the CA whose certificates it
+    accepts from clients (etcd's ``--client-cert-auth``); ``probe`` is a client context
+    the health check uses (a certificate that CA signed)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path
+    probe: ssl.SSLContext
+
+
 @contextlib.contextmanager
-def loopback_etcd(timeout: float = 30.0) -> Iterator[str]:
+def loopback_etcd(timeout: float = 30.0, *, tls: ServerTls | None = None) -> Iterator[str]:
     """One etcd member on 127.0.0.1 with ports free now (this process's own; killed and its
-    data removed on exit); yields its client endpoint ``127.0.0.1:PORT``."""
+    data removed on exit); yields its client endpoint ``127.0.0.1:PORT``. With ``tls`` its
+    clients speak https and must show a certificate of ``tls.client_ca``."""
     ports = []
     for _ in range(2):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             ports.append(probe.getsockname()[1])
-    client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+    client = f"{'https' if tls else 'http'}://127.0.0.1:{ports[0]}"
+    peer = f"http://127.0.0.1:{ports[1]}"
+    secure = [] if tls is None else [
+        "--cert-file", str(tls.cert), "--key-file", str(tls.key),
+        "--trusted-ca-file", str(tls.client_ca), "--client-cert-auth"]
     root = Path(tempfile.mkdtemp(prefix=f"ftrun-etcd-{os.getpid()}-{next(_seq)}-",
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     with open(root / "log", "wb") as log:
@@ -160,12 +182,13 @@ def loopback_etcd(timeout: float = 30.0) -> Iterator[str]:
             ["etcd", "--name", "solo", "--data-dir", str(root / "data"),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"solo={peer}", "--log-level", "warn"],
+             "--initial-cluster", f"solo={peer}", "--log-level", "warn", *secure],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
-        while not _health(socket.socket(), "127.0.0.1", ports[0], 2.0):
+        while not _health(socket.socket(), "127.0.0.1", ports[0], 2.0,
+                          tls.probe if tls else None):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("etcd on 127.0.0.1 not healthy:\n"
                                    + (root / "log").read_text(errors="replace")[-2000:])
