@@ -9,7 +9,10 @@ Each step's data is a function of (seed, step, rank) only, so a replay after a r
 computes exactly what the fault-free run computed: with the same world size and mesh the
 final parameters are bitwise equal. Lines printed (read by tests/lines.py): ``step=...`` per
 committed step, ``done rank=R steps=S param_sum=HEX`` at the end (HEX: a SHA-256 of every
-parameter shard's bytes gathered on rank 0, equal text for equal parameters).
+parameter shard's bytes gathered on rank 0, equal text for equal parameters); with
+``--cpu-from-step N``, ``cpu rank=R steps=S process_s=X threads={...}`` before it: this
+process's CPU seconds (every thread, and per thread name) over the last S steps, from the
+end of step N (the benchmark's load-independent cost of snapshots).
 
 Fault injection for tests: ``--kill-rank R --kill-step S`` SIGKILLs rank R inside the
 backward of step S, once per job (a marker file in ``--kill-dir`` says it happened);
@@ -26,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -59,7 +65,40 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--cpu-from-step", type=int, default=-1,
+                        help="print a cpu line: this process's CPU from this step to the end")
     return parser.parse_args()
+
+
+class CpuMeter:
+    """CPU seconds of this process from one committed step to the end, per thread: the
+    benchmark's load-independent cost of snapshots (the writer thread, the step's own)."""
+
+    def __init__(self, from_step: int) -> None:
+        self.from_step = from_step
+        self.start: tuple[int, dict[str, float]] | None = None
+
+    @staticmethod
+    def _threads() -> dict[str, float]:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out: dict[str, float] = {}
+        for thread in psutil.Process().threads():
+            name = names.get(thread.id, "other")
+            out[name] = out.get(name, 0.0) + thread.user_time + thread.system_time
+        return out
+
+    def at(self, step: int) -> None:
+        if step == self.from_step and self.start is None:
+            self.start = (step, self._threads())
+
+    def report(self, rank: int, step: int) -> None:
+        if self.start is None:
+            return
+        first, before = self.start
+        now = self._threads()
+        spent = {k: round(v - before.get(k, 0.0), 4) for k, v in now.items()}
+        print(f"cpu rank={rank} steps={step - first} process_s={sum(spent.values()):.4f} "
+              f"threads={json.dumps(spent, separators=(',', ':'))}", flush=True)
 
 
 class Block(torch.nn.Module):
@@ -217,7 +256,9 @@ def train(ft: Any, args: argparse.Namespace) -> None:
         ft.step = disk_checkpoint(args, model, optimizer, None)
         if ft.step:
             print(f"resumed step={ft.step} rank={rank}", flush=True)
+    meter = CpuMeter(args.cpu_from_step)
     while ft.step < args.steps:
+        meter.at(ft.step)
         step = ft.step
         optimizer.zero_grad()
         kill_in_backward(args, step, rank, model)
@@ -232,6 +273,7 @@ def train(ft: Any, args: argparse.Namespace) -> None:
         ft.step_done()
         if args.ckpt_every and ft.step % args.ckpt_every == 0:
             disk_checkpoint(args, model, optimizer, ft.step)
+    meter.report(rank, ft.step)
     print(f"done rank={rank} steps={ft.step} param_sum={digest(model)}", flush=True)
 
 

@@ -8,9 +8,15 @@ The manifest describes the state tree (dicts with ``str`` or ``int`` keys, lists
 tensors, and JSON scalars), each tensor's dtype, shape and byte range in ``data``, and for a
 ``DTensor`` its local shard plus the placements, global shape and stride and mesh shape it
 had, so that the shard goes back onto the same placements. ``data`` is checked with a CRC32
-(zlib) written in the manifest. A reader validates every field and raises
+(ISA-L's, through ``isal``: the same checksum as zlib's, ~9x faster here; zlib's when
+``isal`` is missing) written in the manifest. A reader validates every field and raises
 :class:`SnapshotFormatError` (one line) on anything it did not expect: a snapshot is read
 from memory other processes could write, so it is input, never trusted.
+
+The manifest may end in spaces (JSON allows them): a writer that copies the tensors into
+the file before it knows the checksum reserves the header's room up front
+(:func:`manifest_prefix`, :func:`data_start`, :func:`finish_header`), so the data starts on
+a page boundary at an offset known at capture time.
 
 Why no pickle: ``torch.save`` pickles arbitrary objects, and a pickle is code. A state
 leaf that is neither a tensor nor a JSON value is refused at capture time with
@@ -23,11 +29,15 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+try:  # the same CRC-32 as zlib's, with SIMD: ~0.06 ms for 3.6 MB here, zlib's 0.55 ms
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency; a bare install still works
+    from zlib import crc32 as _crc32
 
 MAGIC = b"FTSNAP1\n"
 ALIGN = 64  # every tensor starts on a 64-byte boundary of ``data`` (a clean view per dtype)
@@ -147,13 +157,41 @@ def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any] | Non
     return tensor.detach(), None
 
 
-def layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], list[torch.Tensor], int]:
-    """Entries, the local tensors and the total data size for ``tensors``."""
+#: A DTensor's manifest description by its spec (placements, shapes, mesh), with the spec
+#: kept alive so that its id is not reused: see :func:`layout`.
+InfoCache = dict[int, tuple[Any, "dict[str, Any]"]]
+
+
+def _cached_local_part(tensor: torch.Tensor, cache: InfoCache
+                       ) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    spec = getattr(tensor, "_spec", None)  # a DTensor's immutable spec; None otherwise
+    if spec is None:
+        return local_part(tensor)
+    hit = cache.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        if len(cache) > 4096:  # specs of objects long gone: start again
+            cache.clear()
+        local, info = local_part(tensor)
+        assert info is not None
+        cache[id(spec)] = (spec, info)
+        return local, info
+    return tensor.to_local(), hit[1]  # bytes to copy under no_grad: no detach needed
+
+
+def layout(tensors: list[torch.Tensor], cache: InfoCache | None = None
+           ) -> tuple[list[TensorEntry], list[torch.Tensor], int]:
+    """Entries, the local tensors and the total data size for ``tensors``.
+
+    With ``cache`` (one dict per writer, kept between calls), a DTensor whose spec was seen
+    before reuses its description: a snapshot of the same objects every step costs one
+    ``to_local`` per DTensor (free without autograd: call this under ``torch.no_grad()``)
+    instead of reading placements, shapes and mesh again (~0.5 ms for 48 DTensors here)."""
     entries: list[TensorEntry] = []
     locals_: list[torch.Tensor] = []
     offset = 0
     for tensor in tensors:
-        local, info = local_part(tensor)
+        local, info = local_part(tensor) if cache is None else \
+            _cached_local_part(tensor, cache)
         name = str(local.dtype).removeprefix("torch.")
         if name not in DTYPES:
             raise SnapshotValueError(f"dtype {local.dtype} cannot be snapshotted")
@@ -176,8 +214,45 @@ def header(manifest_bytes: bytes) -> bytes:
     return MAGIC + _LEN.pack(len(manifest_bytes)) + manifest_bytes
 
 
-def crc32(data: memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+def entries_json(entries: list[TensorEntry]) -> str:
+    """The manifest's ``tensors`` list as JSON text (a writer keeps it while the entries
+    stay the same)."""
+    return json.dumps([e.to_json() for e in entries], separators=(",", ":"), allow_nan=False)
+
+
+def manifest_prefix(tree: Any, tensors_json: str, *, meta: dict[str, Any],
+                    data_bytes: int) -> str:
+    """The manifest's JSON text up to its checksum's value (ASCII: ``json.dumps`` escapes
+    the rest), for :func:`finish_header`."""
+    dump = json.dumps
+    return ('{"format":1,"meta":' + dump(meta, separators=(",", ":"), allow_nan=False)
+            + ',"tree":' + dump(tree, separators=(",", ":"), allow_nan=False)
+            + ',"tensors":' + tensors_json + f',"data_bytes":{data_bytes},"crc32":')
+
+
+_CRC_ROOM = len("4294967295}")
+HEADER_ALIGN = 4096  # the data of a file written by finish_header starts on a page
+
+
+def data_start(prefix: str) -> int:
+    """Where the data starts in a file whose manifest begins with ``prefix``: room for the
+    magic, the length, the prefix and any checksum, rounded up to a page."""
+    need = len(MAGIC) + _LEN.size + len(prefix) + _CRC_ROOM
+    return -(-need // HEADER_ALIGN) * HEADER_ALIGN
+
+
+def finish_header(prefix: str, crc: int, start: int) -> bytes:
+    """The whole header, exactly ``start`` bytes (:func:`data_start`): the manifest ends
+    with the checksum and as many spaces as fill the room."""
+    body = (prefix + f"{crc}}}").encode("ascii")
+    room = start - len(MAGIC) - _LEN.size
+    if len(body) > room:
+        raise ValueError(f"the manifest ({len(body)} bytes) outgrew its room ({room})")
+    return MAGIC + _LEN.pack(room) + body + b" " * (room - len(body))
+
+
+def crc32(data: memoryview | bytes | bytearray) -> int:
+    return _crc32(data) & 0xFFFFFFFF
 
 
 # --- restore: file -> state tree ----------------------------------------------------------

@@ -1,30 +1,39 @@
 """Taking a snapshot without making the training loop wait for it.
 
-The training thread pays for one copy: each tensor's local bytes into a reusable staging
-buffer (CPU memory; for GPU tensors a pinned buffer filled by a device-to-host copy on a
-side stream). A background thread then checksums the buffer, writes the file into the
-node's snapshot memory (:mod:`ftrun.snapshot.memory`), publishes it by ``rename`` and
-writes phase 1 of the two-phase record (:mod:`ftrun.snapshot.records`), overlapped with
-the next step's compute. On several nodes it then has the node's agent copy the file to
-the buddy node (:mod:`ftrun.snapshot.replica`) and writes phase 2 once the buddy verified
-it; a copy that fails marks the snapshot failed (it never counts; no rank waits for it).
+The training thread pays for one copy: each tensor's local bytes straight into the file the
+snapshot will be, mapped into memory (``mmap`` of a file in the node's snapshot memory,
+:mod:`ftrun.snapshot.memory`), at offsets fixed at capture time (the header's room is
+reserved up front: :func:`ftrun.snapshot.format.data_start`). No staging buffer and no
+``write``: the bytes land in tmpfs pages once. For GPU tensors the copy is a device-to-host
+copy on a side stream into a pinned buffer, which the background thread moves into the
+file (not run here: no GPU). The background thread then checksums the mapped data (CRC-32,
+ISA-L), writes the header into the file's first page, publishes the file by ``rename`` and
+writes phase 1 of the two-phase record (:mod:`ftrun.snapshot.records`), overlapped with the
+next step's compute. On several nodes it then has the node's agent copy the file to the
+buddy node (:mod:`ftrun.snapshot.replica`) and writes phase 2 once the buddy verified it; a
+copy that fails marks the snapshot failed (it never counts; no rank waits for it).
 
-Bounded memory, per rank: before writing snapshot ``s`` the thread waits until the
-previous one it published is complete on every rank (or failed, or ``timeout_s`` passed:
-then it is given up), then deletes this rank's older files; so a rank holds the newest
-complete snapshot and the one being written, never more.
-The staging buffer is one: a capture while the previous is still being written waits for
-it (that wait is the loop's only other cost, and on a healthy job it is zero).
+Bounded memory, per rank: after publishing snapshot ``s`` the thread waits until it is
+complete on every rank (or failed, or ``timeout_s`` passed: then it is given up), then
+turns this rank's older file into the *spare* that the next capture copies into (renamed
+out of the published names first, so nobody takes it for a snapshot; its pages and its
+mapping are reused: fresh tmpfs pages cost an allocation, zeroing and a fault each, about
+as much CPU again as the copy). So a rank holds the newest complete snapshot and the one
+being written, never more. A capture waits until the previous snapshot is settled; on a
+healthy job it is, long before the next step ends (every rank published it before that
+step's first collective could finish).
 
 Timeouts: :meth:`SnapshotWriter.capture` waits at most ``timeout_s`` for the previous
-snapshot to leave the staging buffer, then raises :class:`SnapshotBusyError` (the caller
-skips this snapshot; the last complete one stays); :meth:`SnapshotWriter.stop` waits at
-most ``timeout_s`` for the thread to end.
+snapshot to be settled, then raises :class:`SnapshotBusyError` (the caller skips this
+snapshot; the last complete one stays); :meth:`SnapshotWriter.stop` waits at most
+``timeout_s`` for the thread to end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import mmap
 import os
 import queue
 import threading
@@ -41,6 +50,8 @@ from ftrun.snapshot import format as fmt
 from ftrun.snapshot import memory, records
 
 POLL_S = 0.005
+_FIRST_LOOK_S = 0.001  # completion is polled after 1, 2, 4, ... ms, at most 4 * POLL_S apart
+_SPARES = itertools.count()  # spare file names unique within the process
 WRITER_NICE = 10  # the background thread's nice value (Linux: per thread)
 
 #: Sends this rank's published snapshot (step, CRC32, the (epoch, step) it keeps) to the
@@ -50,7 +61,7 @@ Replicate = Callable[[int, int, "tuple[int, int] | None"], records.Written]
 
 
 class SnapshotBusyError(RuntimeError):
-    """The previous snapshot still holds the staging buffer after ``timeout_s``."""
+    """The previous snapshot is still being written or settled after ``timeout_s``."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +75,43 @@ class Where:
     host: str
 
 
+class _Target:
+    """One file of this rank mapped (shared) into memory: the spare that the next capture
+    copies into, or a published snapshot kept for reuse. :meth:`close` drops the tensor
+    view before the mapping (a view of unmapped memory would crash the process)."""
+
+    def __init__(self, path: Path, length: int) -> None:
+        self.path = path
+        self.length = length
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != length:
+                os.ftruncate(fd, length)
+            self.map: mmap.mmap | None = mmap.mmap(fd, length, mmap.MAP_SHARED,
+                                                   mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.view: torch.Tensor | None = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.view = None
+        if self.map is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                self.map.close()
+            self.map = None
+
+
+_FAILURES = (OSError, StoreError, RuntimeError, ValueError)
+
+
 @dataclass
 class _Job:
     step: int
-    tree: Any
-    entries: list[fmt.TensorEntry]
-    size: int
+    prefix: str  # the manifest's JSON up to its checksum
+    start: int  # where the data starts in the file
+    size: int  # data bytes
+    target: _Target
+    pinned: torch.Tensor | None  # GPU: the data, copied to host, still to move in
     ready: Any  # a CUDA event, or None
 
 
@@ -120,22 +162,29 @@ class SnapshotWriter:
         self.say = say
         self.published: list[tuple[int, int]] = []  # (epoch, step), oldest first
         self.error: BaseException | None = None
-        self._staging: torch.Tensor | None = None
+        self._infos: fmt.InfoCache = {}
+        self._entries: list[fmt.TensorEntry] | None = None
+        self._entries_json = ""
+        self._pinned: torch.Tensor | None = None
         self._stream: Any = None
+        self._spare_path = directory / f".r{where.rank}.{os.getpid()}.{next(_SPARES)}.spare"
+        self._spare: _Target | None = None  # owned by the thread holding _free
+        self._maps: dict[Path, _Target] = {}  # this writer's published files, mapped
         self._free = threading.Event()
         self._free.set()
         self._stop = threading.Event()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._checked_size = -1
-        self._recycled: Path | None = None  # an old file of this rank, to write over
         self._thread = threading.Thread(target=self._run, name="ftrun-snapshot", daemon=True)
         self._thread.start()
 
     # --- the training thread ------------------------------------------------------------
 
     def capture(self, step: int, tree: Any, tensors: list[torch.Tensor]) -> None:
-        """Copy ``tensors`` out and queue snapshot ``step`` (see the module for the wait)."""
-        entries, locals_, size = fmt.layout(tensors)
+        """Copy ``tensors`` into the spare file and queue snapshot ``step`` (see the module
+        for the wait)."""
+        with torch.no_grad():  # DTensor.to_local without autograd: no graph node per tensor
+            entries, locals_, size = fmt.layout(tensors, self._infos)
         if size != self._checked_size:  # the first, and when the state grows (optimizer)
             memory.check_capacity(self.directory, per_rank_bytes=size + 4096 + 512 * len(entries),
                                   local_ranks=self.local_ranks, rank=self.where.rank,
@@ -148,49 +197,65 @@ class SnapshotWriter:
         if self.error is not None:
             error, self.error = self.error, None
             self.say(f"snapshot writer failed: {error}")
-        on_gpu = any(t.is_cuda for t in locals_)
-        staging = self._staging
-        if staging is None or staging.numel() < size:
-            staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=on_gpu)
-            self._staging = staging
-        ready = None
-        if on_gpu:
+        if entries != self._entries:
+            self._entries, self._entries_json = entries, fmt.entries_json(entries)
+        where = self.where
+        meta = {"epoch": where.epoch, "step": step, "rank": where.rank,
+                "world_size": where.world_size, "host": where.host, "time": time.time()}
+        prefix = fmt.manifest_prefix(tree, self._entries_json, meta=meta, data_bytes=size)
+        start = fmt.data_start(prefix)
+        target = self._spare_of(start + size)
+        self._spare = None
+        pinned, ready = None, None
+        if any(t.is_cuda for t in locals_):
+            pinned = self._pinned
+            if pinned is None or pinned.numel() < size:
+                pinned = self._pinned = torch.empty(max(size, 1), dtype=torch.uint8,
+                                                    pin_memory=True)
             self._stream = self._stream or torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
-                self._copy(staging, entries, locals_, non_blocking=True)
+                self._copy(pinned, 0, entries, locals_, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
         else:
-            self._copy(staging, entries, locals_, non_blocking=False)
+            assert target.view is not None
+            self._copy(target.view, start, entries, locals_, non_blocking=False)
         self._free.clear()
-        self._jobs.put(_Job(step, tree, entries, size, ready))
+        self._jobs.put(_Job(step, prefix, start, size, target, pinned, ready))
+
+    def _spare_of(self, length: int) -> _Target:
+        """The spare file mapped at ``length`` bytes (made, or resized, when it is not)."""
+        spare = self._spare
+        if spare is not None and spare.length == length:
+            return spare
+        if spare is not None:
+            spare.close()
+        self._spare = _Target(self._spare_path, length)
+        return self._spare
 
     @staticmethod
-    def _copy(staging: torch.Tensor, entries: list[fmt.TensorEntry],
+    def _copy(into: torch.Tensor, start: int, entries: list[fmt.TensorEntry],
               locals_: list[torch.Tensor], *, non_blocking: bool) -> None:
         for entry, local in zip(entries, locals_, strict=True):
             if entry.nbytes:
                 flat = local.reshape(-1).view(torch.uint8)
-                staging[entry.offset:entry.offset + entry.nbytes].copy_(
-                    flat, non_blocking=non_blocking)
+                at = start + entry.offset
+                into[at:at + entry.nbytes].copy_(flat, non_blocking=non_blocking)
 
     def idle(self, timeout_s: float) -> bool:
-        """Wait until the last captured snapshot is written (or dropped)."""
+        """Wait until the last captured snapshot is written and settled (or dropped)."""
         return self._free.wait(timeout_s)
 
     def stop(self, wait_s: float | None = None) -> None:
-        """End the thread: a snapshot being written is finished, one waiting for the
-        previous to complete is dropped. Waits at most ``wait_s`` (default ``timeout_s``)
-        for the thread; one still inside a replication then finishes it alone (its
-        records name its own member epoch: a later one never reads them as its own)."""
+        """End the thread: a snapshot being written is finished, one queued behind it is
+        dropped, a wait for completion is cut short. Waits at most ``wait_s`` (default
+        ``timeout_s``) for the thread; one still inside a replication then finishes it
+        alone (its records name its own member epoch: a later one never reads them as its
+        own) and unmaps its files when it ends."""
         self._stop.set()
         self._jobs.put(None)
         self._thread.join(self.timeout_s if wait_s is None else wait_s)
-        if not self._thread.is_alive() and self._recycled is not None:
-            with contextlib.suppress(OSError):
-                self._recycled.unlink()
-            self._recycled = None
 
     # --- the background thread ----------------------------------------------------------
 
@@ -199,82 +264,47 @@ class SnapshotWriter:
         # collectives' waits) instead of taking it from compute (best effort).
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                if self._wait_previous_complete():
-                    self._write(job)
-            except (OSError, StoreError, RuntimeError, ValueError) as error:
-                self.error = error
-                with contextlib.suppress(StoreError, RuntimeError, ValueError):
-                    self.store.set_record(records.failed_key(self.where.epoch, job.step),
-                                          {"rank": self.where.rank, "error": str(error)})
-            finally:
-                self._free.set()
+        try:
+            while (job := self._jobs.get()) is not None:
+                try:
+                    if self._stop.is_set():  # dropped: its file is the spare again
+                        self._spare = job.target
+                        continue
+                    try:
+                        self._publish(job)
+                    except _FAILURES as error:
+                        self.error = error
+                        self._unpublish(job)
+                        with contextlib.suppress(*_FAILURES):
+                            self.store.set_record(
+                                records.failed_key(self.where.epoch, job.step),
+                                {"rank": self.where.rank, "error": str(error)})
+                        continue
+                    try:
+                        self._settle()
+                    except _FAILURES as error:  # the snapshot stands; retired next time
+                        self.error = error
+                finally:
+                    self._free.set()
+        finally:
+            self._close()
 
-    def _wait_previous_complete(self) -> bool:
-        """Wait until the snapshot this rank published last is complete on every rank,
-        then delete this rank's older files. False when stopped first. A snapshot that a
-        rank said failed, or that is not complete within ``timeout_s``, is given up (the
-        one kept stays the newest complete)."""
-        if self.published:
-            epoch, step = self.published[-1]
-            deadline = time.monotonic() + self.timeout_s
-            while not complete(self.store, epoch, step, None):
-                if self._stop.wait(POLL_S):
-                    return False
-                if (self.store.get_record(records.failed_key(epoch, step)) is not None
-                        or time.monotonic() > deadline):
-                    self.published.pop()
-                    break
-            else:
-                self.kept = (epoch, step)
-        self._remove_old()
-        return not self._stop.is_set()
-
-    def _remove_old(self) -> None:
-        """Delete this rank's files other than the kept one; the first is not deleted but
-        renamed for :meth:`_write` to write the next snapshot over (its tmpfs pages are
-        reused: a new file's pages cost the kernel an allocation and zeroing, about as
-        much CPU again as the copy)."""
-        rank = self.where.rank
-        keep = {self.kept} if self.kept is not None else set()
-        with contextlib.suppress(OSError):
-            for entry in self.directory.iterdir():
-                parsed = memory.parse_name(entry.name)
-                if parsed is not None and parsed[2] == rank and parsed[:2] not in keep:
-                    with contextlib.suppress(OSError):
-                        if self._recycled is None:
-                            recycled = self.directory / f".r{rank}.{os.getpid()}.recycled"
-                            os.rename(entry, recycled)
-                            self._recycled = recycled
-                        else:
-                            entry.unlink()
-
-    def _write(self, job: _Job) -> None:
-        where = self.where
-        if job.ready is not None:
+    def _publish(self, job: _Job) -> None:
+        """Header, ``rename`` to the published name, phase 1 (and on several nodes the
+        buddy's copy and phase 2)."""
+        where, target = self.where, job.target
+        assert target.map is not None and target.view is not None
+        if job.ready is not None and job.pinned is not None:
             job.ready.synchronize()
-        assert self._staging is not None
-        data = memoryview(self._staging.numpy()).cast("B")[:job.size]
-        crc = fmt.crc32(data)
-        meta = {"epoch": where.epoch, "step": job.step, "rank": where.rank,
-                "world_size": where.world_size, "host": where.host, "time": time.time()}
-        head = fmt.header(fmt.manifest(job.tree, job.entries, meta=meta, data_bytes=job.size,
-                                       crc32=crc))
-        name = memory.file_name(where.epoch, job.step, where.rank)
-        tmp = self.directory / f".{name}.{os.getpid()}.tmp"
-        recycled, self._recycled = self._recycled, None
-        if recycled is not None:
-            os.rename(recycled, tmp)
-        with open(tmp, "r+b" if recycled is not None else "wb") as out:
-            out.write(head)
-            out.write(data)
-            out.truncate()
-        os.rename(tmp, self.directory / name)
-        written = records.Written(where.node, where.host, crc, len(head) + job.size,
+            target.view[job.start:job.start + job.size].copy_(job.pinned[:job.size])
+        with memoryview(target.map) as whole:
+            crc = fmt.crc32(whole[job.start:job.start + job.size])
+            whole[:job.start] = fmt.finish_header(job.prefix, crc, job.start)
+        final = self.directory / memory.file_name(where.epoch, job.step, where.rank)
+        os.rename(target.path, final)
+        target.path = final
+        self._maps[final] = target
+        written = records.Written(where.node, where.host, crc, job.start + job.size,
                                   where.world_size, self.replicas, self.server)
         self.store.set_record(records.local_key(where.epoch, job.step, where.rank),
                               written.to_json())
@@ -284,3 +314,93 @@ class SnapshotWriter:
                                   copy.to_json())
         self.published.append((where.epoch, job.step))
         del self.published[:-2]
+
+    def _unpublish(self, job: _Job) -> None:
+        """After a failed write or replication: the job's file never counts; it becomes
+        the spare again (or goes), so no third file is ever held."""
+        target = job.target
+        self._maps.pop(target.path, None)
+        if self._spare is None and target.map is not None:
+            with contextlib.suppress(OSError):
+                if target.path != self._spare_path:
+                    os.rename(target.path, self._spare_path)
+                    target.path = self._spare_path
+                self._spare = target
+                return
+        target.close()
+        if target.path != self._spare_path:
+            with contextlib.suppress(OSError):
+                target.path.unlink()
+
+    def _settle(self) -> None:
+        """Wait until the snapshot just published is complete on every rank (it is then
+        the one kept) or given up (a rank said it failed, or ``timeout_s`` passed), then
+        retire this rank's other files: the first becomes the spare, the rest go."""
+        if not self.published:
+            return
+        epoch, step = self.published[-1]
+        done = self._await_complete(epoch, step)
+        if done is None:  # stopped
+            return
+        if done:
+            self.kept = (epoch, step)
+        else:
+            self.published.pop()
+        rank = self.where.rank
+        with contextlib.suppress(OSError):
+            for entry in list(self.directory.iterdir()):
+                parsed = memory.parse_name(entry.name)
+                if parsed is not None and parsed[2] == rank and parsed[:2] != self.kept:
+                    self._retire(entry)
+
+    def _await_complete(self, epoch: int, step: int) -> bool | None:
+        """True once every rank's records of (epoch, step) exist and verify; False when a
+        rank said it failed or ``timeout_s`` passed; None when stopped first. One cheap
+        ``check`` per look (no record is read and verified until all exist)."""
+        world = self.where.world_size
+        keys = [records.local_key(epoch, step, r) for r in range(world)]
+        if self.replicas:
+            keys += [records.replica_key(epoch, step, r) for r in range(world)]
+        deadline = time.monotonic() + self.timeout_s
+        pause = _FIRST_LOOK_S
+        while not self.store.exist_all(keys):
+            if self._stop.wait(pause):
+                return None
+            pause = min(2 * pause, 4 * POLL_S)
+            if (self.store.get_record(records.failed_key(epoch, step)) is not None
+                    or time.monotonic() > deadline):
+                return False
+        return all(r is not None for r in self.store.read_records(keys))
+
+    def _retire(self, path: Path) -> None:
+        target = self._maps.pop(path, None)
+        if self._spare is None:
+            try:
+                os.rename(path, self._spare_path)
+            except OSError:
+                if target is not None:
+                    target.close()
+                return
+            if target is not None:
+                target.path = self._spare_path
+                self._spare = target
+            else:  # a file this writer did not write (restored from): map it now
+                self._spare = _Target(self._spare_path, self._spare_path.stat().st_size
+                                      or fmt.HEADER_ALIGN)
+            return
+        if target is not None:
+            target.close()
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+    def _close(self) -> None:
+        """Unmap every file; the spare goes (the published files stay: they are the
+        job's state until the agent removes the directory)."""
+        for target in self._maps.values():
+            target.close()
+        self._maps.clear()
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+        with contextlib.suppress(OSError):
+            self._spare_path.unlink()
