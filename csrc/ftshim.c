@@ -65,6 +65,7 @@ enum {
 #define FTSHIM_RET_INIT_ALL ncclResult_t
 #define FTSHIM_RET_DERIVE ncclResult_t
 #define FTSHIM_RET_COLL ncclResult_t
+#define FTSHIM_RET_P2P ncclResult_t
 #define FTSHIM_RET_OP ncclResult_t
 #define FTSHIM_RET_QUERY ncclResult_t
 #define FTSHIM_RET_COUNT ncclResult_t
@@ -317,8 +318,10 @@ static inline void group_note(ftshim_comm_slot* s) {
   } /* else: more than HELD_MAX comms in one group; the extra ones are not held (documented) */
 }
 
-static inline void slot_note_op(ftshim_comm_slot* s, int id, int coll) {
-  if (coll) A_ADD(&s->seq, 1u, RELAXED);
+enum { NOTE_OTHER, NOTE_P2P, NOTE_COLLECTIVE };
+static inline void slot_note_op(ftshim_comm_slot* s, int id, int what) {
+  if (what != NOTE_OTHER) A_ADD(&s->seq, 1u, RELAXED);
+  if (what == NOTE_COLLECTIVE) A_ADD(&s->coll_seq, 1u, RELAXED);
   A_STORE(&s->last_op, (uint32_t)id, RELAXED);
   if (t_grp.depth > 0) group_note(s);
 }
@@ -336,10 +339,50 @@ static void wake_thread(ftshim_page* p) {
   futex_wake(&p->doorbell);
 }
 
+/* ---- communicator identity (comm_id) --------------------------------------------------
+ * Agents compare a communicator's progress across ranks (a rank whose peers issued more
+ * collectives on it than it did is the one they wait for), so every rank must name it
+ * alike without talking to the others. Made from what every rank already shares: the
+ * ncclUniqueId passed to init, or for a derived communicator (split, shrink, grow) the
+ * parent's comm_id, the creating function, how many children the parent had before (ranks
+ * derive collectively, in the same order) and the split color. FNV-1a, 64 bits; 0 is kept
+ * for "unknown". */
+static uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
+  const unsigned char* b = data;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+#define FNV_BASIS 14695981039346656037ull
+static uint64_t id_nonzero(uint64_t h) { return h ? h : 1; }
+static uint64_t comm_id_of_unique(const ncclUniqueId* uid) {
+  return uid ? id_nonzero(fnv1a(FNV_BASIS, uid, sizeof *uid)) : 0;
+}
+static uint64_t comm_id_derived(ftshim_comm_slot* parent, int creator, uint64_t salt) {
+  if (!parent || !parent->comm_id) return 0;
+  uint64_t parts[4] = {parent->comm_id, (uint64_t)creator,
+                       (uint64_t)A_ADD(&parent->derived, 1u, RELAXED), salt};
+  return id_nonzero(fnv1a(FNV_BASIS, parts, sizeof parts));
+}
+static uint64_t comm_id_local(void) { /* ncclCommInitAll: every rank lives in this process */
+  uint64_t parts[2] = {(uint64_t)getpid(), now_ns()};
+  return id_nonzero(fnv1a(FNV_BASIS, parts, sizeof parts));
+}
+/* Per function: the unique id an init call was given, and what tells a derive call's
+ * children apart (the split color; a grow may also carry a unique id). */
+#define FTSHIM_UID_CommInitRank (&commId)
+#define FTSHIM_UID_CommInitRankConfig (&commId)
+#define FTSHIM_UID_CommInitRankScalable (nId > 0 ? commIds : NULL)
+#define FTSHIM_SALT_CommSplit ((uint64_t)(int64_t)color)
+#define FTSHIM_SALT_CommShrink 0ull
+#define FTSHIM_SALT_CommGrow 0ull
+#define FTSHIM_DERIVED_UID_CommSplit NULL
+#define FTSHIM_DERIVED_UID_CommShrink NULL
+#define FTSHIM_DERIVED_UID_CommGrow uniqueId
+
 /* Record a new communicator. A dead entry (stopped, or released) at the same address is
  * replaced: NCCL hands a freed address to the next communicator, the serial tells them apart. */
 static void slot_register(void* comm, int creator, int rank, int size, uint64_t parent_addr,
-                          uint64_t parent_serial, uint64_t epoch) {
+                          uint64_t parent_serial, uint64_t epoch, uint64_t comm_id) {
   ftshim_page* p = g.page;
   uint64_t a = (uint64_t)(uintptr_t)comm;
   if (!a || !p) return;
@@ -380,6 +423,9 @@ static void slot_register(void* comm, int creator, int rank, int size, uint64_t 
   target->parent_addr = parent_addr;
   target->created_ns = now_ns();
   target->ended_ns = 0;
+  target->comm_id = comm_id;
+  A_STORE(&target->coll_seq, 0ull, RELAXED);
+  A_STORE(&target->derived, 0u, RELAXED);
   A_STORE(&target->addr, a, RELEASE);
   A_STORE(&target->state, (uint32_t)FTSHIM_SLOT_LIVE, RELEASE);
   A_ADD(&target->change, 1u, SEQ_CST); /* even: stable */
@@ -447,7 +493,8 @@ static inline uint64_t cur_epoch(void) {
     uint64_t epoch = cur_epoch();                                           \
     ncclResult_t r = real args;                                             \
     if (on && (r == ncclSuccess || r == ncclInProgress) && (c) && *(c))      \
-      slot_register(*(c), FTSHIM_ID_##name, (a2), (a1), 0, 0, epoch);       \
+      slot_register(*(c), FTSHIM_ID_##name, (a2), (a1), 0, 0, epoch,        \
+                    comm_id_of_unique(FTSHIM_UID_##name));                  \
     return r;                                                               \
   }
 
@@ -458,9 +505,11 @@ static inline uint64_t cur_epoch(void) {
     int on = active_for_create();                                           \
     uint64_t epoch = cur_epoch();                                           \
     ncclResult_t r = real args;                                             \
-    if (on && (r == ncclSuccess || r == ncclInProgress) && (c))              \
+    if (on && (r == ncclSuccess || r == ncclInProgress) && (c)) {            \
+      uint64_t id_ = comm_id_local();                                       \
       for (int i_ = 0; i_ < (a1); i_++)                                     \
-        if ((c)[i_]) slot_register((c)[i_], FTSHIM_ID_##name, i_, (a1), 0, 0, epoch); \
+        if ((c)[i_]) slot_register((c)[i_], FTSHIM_ID_##name, i_, (a1), 0, 0, epoch, id_); \
+    }                                                                       \
     return r;                                                               \
   }
 
@@ -471,32 +520,40 @@ static inline uint64_t cur_epoch(void) {
     if (UNLIKELY(!real)) return ftshim_missing(FTSHIM_ID_##name);           \
     int on = active_for_create();                                           \
     ftshim_comm_slot* s = on ? slot_lookup(g.page, (c)) : NULL;             \
-    uint64_t pa = 0, ps = 0;                                                \
+    uint64_t pa = 0, ps = 0, id_ = 0;                                       \
     if (s) {                                                                \
       if (slot_enter(s, OK_VALID) & REJECTED) return ncclInvalidUsage;      \
       pa = s->addr; ps = s->serial;                                         \
       A_STORE(&s->last_op, (uint32_t)FTSHIM_ID_##name, RELAXED);            \
+      id_ = comm_id_derived(s, FTSHIM_ID_##name, FTSHIM_SALT_##name);       \
     }                                                                       \
+    if (FTSHIM_DERIVED_UID_##name)                                          \
+      id_ = comm_id_of_unique(FTSHIM_DERIVED_UID_##name);                   \
     uint64_t epoch = cur_epoch();                                           \
     ncclResult_t r = real args;                                             \
     if (s) slot_leave(s);                                                   \
     if (on && (r == ncclSuccess || r == ncclInProgress) && (a1) && *(a1))    \
-      slot_register(*(a1), FTSHIM_ID_##name, -1, -1, pa, ps, epoch);        \
+      slot_register(*(a1), FTSHIM_ID_##name, -1, -1, pa, ps, epoch, id_);   \
     return r;                                                               \
   }
 
-#define FTSHIM_DEF_COLL(name, params, args, c, a1, a2)                       \
+/* A communication operation: counted in seq, and in coll_seq when `note` is a collective. */
+#define FTSHIM_DEF_COUNTED(name, params, args, c, note)                      \
   FTSHIM_API ncclResult_t nccl##name params {                               \
     ftshim_pfn_##name real = GET_REAL(name);                                \
     if (UNLIKELY(!real)) return ftshim_missing(FTSHIM_ID_##name);           \
     ftshim_comm_slot* s = track(c);                                         \
     if (!s) return real args;                                               \
     if (UNLIKELY(slot_enter(s, OK_LIVE) & REJECTED)) return ncclInvalidUsage; \
-    slot_note_op(s, FTSHIM_ID_##name, 1);                                   \
+    slot_note_op(s, FTSHIM_ID_##name, note);                                \
     ncclResult_t r = real args;                                             \
     slot_leave(s);                                                          \
     return r;                                                               \
   }
+#define FTSHIM_DEF_COLL(name, params, args, c, a1, a2) \
+  FTSHIM_DEF_COUNTED(name, params, args, c, NOTE_COLLECTIVE)
+#define FTSHIM_DEF_P2P(name, params, args, c, a1, a2) \
+  FTSHIM_DEF_COUNTED(name, params, args, c, NOTE_P2P)
 
 #define FTSHIM_DEF_OP(name, params, args, c, a1, a2)                         \
   FTSHIM_API ncclResult_t nccl##name params {                               \
@@ -508,7 +565,7 @@ static inline uint64_t cur_epoch(void) {
     if (UNLIKELY(st & REJECTED))                                            \
       /* a revoke asked by the app on a stopped comm has nothing left to do */ \
       return FTSHIM_ID_##name == FTSHIM_ID_CommRevoke ? ncclSuccess : ncclInvalidUsage; \
-    slot_note_op(s, FTSHIM_ID_##name, 0);                                   \
+    slot_note_op(s, FTSHIM_ID_##name, NOTE_OTHER);                                   \
     ncclResult_t r = real args;                                             \
     slot_leave(s);                                                          \
     return r;                                                               \
@@ -1200,6 +1257,7 @@ FTSHIM_API const ftshim_field_info ftshim_layout_fields[] = {
     F(ftshim_comm_slot, size), F(ftshim_comm_slot, device), F(ftshim_comm_slot, creator),
     F(ftshim_comm_slot, parent_serial), F(ftshim_comm_slot, parent_addr),
     F(ftshim_comm_slot, created_ns), F(ftshim_comm_slot, ended_ns),
+    F(ftshim_comm_slot, comm_id), F(ftshim_comm_slot, coll_seq), F(ftshim_comm_slot, derived),
     {NULL, 0, 0}};
 #undef F
 

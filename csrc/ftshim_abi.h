@@ -33,7 +33,7 @@
 #include <stdint.h>
 
 #define FTSHIM_MAGIC 0x314d494853544655ull /* "UFTSHIM1" little-endian */
-#define FTSHIM_ABI_VERSION 2u              /* 2: the shim's counter is the comm epoch */
+#define FTSHIM_ABI_VERSION 3u              /* 3: slots carry comm_id and coll_seq */
 #define FTSHIM_MAX_COMMS 256u              /* slots in the communicator table */
 #define FTSHIM_ENV_CONTROL "FTRUN_SHIM_CONTROL" /* path of the control page file */
 #define FTSHIM_ENV_DEBUG "FTRUN_SHIM_DEBUG"     /* 1: log attach/abort decisions to stderr */
@@ -176,7 +176,14 @@ typedef struct ftshim_comm_slot {   /* 128 bytes; the first cache line is the ho
   uint64_t parent_addr;    /*  72 shim: address of the parent, 0 none */
   uint64_t created_ns;     /*  80 shim: CLOCK_MONOTONIC at creation */
   uint64_t ended_ns;       /*  88 shim: CLOCK_MONOTONIC when stopped or released */
-  uint8_t reserved[32];    /*  96 */
+  uint64_t comm_id;        /*  96 shim: the same on every rank of the communicator (a hash
+                            *     of its ncclUniqueId, or of its parent's comm_id and the
+                            *     derive call), so that agents can compare ranks; 0 unknown */
+  uint64_t coll_seq;       /* 104 shim: collectives issued: seq without point-to-point calls,
+                            *     which ranks of one comm issue in different numbers */
+  uint32_t derived;        /* 112 shim: children derived from it so far (split/shrink/grow:
+                            *     every rank derives in the same order, so the count agrees) */
+  uint8_t reserved[12];    /* 116 */
 } ftshim_comm_slot;
 
 typedef struct ftshim_report_entry {  /* 64 bytes */

@@ -21,7 +21,9 @@
  *        INIT           c = ncclComm_t* out, a1 = nranks, a2 = rank
  *        INIT_ALL       c = ncclComm_t* out array, a1 = ndev
  *        DERIVE         c = parent, a1 = ncclComm_t* out
- *        COLL           a communication operation: bumps the sequence number
+ *        COLL           a collective: bumps the sequence number and the collective count
+ *        P2P            a point-to-point operation: bumps the sequence number only (ranks of
+ *                       one communicator issue different numbers of them)
  *        OP             other use of a live communicator
  *        QUERY/COUNT/URANK/CUDEV   read-only queries (answered from the registry once freed)
  *        ASYNC          ncclCommGetAsyncError (c = comm, a1 = ncclResult_t* out)
@@ -123,22 +125,22 @@
     (const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root, \
      ncclComm_t comm, cudaStream_t stream), \
     (sendbuff, recvbuff, count, datatype, root, comm, stream), comm, 0, 0) \
-  X(COLL,     Send, 0, \
+  X(P2P,      Send, 0, \
     (const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, \
      cudaStream_t stream), (sendbuff, count, datatype, peer, comm, stream), comm, 0, 0) \
-  X(COLL,     Recv, 0, \
+  X(P2P,      Recv, 0, \
     (void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, \
      cudaStream_t stream), (recvbuff, count, datatype, peer, comm, stream), comm, 0, 0) \
-  X(COLL,     PutSignal, 0, \
+  X(P2P,      PutSignal, 0, \
     (const void* localbuff, size_t count, ncclDataType_t datatype, int peer, ncclWindow_t peerWin, \
      size_t peerWinOffset, int sigIdx, int ctx, unsigned int flags, ncclComm_t comm, \
      cudaStream_t stream), \
     (localbuff, count, datatype, peer, peerWin, peerWinOffset, sigIdx, ctx, flags, comm, stream), \
     comm, 0, 0) \
-  X(COLL,     Signal, 0, \
+  X(P2P,      Signal, 0, \
     (int peer, int sigIdx, int ctx, unsigned int flags, ncclComm_t comm, cudaStream_t stream), \
     (peer, sigIdx, ctx, flags, comm, stream), comm, 0, 0) \
-  X(COLL,     WaitSignal, 0, \
+  X(P2P,      WaitSignal, 0, \
     (int nDesc, ncclWaitSignalDesc_t* signalDescs, ncclComm_t comm, cudaStream_t stream), \
     (nDesc, signalDescs, comm, stream), comm, 0, 0) \
   X(COLL,     AllReduceConfig, 23200, \

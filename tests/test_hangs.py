@@ -12,6 +12,7 @@ stacks the test supplies.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch, JobHang, NodeView, WorkerView, judge_job
+from ftrun.agent.ncclprogress import NcclProgress
 from ftrun.agent.stacks import Frame, Stack, stack_from_fault_dump
 from ftrun.control.errors import StoreValueError
 from tests.launch import REPO, Launch, copy_train_script
@@ -307,6 +309,95 @@ def test_a_rank_blocked_inside_nccl_waits_for_the_one_that_stopped_calling(
     assert "rank 0 waiting in ncclAllReduce #" in out, out
     assert "released code=" in out and "released code=0" not in out  # freed by the abort
     assert "finished rank=0 attempt=1" in out and "finished rank=1 attempt=1" in out
+
+
+# --- NCCL progress: the shim's per-communicator collective counts ---------------------------
+
+COMM = 0x5EED
+
+
+def issued(collectives: int, inside: str | None = None) -> NcclProgress:
+    """A worker that issued ``collectives`` all-reduces on communicator COMM."""
+    return NcclProgress({COMM: collectives}, {COMM: "ncclAllReduce"}, collectives, inside)
+
+
+def progress_watch(progress: dict[int, NcclProgress], timeout_s: float = 0.5) -> HangWatch:
+    return HangWatch(timeout_s=timeout_s, multi_node=False, stack_of=user_stack,
+                     progress_of=lambda worker: progress.get(worker.pid))
+
+
+def test_a_rank_behind_its_peers_in_nccl_is_named_whatever_the_stacks_say(
+    procs: dict[str, Proc]
+) -> None:
+    """Every stack reads 'own code' (the peer waits in a CUDA sync, not in torch's
+    communication), and the peer even spins (CPU busy, no NCCL call): the collective counts
+    alone name the rank that did not issue collective #6."""
+    late, spinning = procs["idle1"], procs["busy"]
+    watch = progress_watch({late.pid: issued(5), spinning.pid: issued(6)})
+    hang = run_watch(watch, [spinning, late], 10)
+    assert hang is not None and [w.rank for w in hang.culprits] == [1]  # type: ignore[attr-defined]
+    assert [w.rank for w in hang.waiting] == [2]  # type: ignore[attr-defined]
+    text = hang.describe()  # type: ignore[attr-defined]
+    assert "rank 1 (pid" in text and "behind on collective #6 (issued 5)" in text, text
+    assert "rank 2 waiting in ncclAllReduce #6" in text, text
+
+
+def test_a_late_rank_that_computes_is_not_a_hang(procs: dict[str, Proc]) -> None:
+    """Rank 0 evaluates alone (CPU busy, no NCCL call) while its peer already waits in the
+    next collective: slow, not hung; and ranks that compute with nobody behind are not
+    hung either."""
+    computing, waiting = procs["busy"], procs["idle0"]
+    assert run_watch(progress_watch({computing.pid: issued(5), waiting.pid: issued(6)}),
+                     [computing, waiting], 3) is None
+    assert run_watch(progress_watch({computing.pid: issued(6), waiting.pid: issued(6)}),
+                     [computing, waiting], 3) is None
+
+
+def test_every_rank_inside_one_collective_is_a_hang_after_one_timeout(
+    procs: dict[str, Proc]
+) -> None:
+    """Both ranks' threads are inside ncclAllReduce #7 (a network fault): a hang after one
+    timeout, named by the call; with gloo-only stacks the same takes three timeouts."""
+    group = [procs["idle0"], procs["idle1"]]
+    inside = issued(7, inside="ncclAllReduce #7")
+    watch = progress_watch({p.pid: inside for p in group}, timeout_s=1.0)
+    started = time.monotonic()
+    hang = run_watch(watch, group, 10)
+    assert hang is not None and not hang.culprits  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 2.9  # one timeout and two looks, not three timeouts
+    assert "ranks 0,1 waiting in ncclAllReduce #7" in hang.describe()  # type: ignore[attr-defined]
+
+
+def test_a_rank_behind_in_nccl_is_named_from_the_shims_counts_and_an_evaluation_is_not(
+    job_dir: Path
+) -> None:
+    """Separate worker processes share NCCL cliques (the test double's shared mode); the
+    waiting rank spins in a stream synchronisation in its own code, as on a GPU. First
+    attempt: rank 1 stops issuing collectives; the shim's counts name it, and the job
+    restarts in seconds. Restarted attempt: rank 0 computes alone for more than two hang
+    timeouts while rank 1 waits in the next collective: no second fault."""
+    script = job_dir / "nccl_behind.py"
+    script.write_text((REPO / "tests" / "scripts" / "nccl_behind.py").read_text())
+    run = Launch(["--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
+                  "--hang-timeout", "1.5", str(script), "--eval-s", "4"], cwd=job_dir,
+                 env={"FTRUN_SHIM": "1"})
+    hung_pid = run.wait_for(lambda lines: next((int(m[1]) for x in lines if (
+        m := re.search(r"hanging rank=1 pid=(\d+)", x))), None), 120, "rank 1 hanging")
+    hung_at = time.monotonic()
+    run.wait_for(lambda lines: any("start rank=0 attempt=1" in x for x in lines), 60,
+                 "the restart")
+    restarted_s = time.monotonic() - hung_at
+    assert run.wait(120) == 0, run.output
+    out = run.output
+    print(f"rank 1 hanging to the restart: {restarted_s:.1f}s")
+    assert re.search(rf"rank 1 \(pid {hung_pid}\) stuck in nccl_behind.py:\d+ main, "
+                     r"behind on collective #5 \(issued 4\); rank 0 waiting in "
+                     r"ncclAllReduce #5", out), out
+    # 1.5 s timeout + two looks; 10x that fails (torch's own timeout would be minutes)
+    assert restarted_s < 30, out
+    assert "evaluating rank=0" in out and out.count("restarting (1/1)") == 1, out
+    assert "finished rank=0 attempt=1" in out and "finished rank=1 attempt=1" in out, out
+    assert re.search(r"wall [\d.]+ s, .*, 1 fault\b", out), out
 
 
 def test_a_fault_handler_dump_gives_the_main_threads_stack(tmp_path: Path) -> None:

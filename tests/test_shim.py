@@ -228,11 +228,15 @@ def test_abort_spares_current_epoch(
             child_addr, 1, "ncclCommSplit")  # fmt: skip
         assert (child.parent_serial, child.parent_address) == (parent.serial, parent_addr)
         assert parent.size == 1 and parent.rank == 0
+        # identity: the unique id's hash; the child's, from the parent's and the split
+        assert parent.comm_id and child.comm_id and child.comm_id != parent.comm_id
         report = ctl.abort(1, timeout_s=5)
         assert [e.address for e in report.entries] == [parent_addr]
         p.send("\n")
         # the child works, the parent is refused, its size is still answered
         assert p.expect("OPS") == ["0", "0", "5", "1"]
+        child = next(c for c in ctl.communicators() if c.address == child_addr)
+        assert (child.seq, child.coll_seq) == (1, 1)
         assert p.expect("RELEASE") == ["0", "0"]
         code, _, err = p.finish()
         assert code == 0 and "AddressSanitizer" not in err, err[-2000:]

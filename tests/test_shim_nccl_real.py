@@ -219,7 +219,7 @@ def test_table_prototypes_match_real_header(nccl_dirs: list[Path], tmp_path: Pat
     for header in _headers(nccl_dirs):
         present = {n[len("nccl") :] for n in _prototypes(header)}
         lines = [f'#include "{header}"', f'#include "{CSRC / "ftshim_table.h"}"']
-        for kind in ("PASS", "GSTART", "GEND", "INIT", "INIT_ALL", "DERIVE", "COLL", "OP",
+        for kind in ("PASS", "GSTART", "GEND", "INIT", "INIT_ALL", "DERIVE", "COLL", "P2P", "OP",
                      "QUERY", "COUNT", "URANK", "CUDEV", "ASYNC", "CLEANUP", "FINALIZE",
                      "RELEASE"):  # fmt: skip
             lines.append(f"#define RET_{kind} ncclResult_t")

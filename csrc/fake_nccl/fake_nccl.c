@@ -23,6 +23,13 @@
  *    returns 1 so tests can tell.
  *  - FAKE_NCCL_CALL_US=N: every collective spends N microseconds inside the call, touching the
  *    communicator, so a test can catch an abort racing a call in flight.
+ *  - FAKE_NCCL_SHARED_DIR=DIR: ranks may also be separate processes (as under a launcher):
+ *    a clique's per-rank collective counts live in a file DIR/clique-<hash of the id>,
+ *    mapped shared, and waiters poll it every 5 ms. The id travels between processes
+ *    as the script chooses (a file, a store), as a real ncclUniqueId does. The stop flags
+ *    stay per process, and the 2.31.2+ destroy barrier is not modelled across processes.
+ *  - FAKE_NCCL_SYNC=spin: a waiter (host-blocked call or stream synchronisation) spins on
+ *    the CPU, as CUDA's default synchronisation does, instead of sleeping.
  *  - FAKE_NCCL_REUSE_COMMS=1: the last freed communicator's memory is handed to the next one
  *    made, as any allocator may do; a test that needs the reuse gets it every time instead of
  *    when glibc's bins happen to line up (off by default, so AddressSanitizer still sees
@@ -33,11 +40,13 @@
  * init does not wait for peers.
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -65,8 +74,8 @@ typedef struct clique {
   char id[128];
   int nranks;
   int refs;
-  int splits;             /* children made by split/shrink (for child ids) */
-  uint64_t progress[MAXR];/* collectives issued per rank */
+  uint64_t own[MAXR];     /* collectives issued per rank (one process) */
+  uint64_t* progress;     /* own, or the shared file's counts (FAKE_NCCL_SHARED_DIR) */
   int stopped[MAXR];      /* the rank's abort flag */
   int any_aborted;        /* some rank aborted: destroy would wait forever (2.31.2+) */
   int destroy_arrived;
@@ -79,6 +88,7 @@ struct ncclComm {
   int revoked;
   clique* cl;
   volatile uint64_t nops;
+  int derives;            /* children derived from it (every rank derives in the same order) */
   void* regs[64];
 };
 
@@ -110,6 +120,26 @@ static void check(struct ncclComm* c, const char* fn) {
   }
 }
 
+static const char* shared_dir(void) {
+  const char* d = getenv("FAKE_NCCL_SHARED_DIR");
+  return d && *d ? d : NULL;
+}
+/* The per-rank counts of the clique `id` shared by every process (FAKE_NCCL_SHARED_DIR). */
+static uint64_t* shared_progress(const char* id) {
+  uint64_t h = 14695981039346656037ull;
+  for (int i = 0; i < 128; i++) h = (h ^ (unsigned char)id[i]) * 1099511628211ull;
+  char path[4096];
+  snprintf(path, sizeof path, "%s/clique-%016llx", shared_dir(), (unsigned long long)h);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0 || ftruncate(fd, MAXR * sizeof(uint64_t)) != 0) {
+    fprintf(stderr, "fake-nccl: cannot share clique counts in %s\n", path);
+    abort();
+  }
+  void* m = mmap(NULL, MAXR * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (m == MAP_FAILED) abort();
+  return m;
+}
 static clique* clique_get(const char* id, int nranks) { /* mu held */
   for (clique* q = cliques; q; q = q->next)
     if (memcmp(q->id, id, 128) == 0) { q->refs++; return q; }
@@ -117,6 +147,7 @@ static clique* clique_get(const char* id, int nranks) { /* mu held */
   memcpy(q->id, id, 128);
   q->nranks = nranks;
   q->refs = 1;
+  q->progress = shared_dir() ? shared_progress(id) : q->own;
   q->next = cliques;
   cliques = q;
   return q;
@@ -125,12 +156,40 @@ static void clique_put(clique* q) { /* mu held */
   if (--q->refs) return;
   for (clique** pp = &cliques; *pp; pp = &(*pp)->next)
     if (*pp == q) { *pp = q->next; break; }
+  if (q->progress != q->own) munmap(q->progress, MAXR * sizeof(uint64_t));
   free(q);
 }
 static int op_done(clique* q, uint64_t k) { /* mu held */
   for (int j = 0; j < q->nranks; j++)
-    if (q->progress[j] < k) return 0;
+    if (__atomic_load_n(&q->progress[j], __ATOMIC_SEQ_CST) < k) return 0;
   return 1;
+}
+/* FAKE_NCCL_SYNC=spin: waiters burn CPU instead of sleeping, as a CUDA synchronisation
+ * spins while its context has a core to itself (cudaDeviceScheduleAuto). */
+static int spinning(void) {
+  const char* e = getenv("FAKE_NCCL_SYNC");
+  return e && strcmp(e, "spin") == 0;
+}
+/* Wait for a change: a signal from this process, or (shared cliques) a poll of the file. */
+static void wait_change(void) { /* mu held */
+  if (spinning()) {
+    pthread_mutex_unlock(&mu);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do clock_gettime(CLOCK_MONOTONIC, &t);
+    while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < 1000000L);
+    pthread_mutex_lock(&mu);
+    return;
+  }
+  if (!shared_dir()) {
+    pthread_cond_wait(&cv, &mu);
+    return;
+  }
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  t.tv_nsec += 5000000; /* 5 ms: a waiter's polls cost well under 1% of a core */
+  if (t.tv_nsec >= 1000000000) { t.tv_sec++; t.tv_nsec -= 1000000000; }
+  pthread_cond_timedwait(&cv, &mu, &t);
 }
 
 /* Through a volatile pointer: GCC would otherwise fuse malloc + memset(0) back into calloc. */
@@ -229,10 +288,7 @@ DEF(ncclResult_t, CommInitAll, (ncclComm_t* comm, int ndev, const int* devlist))
 }
 static ncclResult_t derive(struct ncclComm* c, int nranks, int rank, int tag, ncclComm_t* out) {
   char id[128];
-  pthread_mutex_lock(&mu);
-  int n = c->cl->splits; /* ranks in this process derive in the same order: same child id */
-  c->cl->splits = n + (rank == 0 ? 1 : 0);
-  pthread_mutex_unlock(&mu);
+  int n = c->derives++; /* every rank derives in the same order: the same child id */
   memcpy(id, c->cl->id, 128);
   snprintf(id + 96, 32, "/%d/%d", tag, n);
   *out = comm_new(id, nranks, rank);
@@ -278,7 +334,7 @@ DEF(ncclResult_t, CommDestroy, (ncclComm_t comm)) {
   if (!comm) return ncclSuccess;
   check(comm, "ncclCommDestroy");
 #ifdef FAKE_HAVE_REVOKE
-  if (comm->nranks > 1 && !comm->revoked) {
+  if (comm->nranks > 1 && !comm->revoked && !shared_dir()) {
     /* 2.31.2+: an intra-node barrier without a timeout. A peer that aborted never arrives. */
     pthread_mutex_lock(&mu);
     clique* q = comm->cl;
@@ -367,9 +423,9 @@ static ncclResult_t collective(struct ncclComm* c, cudaStream_t stream, const ch
   pthread_mutex_lock(&mu);
   clique* q = c->cl;
   int r = c->rank;
-  uint64_t k = ++q->progress[r];
+  uint64_t k = __atomic_add_fetch(&q->progress[r], 1, __ATOMIC_SEQ_CST);
   if (host_blocking()) {
-    while (!op_done(q, k) && !q->stopped[r]) pthread_cond_wait(&cv, &mu);
+    while (!op_done(q, k) && !q->stopped[r]) wait_change();
     pthread_cond_broadcast(&cv);
     int stopped = q->stopped[r] && !op_done(q, k);
     pthread_mutex_unlock(&mu);
@@ -428,7 +484,7 @@ EXPORT int fakeStreamSynchronize(void* stream) {
   pthread_mutex_lock(&mu);
   for (int i = 0; i < s->n; i++) {
     clique* q = s->ops[i].cl;
-    while (!op_done(q, s->ops[i].k) && !q->stopped[s->ops[i].rank]) pthread_cond_wait(&cv, &mu);
+    while (!op_done(q, s->ops[i].k) && !q->stopped[s->ops[i].rank]) wait_change();
     if (!op_done(q, s->ops[i].k)) stopped = 1;
     clique_put(q);
   }

@@ -5,9 +5,22 @@ noticed only when torch's collective timeout fires, 10 minutes by default. The r
 supervisor asks a :class:`HangWatch` instead, every half second:
 
 * a worker stopped by a signal (SIGSTOP, a tracer) is **frozen**: a failure at once;
-* every local worker's CPU time (its whole process tree: data loader workers count) flat,
-  none in uninterruptible I/O (a checkpoint being written), for the hang timeout: the
-  workers' stacks are read (:mod:`ftrun.agent.stacks`) and decide:
+* every local worker quiet for the hang timeout: its CPU time (its whole process tree: data
+  loader workers count) flat, none in uninterruptible I/O (a checkpoint being written); or,
+  for a worker with NCCL communicators, no NCCL call at all (its host thread may spin in a
+  CUDA wait). Then:
+
+  - NCCL: a worker that issued fewer collectives on a communicator than a peer did
+    (:mod:`ftrun.agent.ncclprogress`), and is itself idle, is the **culprit** its peers
+    wait for: a hang, whatever the stacks say; a late worker still using CPU is working
+    (rank 0 evaluating while the others wait): not a hang;
+  - a worker that uses CPU without calling NCCL and is not behind anyone is working: not a
+    hang (the rules below need every worker idle);
+  - every worker inside an NCCL call (the shim counts the threads inside each call) of
+    the same collective, nobody behind: a collective that never completes (a network
+    fault): a hang after one timeout, named by the call and its number;
+
+  otherwise the workers' stacks are read (:mod:`ftrun.agent.stacks`) and decide:
 
   - some wait in torch's communication (or inside an NCCL call: the NCCL shim counts the
     threads inside each communicator's calls, and knows the call and its sequence number),
@@ -47,6 +60,7 @@ from typing import Any
 import psutil
 
 from ftrun.agent.events import Event
+from ftrun.agent.ncclprogress import Late, NcclProgress, late_workers, nccl_progress, waiting_where
 from ftrun.agent.processes import WorkerProcess, join_pumps, wait_any
 from ftrun.agent.services import AgentServices
 from ftrun.agent.stacks import Stack, read_stack, stack_from_fault_dump, stack_source
@@ -69,6 +83,7 @@ class Hang:
     idle_s: float  # how long every worker had been idle
     stacks: dict[int, Stack] = field(default_factory=dict)  # by pid, where read
     nccl: dict[int, str] = field(default_factory=dict)  # by pid: "ncclAllReduce #12"
+    late: dict[int, Late] = field(default_factory=dict)  # by pid: culprits behind in NCCL
 
     def where(self, worker: WorkerProcess) -> str:
         """What an idle worker was doing: its NCCL call, else its stack."""
@@ -86,6 +101,8 @@ class Hang:
         for worker in self.culprits:
             stack = self.stacks.get(worker.pid)
             where = f" stuck {stack.where}" if stack else ""
+            if worker.pid in self.late:
+                where += f", {self.late[worker.pid].describe()}"
             parts.append(f"rank {worker.rank} (pid {worker.pid}){where}")
         if self.waiting:
             ranks = ",".join(str(w.rank) for w in self.waiting)
@@ -93,7 +110,8 @@ class Hang:
             parts.append(f"rank{plural} {ranks} {self.where(self.waiting[0])}")
         if not parts:
             parts.append("every rank idle (stacks not readable)")
-        return "; ".join(parts) + f"; no CPU progress for {self.idle_s:.1f} s"
+        progress = "NCCL or CPU progress" if self.late or self.nccl else "CPU progress"
+        return "; ".join(parts) + f"; no {progress} for {self.idle_s:.1f} s"
 
 
 @dataclass(frozen=True)
@@ -193,7 +211,9 @@ def judge_job(views: Sequence[NodeView], nnodes: int, timeout_s: float,
 @dataclass
 class _Activity:
     cpu_s: float
-    busy_at: float
+    busy_at: float  # when it last did something that ends a quiet spell
+    cpu_at: float  # when its CPU time last moved
+    nccl_ops: int = -1  # NCCL operations issued when last sampled; -1: no communicator
 
 
 class HangWatch:
@@ -206,7 +226,7 @@ class HangWatch:
         multi_node: bool,
         clock: Callable[[], float] = time.monotonic,
         stack_of: Callable[[int], Stack | None] | None = None,
-        nccl_call_of: Callable[[WorkerProcess], str | None] | None = None,
+        progress_of: Callable[[WorkerProcess], NcclProgress | None] | None = None,
     ) -> None:
         self.fixed_timeout_s = timeout_s  # None: auto
         self.multi_node = multi_node
@@ -214,7 +234,8 @@ class HangWatch:
         if stack_of is None:  # where py-spy cannot attach, stacks come after an abort
             stack_of = read_stack if stack_source() == "py-spy" else _unreadable
         self.stack_of = stack_of
-        self.nccl_call_of = nccl_call_of or nccl_call
+        self.progress_of = progress_of or nccl_progress
+        self.progress: dict[int, NcclProgress] = {}  # by pid, at the last sample
         self.activity: dict[int, _Activity] = {}
         self.longest_spell_s = 0.0  # the longest all-idle spell that ended by itself
         self.spell_s = 0.0
@@ -246,15 +267,25 @@ class HangWatch:
                 return Hang("frozen", (worker,), (), 0.0)
         if not live:
             return None
+        self.progress = {w.pid: p for w in live if (p := self.progress_of(w)) is not None}
         for worker in live:
             cpu, in_io = _tree_cpu(worker.pid)
+            nccl = self.progress.get(worker.pid)
+            ops = nccl.operations if nccl is not None else -1
             seen = self.activity.get(worker.pid)
             if seen is None:
-                self.activity[worker.pid] = _Activity(cpu, now)
+                self.activity[worker.pid] = _Activity(cpu, now, now, ops)
                 continue
-            if in_io or cpu - seen.cpu_s > IDLE_CPU_FRACTION * SAMPLE_S:
+            used_cpu = cpu - seen.cpu_s > IDLE_CPU_FRACTION * SAMPLE_S
+            if used_cpu:
+                seen.cpu_at = now
+            # CPU without NCCL calls may be a host thread spinning in a CUDA wait for a
+            # collective: quiet, as far as a hang goes (the verdict tells it from work)
+            spinning = ops >= 0 and ops == seen.nccl_ops
+            if in_io or (used_cpu and not spinning):
                 seen.busy_at = now
             seen.cpu_s = cpu
+            seen.nccl_ops = ops
         idle_s = now - max(self.activity[w.pid].busy_at for w in live
                            if w.pid in self.activity)
         if idle_s < self.spell_s:  # someone worked again: the spell ended by itself
@@ -269,8 +300,12 @@ class HangWatch:
 
     def _judge(self, live: list[WorkerProcess], idle_s: float, now: float) -> Hang | None:
         stacks = {w.pid: s for w in live if (s := self.stack_of(w.pid)) is not None}
-        nccl = {w.pid: c for w in live if (c := self.nccl_call_of(w)) is not None}
-        look = tuple((w.pid, _state(w.pid, stacks, nccl)) for w in live)
+        progress = {w.pid: self.progress[w.pid] for w in live if w.pid in self.progress}
+        nccl = {pid: p.inside for pid, p in progress.items() if p.inside is not None}
+        late = late_workers(progress)
+        working = {w.pid for w in live if now - self.activity[w.pid].cpu_at <= 1.5 * SAMPLE_S}
+        look = tuple((w.pid, _state(w.pid, stacks, nccl), w.pid in late, w.pid in working)
+                     for w in live)
         if look != self.last_look:
             # A verdict needs two looks, a sample apart, that agree: at the end of a slow
             # step a rank can be read still in its sleep while its peer, awake a moment
@@ -282,6 +317,21 @@ class HangWatch:
         self.next_check = now + self.timeout_s  # judged: look again after another timeout
         if self.multi_node:
             self.view = self._view(live, idle_s, stacks, nccl)
+        if late:
+            if working & late.keys():
+                return None  # a late rank still computes: a slow step of its own
+            culprits = tuple(w for w in live if w.pid in late)
+            ahead = tuple(w for w in live if w.pid not in late)
+            first = late[culprits[0].pid]
+            where = {w.pid: waiting_where(progress[w.pid], first) for w in ahead
+                     if w.pid in progress}
+            return Hang("hung", culprits, ahead, idle_s, stacks, {**nccl, **where}, late)
+        if working:
+            return None  # CPU used without NCCL calls, nobody behind: computing
+        if nccl and len(nccl) == len(live) and len(set(nccl.values())) == 1 \
+                and not self.multi_node:
+            # every rank inside the same call: a collective that never completes
+            return Hang("hung", (), tuple(live), idle_s, stacks, nccl)
         if any(w.pid not in stacks and w.pid not in nccl for w in live):
             if idle_s >= 3 * self.timeout_s:
                 return Hang("hung", (), (), idle_s, stacks, nccl)
@@ -364,19 +414,6 @@ def _state(pid: int, stacks: dict[int, Stack], nccl: dict[int, str]) -> str:
     if stack is None:
         return "unknown"
     return "waiting" if stack.waiting else "own"
-
-
-def nccl_call(worker: WorkerProcess) -> str | None:
-    """The NCCL call a thread of ``worker`` is inside right now ("ncclAllReduce #12": the
-    call and the communicator's operation count), from its shim page; None without one."""
-    shim = worker.shim
-    if shim is None:
-        return None
-    try:
-        inside = [c for c in shim.communicators() if c.inflight > 0]
-    except (ShimError, OSError, ValueError):
-        return None
-    return f"{inside[0].last_op} #{inside[0].seq}" if inside else None
 
 
 def _tree_cpu(pid: int) -> tuple[float, bool]:

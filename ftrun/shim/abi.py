@@ -19,7 +19,7 @@ from ftrun.shim.native import shim_library_path
 
 # ---- constants ------------------------------------------------------------------------------
 MAGIC = 0x314D494853544655
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_COMMS = 256
 ENV_CONTROL = "FTRUN_SHIM_CONTROL"
 ENV_DEBUG = "FTRUN_SHIM_DEBUG"
@@ -179,7 +179,10 @@ class CommSlot(ctypes.Structure):
         ("parent_addr", ctypes.c_uint64),
         ("created_ns", ctypes.c_uint64),
         ("ended_ns", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint8 * 32),
+        ("comm_id", ctypes.c_uint64),
+        ("coll_seq", ctypes.c_uint64),
+        ("derived", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint8 * 12),
     ]
 
 

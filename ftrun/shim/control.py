@@ -111,6 +111,8 @@ class CommunicatorInfo:
     parent_address: int
     created_ns: int  # CLOCK_MONOTONIC (same clock as time.monotonic_ns())
     ended_ns: int
+    comm_id: int = 0  # the same on every rank of the communicator; 0 unknown
+    coll_seq: int = 0  # collectives issued (seq without point-to-point calls)
 
 
 @dataclass(frozen=True)
@@ -372,7 +374,8 @@ class ShimControl:
                 device=snap.device, seq=snap.seq, last_op=function_name(snap.last_op),
                 inflight=snap.inflight, creator=function_name(snap.creator),
                 parent_serial=snap.parent_serial, parent_address=snap.parent_addr,
-                created_ns=snap.created_ns, ended_ns=snap.ended_ns,
+                created_ns=snap.created_ns, ended_ns=snap.ended_ns, comm_id=snap.comm_id,
+                coll_seq=snap.coll_seq,
             ))  # fmt: skip
         out.sort(key=lambda c: c.serial)
         return out

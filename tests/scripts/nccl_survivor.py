@@ -34,21 +34,10 @@ from collections.abc import Callable
 import torch
 
 import ftrun
-from ftrun.shim import fake_nccl_dir
+from ftrun.shim.fakenccl import UniqueId, load
 
 os.environ.setdefault("FAKE_NCCL_BLOCK", "host")
-ctypes.CDLL(str(fake_nccl_dir() / "libnccl.so.2"), mode=os.RTLD_LOCAL | os.RTLD_NOW)
-nccl = ctypes.CDLL(None)  # global scope: the shim's ncclX, which forwards to pncclX
-
-
-
-class UniqueId(ctypes.Structure):  # ncclUniqueId: 128 bytes, passed by value
-    _fields_ = [("internal", ctypes.c_char * 128)]
-
-
-nccl.ncclCommInitRank.argtypes = [ctypes.c_void_p, ctypes.c_int, UniqueId, ctypes.c_int]
-nccl.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+nccl = load().nccl  # the shim's ncclX, which forwards to the test double
 victim = int(sys.argv[1])
 twice = "--twice" in sys.argv[2:]
 if ("--restart-first" in sys.argv[2:] and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
