@@ -10,6 +10,7 @@ deadline; the machine these run on has two cores.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -665,6 +666,11 @@ def test_netns_agent_frozen_past_heartbeat_timeout_is_dropped_then_rejoins(  # t
                                                    find(lines[mark:], ElasticStep)), 180,
                       "the job re-formed with h3: six ranks again")
     out = "\n".join(n.output for n in nodes)
+    # Frozen is silent, not gone: its presence connection stayed open, so the verdict was
+    # the heartbeat timeout's (ftrun/control/presence.py), never an early one.
+    said = [x for x in nodes[0].lines if "lost: no heartbeat" in x]
+    silent = float(re.search(r"no heartbeat for ([\d.]+) s", said[0])[1])  # type: ignore[index]
+    assert silent >= HB_TIMEOUT_S and not any("connection closed" in x for x in said), said
     assert "lost the rendezvous store" not in frozen.output, frozen.output[-3000:]
     assert "asks to join" in nodes[0].output, nodes[0].output[-3000:]
     assert "max restarts" not in out and "restarting (" not in out, out[-3000:]
