@@ -398,6 +398,10 @@ def test_a_rank_behind_in_nccl_is_named_from_the_shims_counts_and_an_evaluation_
     assert "evaluating rank=0" in out and out.count("restarting (1/1)") == 1, out
     assert "finished rank=0 attempt=1" in out and "finished rank=1 attempt=1" in out, out
     assert re.search(r"wall [\d.]+ s, .*, 1 fault\b", out), out
+    # the record counts from the moment the last worker went quiet, and names rank 1 once
+    detected = re.search(r"every worker restarted in [\d.]+ s \(generation 1\) "
+                         r"\(detected in ([\d.]+) s", out)
+    assert detected and float(detected[1]) >= 1.5 and "rank 1 rank 1" not in out, out
 
 
 def test_a_fault_handler_dump_gives_the_main_threads_stack(tmp_path: Path) -> None:

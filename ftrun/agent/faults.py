@@ -94,10 +94,18 @@ class FaultRecord:
             return f"member {self.member}"
         return f"node {self.node}"
 
+    @property
+    def headline(self) -> str:
+        """Who and the cause ("rank 1 exit code 1: ..."); a cause that already starts by
+        naming them (a hang's "rank 1 (pid ..) stuck in ...") is not prefixed twice."""
+        if self.cause.startswith(f"{self.who} "):
+            return self.cause
+        return f"{self.who} {self.cause}"
+
     def line(self) -> str:
         """The console line said when the recovery completes."""
         at = f" at step {self.step}" if self.step is not None else ""
-        head = f"{self.who} {self.cause}{at}"
+        head = f"{self.headline}{at}"
         if self.injected:
             head = f"{head} (injected: {self.injected})"
         if self.path in ("regroup", "replace") and self.recovery_s is not None:
@@ -172,8 +180,7 @@ class JobSummary:
     def first_cause(self) -> str | None:
         if not self.faults:
             return None
-        first = min(self.faults, key=lambda f: f.happened)
-        return f"{first.who} {first.cause}"
+        return min(self.faults, key=lambda f: f.happened).headline
 
     def to_json(self) -> dict[str, Any]:
         return {"wall_s": self.wall_s, "productive_s": self.productive_s,

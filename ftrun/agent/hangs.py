@@ -449,8 +449,9 @@ def announce_hang(services: AgentServices, generation: Generation, hang: Hang,
         if stack is not None:
             services.say(f"rank {worker.rank} stack (most recent call last):\n{stack.text()}")
     if emit:
-        services.events.emit(
+        services.events.emit(  # the hang began when the last worker went quiet
             Event.FAILURE, generation=generation.number, cause=detail, kind=hang.kind,
+            happened=detected - hang.idle_s,
             rank=hang.culprits[0].rank if hang.culprits else None,
             pid=hang.culprits[0].pid if hang.culprits else None,
             culprits=[w.rank for w in hang.culprits], waiting=[w.rank for w in hang.waiting],
