@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import math
 import os
 import re
@@ -366,24 +367,43 @@ class EtcdClient:
 
     def _watch_create(self, key: str, revision: int, deadline: float) -> None:
         """Return once ``key`` is written after ``revision`` (or something else happened to
-        it: the caller reads again); RuntimeError('wait timeout after ...') at the deadline."""
+        it: the caller reads again); RuntimeError('wait timeout after ...') at the deadline.
+
+        The watch stream (the gateway's ``/watch``, at the URL etcd3gw discovered) is read
+        in the calling thread until its first event: one stream per waiting client and no
+        thread. etcd3gw's own ``watch_once`` starts a thread pool and a thread for every
+        wait (4.7 ms of client CPU each, measured), which starved hundreds of agents of a
+        process (bench_multinode's light rendezvous on etcd failed at 128)."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
         client = self._clients[self._current]
-        session = client.session
-        assert isinstance(session, _Session)
-        bound = session.bound
-        session.bound = (self._connect_s, left + 1.0)  # the stream outlives the wait
+        request = {"create_request": {"key": self._key(key), "start_revision": revision + 1}}
         try:
-            client.watch_once(_unb64(self._key(key)), timeout=left, start_revision=revision + 1)
-        except etcd_errors.WatchTimedOut:
-            raise RuntimeError(f"wait timeout after {int(left * 1000)}ms "
-                               f"(etcd key {key!r})") from None
-        except (etcd_errors.Etcd3Exception, requests.RequestException) as error:
-            self._failed_over(f"watch: {_short(error)}")
-        finally:
-            session.bound = bound
+            with client.session.post(client.get_url("/watch"), json=request, stream=True,
+                                     timeout=(self._connect_s, left)) as response:
+                if response.status_code != requests.codes["ok"]:
+                    self._failed_over(f"watch: HTTP {response.status_code} {response.reason}")
+                    return
+                for chunk in response.iter_content(chunk_size=None):
+                    for line in chunk.splitlines():
+                        if not line.strip():
+                            continue
+                        result = json.loads(line).get("result") or {}
+                        if result.get("events") or result.get("canceled"):
+                            return  # written (or the watch ended): the caller reads again
+                    if time.monotonic() >= deadline:
+                        break
+        except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
+            # nothing written within the wait: a read timeout (requests raises it as a
+            # ConnectionError from inside a stream) at the deadline; else the endpoint failed
+            if time.monotonic() < deadline - 0.05:
+                self._failed_over(f"watch: {_short(error)}")
+                return
+        if time.monotonic() < deadline:
+            self._failed_over("watch: the stream ended")
+            return
+        raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
 
     def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]]) -> dict[str, Any]:
