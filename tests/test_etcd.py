@@ -69,12 +69,21 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
             client.wait(["nothing"], timedelta(seconds=0.5))
         assert 0.4 < time.monotonic() - started < 5.0
         writer = connect_etcd(options, 10, op_timeout_s=2)
-        timer = threading.Timer(0.3, lambda: writer.set("later", "x"))
+        threads_before = threading.active_count()
+        during: list[int] = []
+
+        def write_later() -> None:
+            during.append(threading.active_count())  # while the main thread waits
+            writer.set("later", "x")
+        timer = threading.Timer(0.3, write_later)
         timer.start()
         started = time.monotonic()
         client.wait(["later"], timedelta(seconds=10))  # a watch, woken by the write
         assert time.monotonic() - started < 5.0
         timer.join()
+        # the wait read its stream itself: no thread of its own (a thread pool per wait,
+        # etcd3gw's watch_once, is what 128 light agents could not carry); +1: the timer
+        assert during == [threads_before + 1], (threads_before, during)
 
         rejected: list[str] = []
         job = JsonStore(client, "ftrun/job", signer=Signer(TOKEN.encode()),
