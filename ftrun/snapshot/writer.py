@@ -50,7 +50,9 @@ from ftrun.snapshot import format as fmt
 from ftrun.snapshot import memory, records
 
 POLL_S = 0.005
-_FIRST_LOOK_S = 0.001  # completion is polled after 1, 2, 4, ... ms, at most 4 * POLL_S apart
+_FIRST_LOOK_S = 0.001  # the shortest pause before a look at completion
+_LONGEST_PAUSE_S = 0.02  # pauses double from the first up to this
+_FAILED_EVERY = 4  # a look at the failed record every 4th look (each look is a request)
 _SPARES = itertools.count()  # spare file names unique within the process
 WRITER_NICE = 10  # the background thread's nice value (Linux: per thread)
 
@@ -175,6 +177,7 @@ class SnapshotWriter:
         self._stop = threading.Event()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._checked_size = -1
+        self._settle_s = _FIRST_LOOK_S  # how long the last completion took to be seen
         self._thread = threading.Thread(target=self._run, name="ftrun-snapshot", daemon=True)
         self._thread.start()
 
@@ -355,21 +358,32 @@ class SnapshotWriter:
 
     def _await_complete(self, epoch: int, step: int) -> bool | None:
         """True once every rank's records of (epoch, step) exist and verify; False when a
-        rank said it failed or ``timeout_s`` passed; None when stopped first. One cheap
-        ``check`` per look (no record is read and verified until all exist)."""
+        rank said it failed or ``timeout_s`` passed; None when stopped first.
+
+        Every look is a request the agent's store serves, so they are few: the first comes
+        after about as long as the last completion took (the other ranks publish at a
+        steady offset from this one), then pauses double; a look is one ``check`` (the
+        failed record too at every :data:`_FAILED_EVERY`-th), and the records are read and
+        verified once, when all exist. About three requests a snapshot on a healthy job."""
         world = self.where.world_size
         keys = [records.local_key(epoch, step, r) for r in range(world)]
         if self.replicas:
             keys += [records.replica_key(epoch, step, r) for r in range(world)]
-        deadline = time.monotonic() + self.timeout_s
-        pause = _FIRST_LOOK_S
-        while not self.store.exist_all(keys):
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        pause = min(max(self._settle_s, _FIRST_LOOK_S), _LONGEST_PAUSE_S)
+        looks = 0
+        while True:
             if self._stop.wait(pause):
                 return None
-            pause = min(2 * pause, 4 * POLL_S)
-            if (self.store.get_record(records.failed_key(epoch, step)) is not None
-                    or time.monotonic() > deadline):
+            if self.store.exist_all(keys):
+                break
+            looks += 1
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
+            if time.monotonic() > deadline or (looks % _FAILED_EVERY == 0 and self.store.
+                                                get_record(records.failed_key(epoch, step))):
                 return False
+        self._settle_s = 0.8 * (time.monotonic() - started)  # a little early next time
         return all(r is not None for r in self.store.read_records(keys))
 
     def _retire(self, path: Path) -> None:
