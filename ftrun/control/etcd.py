@@ -9,8 +9,13 @@ deprecated v2 API. This module gives the agent the operations it already uses on
 :class:`~ftrun.control.store.JsonStore` and everything above it (signed JSON records,
 rendezvous, heartbeats, end watches) run unchanged on etcd:
 
-* ``add``, ``append`` and ``compare_set`` are etcd transactions guarded by the key's
-  ``mod_revision`` (retried when another writer got in between);
+* ``add`` and ``compare_set`` are etcd transactions guarded by the key's ``mod_revision``
+  (retried when another writer got in between);
+* ``append`` writes a part key of its own (the key, a NUL byte, a random id) in one
+  request, never contended; a read of the key is its value and then its parts' in the
+  order etcd created them (one range request over ``key`` .. ``key\x01``). A read-modify-
+  write of one growing key made N concurrent appends cost O(N^2) retries and bytes (512
+  agents offering their slots at once never finished);
 * ``check`` and ``multi_get`` are one transaction each (one round trip for many keys);
 * ``wait`` (and ``get`` of a missing key, which waits as torch's does) is a watch from the
   revision just after the read that found the key missing, so no write is missed, bounded
@@ -144,6 +149,19 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+#: An appended part's key is the key, this byte and a random id; the range of a key and its
+#: parts ends before ``_PARTS_END`` (no other key of the job has a byte below 0x20).
+_PART = b"\x00"
+_TXN_OPS = 128  # etcd's default --max-txn-ops
+_PARTS_END = b"\x01"
+
+
+def _joined(kvs: list[dict[str, Any]]) -> bytes:
+    """A key's value then its appended parts', in the order of ``kvs`` (etcd's creation
+    order: see ``EtcdClient._span``)."""
+    return b"".join(_unb64(kv.get("value", "")) for kv in kvs)
+
+
 def _next_key(key: bytes) -> bytes:
     """The first key after every key that starts with ``key`` (a range's end)."""
     return key[:-1] + bytes([key[-1] + 1]) if key and key[-1] < 0xFF else key + b"\0"
@@ -211,7 +229,11 @@ class EtcdClient:
         return f"{host}:{port}"
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._post("/kv/put", {"key": self._key(key), "value": _b64(value)})
+        """Replace the value (appended parts included: gone, as with torch's ``set``)."""
+        ekey = self._root + key.encode()
+        self._txn([], [{"request_delete_range": {"key": _b64(ekey + _PART),
+                                                 "range_end": _b64(ekey + _PARTS_END)}},
+                       {"request_put": {"key": _b64(ekey), "value": _b64(value)}}], [])
 
     def get(self, key: str) -> bytes:
         """The value; a missing key is waited for up to the timeout (as torch's ``get``)."""
@@ -224,29 +246,33 @@ class EtcdClient:
             self._watch_create(key, revision, deadline)
 
     def check(self, keys: Sequence[str]) -> bool:
-        """Whether every key exists, in one transaction."""
-        compare = [{"key": self._key(k), "target": "CREATE", "result": "GREATER",
-                    "create_revision": "0"} for k in keys]
-        return bool(self._txn(compare, [], []).get("succeeded", False))
+        """Whether every key exists (a value or an appended part), in one transaction per
+        ``_TXN_OPS`` keys."""
+        responses = self._reads([{**self._span(k), "count_only": True} for k in keys])
+        counts = [int(r.get("response_range", {}).get("count", 0)) for r in responses]
+        return len(counts) == len(keys) and all(counts)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of keys that exist, in one transaction (a missing key: RuntimeError,
-        callers check first, as with torch whose ``multi_get`` would wait)."""
-        result = self._txn([], [{"request_range": {"key": self._key(k)}} for k in keys], [])
+        """The values of keys that exist, in one transaction per ``_TXN_OPS`` keys (a
+        missing key: RuntimeError, callers check first, as with torch whose ``multi_get``
+        would wait)."""
+        responses = self._reads([self._span(k) for k in keys])
         values: list[bytes] = []
-        for name, response in zip(keys, result.get("responses", []), strict=False):
+        for name, response in zip(keys, responses, strict=False):
             kvs = response.get("response_range", {}).get("kvs") or []
             if not kvs:
                 raise RuntimeError(f"etcd: key {name!r} does not exist")
-            values.append(_unb64(kvs[0].get("value", "")))
+            values.append(_joined(kvs))
         if len(values) != len(keys):
             raise RuntimeError("etcd: a transaction answered fewer reads than asked")
         return values
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        puts = [{"request_put": {"key": self._key(k), "value": _b64(v)}}
-                for k, v in zip(keys, values, strict=True)]
-        self._txn([], puts, [])
+        """``set`` of each key, in transactions of at most ``_TXN_OPS`` keys."""
+        pairs = list(zip(keys, values, strict=True))
+        for start in range(0, len(pairs), _TXN_OPS):
+            self._txn([], [{"request_put": {"key": self._key(k), "value": _b64(v)}}
+                           for k, v in pairs[start:start + _TXN_OPS]], [])
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """torch's semantics: write ``desired`` if the key holds ``expected`` (or, with an
@@ -278,8 +304,11 @@ class EtcdClient:
         return int(self._read_modify_write(key, change))
 
     def append(self, key: str, value: str | bytes) -> None:
-        tail = value.encode() if isinstance(value, str) else value
-        self._read_modify_write(key, lambda old: (old or b"") + tail)
+        """One part key of its own (see the module docstring): one request, no contention.
+        The id is random: a retried request that had landed adds its part twice, which
+        readers of appended records already tolerate (the first valid record wins)."""
+        part = self._root + key.encode() + _PART + os.urandom(8).hex().encode()
+        self._post("/kv/put", {"key": _b64(part), "value": _b64(value)})
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists; RuntimeError('wait timeout after ...') on timeout."""
@@ -293,16 +322,17 @@ class EtcdClient:
                 self._watch_create(key, revision, deadline)
 
     def delete_key(self, key: str) -> bool:
-        result = self._post("/kv/deleterange", {"key": self._key(key)})
+        result = self._post("/kv/deleterange", self._span(key))
         return int(result.get("deleted", 0)) > 0
 
     def list_keys(self) -> list[str]:
-        """Every key under the job's prefix, without it."""
+        """Every key under the job's prefix, without it (a key with appended parts once)."""
         result = self._post("/kv/range", {"key": _b64(self._root),
                                           "range_end": _b64(_next_key(self._root)),
                                           "keys_only": True})
-        return [_unb64(kv["key"])[len(self._root):].decode(errors="replace")
-                for kv in result.get("kvs") or []]
+        names = [_unb64(kv["key"])[len(self._root):].partition(_PART)[0]
+                 .decode(errors="replace") for kv in result.get("kvs") or []]
+        return list(dict.fromkeys(names))
 
     def read(self, key: str) -> bytes | None:
         """The value, or None when the key does not exist (never waits)."""
@@ -340,12 +370,18 @@ class EtcdClient:
     def _key(self, key: str) -> str:
         return _b64(self._root + key.encode())
 
+    def _span(self, key: str) -> dict[str, Any]:
+        """A range over ``key`` and its appended parts, oldest first."""
+        ekey = self._root + key.encode()
+        return {"key": _b64(ekey), "range_end": _b64(ekey + _PARTS_END),
+                "sort_order": "ASCEND", "sort_target": "CREATE"}
+
     def _range(self, key: str) -> tuple[bytes | None, int]:
         """(value or None, the store's revision at the read)."""
-        result = self._post("/kv/range", {"key": self._key(key)})
+        result = self._post("/kv/range", self._span(key))
         revision = int(result.get("header", {}).get("revision", 0))
         kvs = result.get("kvs") or []
-        return (_unb64(kvs[0].get("value", "")) if kvs else None), revision
+        return (_joined(kvs) if kvs else None), revision
 
     def _read_modify_write(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
         ekey = self._key(key)
@@ -378,7 +414,9 @@ class EtcdClient:
         if left <= 0:
             raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
         client = self._clients[self._current]
-        request = {"create_request": {"key": self._key(key), "start_revision": revision + 1}}
+        span = self._span(key)
+        request = {"create_request": {"key": span["key"], "range_end": span["range_end"],
+                                      "start_revision": revision + 1}}
         try:
             with client.session.post(client.get_url("/watch"), json=request, stream=True,
                                      timeout=(self._connect_s, left)) as response:
@@ -404,6 +442,16 @@ class EtcdClient:
             self._failed_over("watch: the stream ended")
             return
         raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
+
+    def _reads(self, ranges: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The responses of range requests, in transactions of at most ``_TXN_OPS`` (etcd's
+        default ``--max-txn-ops``: a leader's read of 512 heartbeats in one was refused)."""
+        responses: list[dict[str, Any]] = []
+        for start in range(0, len(ranges), _TXN_OPS):
+            part = ranges[start:start + _TXN_OPS]
+            result = self._txn([], [{"request_range": r} for r in part], [])
+            responses.extend(result.get("responses") or [])
+        return responses
 
     def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]]) -> dict[str, Any]:
