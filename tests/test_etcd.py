@@ -50,19 +50,30 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
         assert client.compare_set("cs", "", "second") == b"first"
         assert client.compare_set("cs", "first", "third") == b"third"
 
-        def adder() -> None:
+        def adder(i: int) -> None:
             mine = connect_etcd(options, 10, op_timeout_s=5)
-            for _ in range(20):
+            for n in range(20):
                 mine.add("count", 1)
-        threads = [threading.Thread(target=adder) for _ in range(4)]
+                mine.append("many", f"{i}.{n};")  # a part key each: none lost, none merged
+        threads = [threading.Thread(target=adder, args=(i,)) for i in range(4)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(60)
         assert client.add("count", 0) == 80
+        parts = client.get("many").decode().rstrip(";").split(";")
+        assert sorted(parts) == sorted(f"{i}.{n}" for i in range(4) for n in range(20))
+        for i in range(4):  # each writer's parts in the order it appended them
+            assert [p for p in parts if p.startswith(f"{i}.")] == [f"{i}.{n}" for n in range(20)]
         for part in ("a", "b", "c"):
             client.append("log", part)
-        assert client.get("log") == b"abc"
+        assert client.get("log") == b"abc" and client.check(["log", "many", "count"])
+        client.set("log", "new")  # set replaces the appended parts too, as torch's does
+        assert client.get("log") == b"new"
+        names = [f"k{i}" for i in range(300)]  # more than etcd's 128 operations a txn
+        client.multi_set(names, [str(i) for i in range(300)])
+        assert client.check(names) and not client.check([*names, "absent"])
+        assert client.multi_get(names) == [str(i).encode() for i in range(300)]
 
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="wait timeout"):
