@@ -123,6 +123,8 @@ class WorkerView:
     state: str  # "waiting" (in torch's communication or NCCL), "own" (its code), "unknown"
     where: str
     stack: str = ""  # the stack's text, for a worker idle in its own code
+    collectives: dict[int, int] = field(default_factory=dict)  # NCCL: comm_id -> issued
+    working: bool = False  # used CPU in the last sample (without calling NCCL)
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,9 @@ class NodeView:
         return {"node_rank": self.node_rank, "node": self.node,
                 "idle_since": self.idle_since, "at": self.at, "forming": self.forming,
                 "workers": [{"rank": w.rank, "pid": w.pid, "state": w.state,
-                             "where": w.where[:300], "stack": w.stack[:4000]}
+                             "where": w.where[:300], "stack": w.stack[:4000],
+                             "collectives": {f"{c:x}": n for c, n in w.collectives.items()},
+                             "working": w.working}
                             for w in self.workers]}
 
     @classmethod
@@ -159,11 +163,29 @@ class NodeView:
                 raise StoreValueError(f"hang view: unknown worker state {state!r}")
             views.append(WorkerView(require(item, "rank", int), require(item, "pid", int),
                                     state, require(item, "where", str),
-                                    require(item, "stack", str)))
+                                    require(item, "stack", str),
+                                    _collectives(require(item, "collectives", dict)),
+                                    require(item, "working", bool)))
         return cls(require(data, "node_rank", int), require(data, "node", str),
                    float(require(data, "idle_since", (int, float))),
                    float(require(data, "at", (int, float))),
                    require(data, "forming", bool), tuple(views))
+
+
+def _collectives(data: dict[str, Any]) -> dict[int, int]:
+    """A worker view's NCCL counts ({hex comm_id: issued}); StoreValueError if malformed."""
+    if len(data) > 256:
+        raise StoreValueError("hang view: more communicators than a shim tracks")
+    counts = {}
+    for key, issued in data.items():
+        try:
+            comm_id = int(key, 16)
+        except ValueError:
+            raise StoreValueError(f"hang view: communicator id {key[:20]!r} is not hex") from None
+        if not 0 < comm_id < 2**64 or not isinstance(issued, int) or issued < 0:
+            raise StoreValueError(f"hang view: bad count for communicator {key[:20]}")
+        counts[comm_id] = issued
+    return counts
 
 
 @dataclass(frozen=True)
@@ -173,14 +195,18 @@ class JobHang:
     culprits: tuple[tuple[WorkerView, str], ...]  # (worker, its node)
     waiting: tuple[WorkerView, ...]
     idle_s: float
+    late: Late | None = None  # the first culprit's NCCL lag, when that named it
 
     def describe(self) -> str:
-        parts = [f"rank {w.rank} (node {node}, pid {w.pid}) stuck {w.where}"
+        behind = f", {self.late.describe()}" if self.late else ""
+        parts = [f"rank {w.rank} (node {node}, pid {w.pid}) stuck {w.where}{behind}"
                  for w, node in self.culprits]
         if self.waiting:
             ranks = ",".join(str(w.rank) for w in sorted(self.waiting, key=lambda w: w.rank))
             plural = "s" if len(self.waiting) > 1 else ""
-            parts.append(f"rank{plural} {ranks} {self.waiting[0].where}")
+            where = f"waiting for collective #{self.late.peers}" if self.late \
+                else self.waiting[0].where
+            parts.append(f"rank{plural} {ranks} {where}")
         if not parts:
             parts.append("every rank idle (stacks not readable)")
         return "; ".join(parts) + f"; no CPU progress on any node for {self.idle_s:.1f} s"
@@ -197,6 +223,18 @@ def judge_job(views: Sequence[NodeView], nnodes: int, timeout_s: float,
     if idle_s < timeout_s:
         return None  # the spells do not overlap for long enough
     workers = [(w, v.node) for v in fresh for w in v.workers]
+    progress = {(node, w.pid): NcclProgress(w.collectives, {}, 0, None)
+                for w, node in workers if w.collectives}
+    late = late_workers(progress)
+    if late:
+        if any(w.working for w, node in workers if (node, w.pid) in late):
+            return None  # a late rank still computes
+        culprits = tuple((w, node) for w, node in workers if (node, w.pid) in late)
+        ahead = tuple(w for w, node in workers if (node, w.pid) not in late)
+        first, node = culprits[0]
+        return JobHang(culprits, ahead, idle_s, late[(node, first.pid)])
+    if any(w.working for w, _ in workers):
+        return None  # CPU used without NCCL calls, nobody behind: computing
     waiting = tuple(w for w, _ in workers if w.state == "waiting")
     culprits = tuple((w, node) for w, node in workers if w.state == "own")
     if any(w.state == "unknown" for w, _ in workers):
@@ -316,7 +354,7 @@ class HangWatch:
             return None
         self.next_check = now + self.timeout_s  # judged: look again after another timeout
         if self.multi_node:
-            self.view = self._view(live, idle_s, stacks, nccl)
+            self.view = self._view(live, idle_s, stacks, nccl, progress, working)
         if late:
             if working & late.keys():
                 return None  # a late rank still computes: a slow step of its own
@@ -351,7 +389,8 @@ class HangWatch:
         return Hang("hung", (), waiting, idle_s, stacks, nccl)
 
     def _view(self, live: list[WorkerProcess], idle_s: float, stacks: dict[int, Stack],
-              nccl: dict[int, str]) -> NodeView:
+              nccl: dict[int, str], progress: dict[int, NcclProgress],
+              working: set[int]) -> NodeView:
         workers = []
         for worker in live:
             stack = stacks.get(worker.pid)
@@ -360,8 +399,10 @@ class HangWatch:
                 where = f"waiting in {nccl[worker.pid]}"
             else:
                 where = stack.where if stack is not None else "stack not readable"
+            counts = progress[worker.pid].collectives if worker.pid in progress else {}
             workers.append(WorkerView(worker.rank, worker.pid, state, where,
-                                      stack.text() if stack and state == "own" else ""))
+                                      stack.text() if stack and state == "own" else "",
+                                      counts, worker.pid in working))
         wall = self.wall()
         return NodeView(self.node_rank, self.node, wall - idle_s, wall,
                         any(s.forming_group for s in stacks.values()), tuple(workers))

@@ -18,7 +18,9 @@ Reading a page never raises: a worker whose page cannot be read has no progress.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ftrun.agent.processes import WorkerProcess
 from ftrun.shim import ShimError
@@ -66,8 +68,12 @@ def nccl_progress(worker: WorkerProcess) -> NcclProgress | None:
     )
 
 
-def late_workers(progress: dict[int, NcclProgress]) -> dict[int, Late]:
-    """By pid: the workers behind a peer on some communicator (the first such one).
+Key = TypeVar("Key", bound=Hashable)
+
+
+def late_workers(progress: dict[Key, NcclProgress]) -> dict[Key, Late]:
+    """By worker (a pid, or (node, pid) across nodes): the workers behind a peer on some
+    communicator (the first such one).
 
     Only counts that can be seen are compared: a communicator whose other ranks live on
     other nodes makes nobody late here (a lower bound of the furthest count still proves a
@@ -76,11 +82,11 @@ def late_workers(progress: dict[int, NcclProgress]) -> dict[int, Late]:
     for seen in progress.values():
         for comm_id, issued in seen.collectives.items():
             furthest[comm_id] = max(furthest.get(comm_id, 0), issued)
-    late = {}
-    for pid, seen in progress.items():
+    late: dict[Key, Late] = {}
+    for key, seen in progress.items():
         for comm_id, issued in sorted(seen.collectives.items()):
             if issued < furthest[comm_id]:
-                late[pid] = Late(comm_id, issued, furthest[comm_id])
+                late[key] = Late(comm_id, issued, furthest[comm_id])
                 break
     return late
 
