@@ -21,8 +21,9 @@ status rules (the script runs at the top of the process, so an uncaught exceptio
 Started as ``python -u -m ftrun.zygote FD PATH0 MODULE... -- SCRIPT ARGS``: ``FD`` is its
 end of a Unix socket to the agent, ``PATH0`` what ``sys.path[0]`` is for the worker (the script's
 directory, or the working directory with ``-m``), so the preloaded imports resolve as the
-script's own would. This module imports nothing from ftrun (the package's ``__init__`` is
-lazy), so the workers' address space holds only what the script would import.
+script's own would. This module imports nothing from ftrun but, in a forked worker, the
+stdlib-only ``ftrun.exithook`` (the package's ``__init__`` is lazy), so the workers' address
+space holds only what the script would import.
 
 Protocol with the agent:
 
@@ -193,6 +194,10 @@ def _become_worker(sock: socket.socket, server: int, fds: list[int], request: _R
     os.environ.update(request.env)
     if request.env.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter would read at start
         faulthandler.enable()
+    if request.env.get("FTRUN_EXIT_HOOK"):  # what its sitecustomize would do at start
+        from ftrun.exithook import adopt
+
+        adopt()
     os.chdir(request.cwd)
 
 

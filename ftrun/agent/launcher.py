@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ftrun import exithook
 from ftrun.agent import processes as local
 from ftrun.agent.events import Event, EventLog, WorkerExit, read_error_file
 from ftrun.agent.forkserver import (
@@ -228,6 +229,8 @@ class Launcher:
             user_torch_env=frozenset(k for k in SURVIVOR_TORCH_ENV if k in os.environ),
             member=member,
         ).to_env())
+        if not config.no_python and "PYTHON_EXEC" not in os.environ:
+            exithook.point_at(env)  # a clean exit on an uncaught exception (ftrun/exithook.py)
         if config.virtual_local_rank:
             env["LOCAL_RANK"] = "0"
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")

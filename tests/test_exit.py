@@ -1,0 +1,69 @@
+"""A worker whose script raises ends cleanly: its process groups are destroyed while the
+interpreter is whole (ftrun/exithook.py), so the exit is status 1, not a SIGABRT while
+torch's gloo threads are torn down. The hook reaches unmodified scripts, started the
+normal way and forked by ``--preload``, and leaves no trace the script can see."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.launch import Launch
+
+SCRIPT = """
+import atexit, json, os, sys
+import torch.distributed as dist
+
+def report():  # registered after the hook: runs after it, before the interpreter ends
+    print("AT_EXIT " + json.dumps({"initialized": dist.is_initialized(),
+                                   "pythonpath": os.environ.get("PYTHONPATH"),
+                                   "hook_env": sorted(k for k in os.environ
+                                                      if k.startswith("FTRUN_EXIT")),
+                                   "site_on_path": any("_exit_site" in p for p in sys.path)}),
+          flush=True)
+
+dist.init_process_group("gloo")
+atexit.register(report)
+if sys.argv[1] == "raise":
+    raise RuntimeError("boom on purpose")
+"""
+
+
+def _at_exit(run: Launch) -> dict:
+    line = next(x for x in run.lines if "AT_EXIT " in x)
+    return json.loads(line[line.index("AT_EXIT ") + len("AT_EXIT "):])
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["spawned", "preloaded"])
+def test_a_raising_worker_destroys_its_groups_and_exits_1(job_dir: Path, preload: bool) -> None:
+    script = job_dir / "raiser.py"
+    script.write_text(SCRIPT)
+    flags = ["--preload", "torch"] if preload else []
+    env = {"PYTHONPATH": str(job_dir / "user-path")}
+    run = Launch([*flags, "--nproc-per-node", "1", "--max-restarts", "0", str(script),
+                  "raise"], cwd=job_dir, env=env)
+    assert run.wait(120) == 1, run.output
+    seen = _at_exit(run)
+    # the hook ran after the traceback, before the script's own exit handlers
+    assert seen["initialized"] is False, seen
+    assert "RuntimeError: boom on purpose" in run.output
+    assert "rank 0 (pid" in run.output and "failed: exit code 1" in run.output, run.output
+    assert "Fatal Python error" not in run.output
+    # the script saw its own PYTHONPATH and nothing of the hook
+    assert seen["pythonpath"] == env["PYTHONPATH"], seen
+    assert seen["hook_env"] == [] and seen["site_on_path"] is False, seen
+
+
+def test_a_successful_worker_keeps_its_groups_to_the_end(job_dir: Path) -> None:
+    """Only an uncaught exception triggers the hook: a script that ends normally finds its
+    group as it left it, as under torchrun, and the PYTHONPATH the launcher was given."""
+    script = job_dir / "ender.py"
+    script.write_text(SCRIPT)
+    run = Launch(["--nproc-per-node", "1", str(script), "end"], cwd=job_dir)
+    assert run.wait(120) == 0, run.output
+    seen = _at_exit(run)
+    assert seen == {"initialized": True, "pythonpath": os.environ.get("PYTHONPATH"),
+                    "hook_env": [], "site_on_path": False}, seen
