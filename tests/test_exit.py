@@ -42,7 +42,10 @@ def test_a_raising_worker_destroys_its_groups_and_exits_1(job_dir: Path, preload
     script = job_dir / "raiser.py"
     script.write_text(SCRIPT)
     flags = ["--preload", "torch"] if preload else []
-    env = {"PYTHONPATH": str(job_dir / "user-path")}
+    user_path = job_dir / "user-path"
+    user_path.mkdir()
+    (user_path / "sitecustomize.py").write_text("print('USER SITECUSTOMIZE ran', flush=True)\n")
+    env = {"PYTHONPATH": str(user_path)}
     run = Launch([*flags, "--nproc-per-node", "1", "--max-restarts", "0", str(script),
                   "raise"], cwd=job_dir, env=env)
     assert run.wait(120) == 1, run.output
@@ -55,6 +58,8 @@ def test_a_raising_worker_destroys_its_groups_and_exits_1(job_dir: Path, preload
     # the script saw its own PYTHONPATH and nothing of the hook
     assert seen["pythonpath"] == env["PYTHONPATH"], seen
     assert seen["hook_env"] == [] and seen["site_on_path"] is False, seen
+    if not preload:  # the script's own sitecustomize still ran (the fork server's ran once)
+        assert "USER SITECUSTOMIZE ran" in run.output, run.output
 
 
 def test_a_successful_worker_keeps_its_groups_to_the_end(job_dir: Path) -> None:
