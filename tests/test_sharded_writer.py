@@ -12,7 +12,8 @@ One rank (world 1) snapshots a changing state several times; checked after each 
   renamed (same inode: its pages are reused, not allocated again);
 * a snapshot whose replication fails is marked failed, never counts, and its file turns
   back into the spare (no third file); the one kept stays the newest complete;
-* a state that grows (a new tensor) is written whole;
+* a state that grows (a new tensor; a value whose JSON outgrows the header's room reserved
+  at capture, so the writer moves the data) is written whole;
 * ``stop`` ends the thread and removes the spare; the published file stays.
 """
 
@@ -40,6 +41,8 @@ def _state(step: int, grown: bool) -> dict[str, object]:
                                 "loader": {"seen": step}}
     if grown:
         state["m"] = torch.full((5, 5), float(step), dtype=torch.bfloat16)
+    if step == 6:  # a value grows past the header's reserved room: the data is moved
+        state["loader"] = {"seen": step, "recent": "x" * 3000}
     return state
 
 
@@ -65,7 +68,7 @@ def test_the_writer_publishes_what_it_copied_and_holds_two_files(tmp_path: Path)
                             say=lambda text: None, replicate=replicate, server="")
     previous_inode = None
     try:
-        for step in range(1, 7):
+        for step in range(1, 8):
             state = _state(step, grown=step >= 5)
             tree, tensors = fmt.flatten(state)
             writer.capture(step, tree, tensors)
@@ -95,7 +98,7 @@ def test_the_writer_publishes_what_it_copied_and_holds_two_files(tmp_path: Path)
             blob = (directory / name).read_bytes()
             snapshot = fmt.parse(blob)
             back = fmt.unflatten(snapshot, lambda shape, dims: None)
-            assert back["loader"] == {"seen": step}
+            assert back["loader"] == state["loader"]
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     assert torch.equal(back[key], value), (step, key)
@@ -110,5 +113,5 @@ def test_the_writer_publishes_what_it_copied_and_holds_two_files(tmp_path: Path)
     finally:
         writer.stop()
     assert not writer._thread.is_alive()
-    assert set(_files(directory)) == {"e0-s6-r0.snap"}  # the spare went, the snapshot stays
+    assert set(_files(directory)) == {"e0-s7-r0.snap"}  # the spare went, the snapshot stays
     del host

@@ -3,15 +3,18 @@
 The training thread pays for one copy: each tensor's local bytes straight into the file the
 snapshot will be, mapped into memory (``mmap`` of a file in the node's snapshot memory,
 :mod:`ftrun.snapshot.memory`), at offsets fixed at capture time (the header's room is
-reserved up front: :func:`ftrun.snapshot.format.data_start`). No staging buffer and no
-``write``: the bytes land in tmpfs pages once. For GPU tensors the copy is a device-to-host
-copy on a side stream into a pinned buffer, which the background thread moves into the
-file (not run here: no GPU). The background thread then checksums the mapped data (CRC-32,
-ISA-L), writes the header into the file's first page, publishes the file by ``rename`` and
-writes phase 1 of the two-phase record (:mod:`ftrun.snapshot.records`), overlapped with the
-next step's compute. On several nodes it then has the node's agent copy the file to the
-buddy node (:mod:`ftrun.snapshot.replica`) and writes phase 2 once the buddy verified it; a
-copy that fails marks the snapshot failed (it never counts; no rank waits for it).
+reserved up front: :func:`ftrun.snapshot.format.data_start`, the last manifest's size and
+1 KiB more). No staging buffer and no ``write``: the bytes land in tmpfs pages once, and
+the manifest's JSON is left to the background thread (a manifest whose values outgrew the
+room has its data moved to a bigger file there: slower, rare, never wrong). For GPU
+tensors the copy is a device-to-host copy on a side stream into a pinned buffer, which the
+background thread moves into the file (not run here: no GPU). The background thread then
+checksums the mapped data (CRC-32, ISA-L), writes the header into the file's first page,
+publishes the file by ``rename`` and writes phase 1 of the two-phase record
+(:mod:`ftrun.snapshot.records`), overlapped with the next step's compute. On several
+nodes it then has the node's agent copy the file to the buddy node
+(:mod:`ftrun.snapshot.replica`) and writes phase 2 once the buddy verified it; a copy
+that fails marks the snapshot failed (it never counts; no rank waits for it).
 
 Bounded memory, per rank: after publishing snapshot ``s`` the thread waits until it is
 complete on every rank (or failed, or ``timeout_s`` passed: then it is given up), then
@@ -54,6 +57,7 @@ _FIRST_LOOK_S = 0.001  # the shortest pause before a look at completion
 _LONGEST_PAUSE_S = 0.02  # pauses double from the first up to this
 _FAILED_EVERY = 4  # a look at the failed record every 4th look (each look is a request)
 _SPARES = itertools.count()  # spare file names unique within the process
+_SLACK = 1024  # room beyond the last manifest's for this one's values to grow into
 WRITER_NICE = 10  # the background thread's nice value (Linux: per thread)
 
 #: Sends this rank's published snapshot (step, CRC32, the (epoch, step) it keeps) to the
@@ -109,7 +113,10 @@ _FAILURES = (OSError, StoreError, RuntimeError, ValueError)
 @dataclass
 class _Job:
     step: int
-    prefix: str  # the manifest's JSON up to its checksum
+    tree: Any
+    meta: dict[str, Any]
+    tensors_json: str
+    prefix: str | None  # the manifest's JSON up to its checksum, when capture made it
     start: int  # where the data starts in the file
     size: int  # data bytes
     target: _Target
@@ -178,6 +185,7 @@ class SnapshotWriter:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._checked_size = -1
         self._settle_s = _FIRST_LOOK_S  # how long the last completion took to be seen
+        self._prefix_len = -1  # the last manifest prefix's length (-1: make it in capture)
         self._thread = threading.Thread(target=self._run, name="ftrun-snapshot", daemon=True)
         self._thread.start()
 
@@ -202,11 +210,18 @@ class SnapshotWriter:
             self.say(f"snapshot writer failed: {error}")
         if entries != self._entries:
             self._entries, self._entries_json = entries, fmt.entries_json(entries)
+            self._prefix_len = -1
         where = self.where
         meta = {"epoch": where.epoch, "step": step, "rank": where.rank,
                 "world_size": where.world_size, "host": where.host, "time": time.time()}
-        prefix = fmt.manifest_prefix(tree, self._entries_json, meta=meta, data_bytes=size)
-        start = fmt.data_start(prefix)
+        prefix = None
+        if self._prefix_len < 0:  # the first snapshot, or new tensors: the exact room
+            prefix = fmt.manifest_prefix(tree, self._entries_json, meta=meta, data_bytes=size)
+            self._prefix_len = len(prefix)
+        # Else the room the last manifest needed and _SLACK more: the writer thread writes
+        # the JSON (and moves the data, rarely, when the state's values outgrew it).
+        start = fmt.data_start(prefix if prefix is not None
+                               else " " * (self._prefix_len + _SLACK))
         target = self._spare_of(start + size)
         self._spare = None
         pinned, ready = None, None
@@ -225,7 +240,8 @@ class SnapshotWriter:
             assert target.view is not None
             self._copy(target.view, start, entries, locals_, non_blocking=False)
         self._free.clear()
-        self._jobs.put(_Job(step, prefix, start, size, target, pinned, ready))
+        self._jobs.put(_Job(step, tree, meta, self._entries_json, prefix, start, size, target,
+                            pinned, ready))
 
     def _spare_of(self, length: int) -> _Target:
         """The spare file mapped at ``length`` bytes (made, or resized, when it is not)."""
@@ -295,14 +311,21 @@ class SnapshotWriter:
     def _publish(self, job: _Job) -> None:
         """Header, ``rename`` to the published name, phase 1 (and on several nodes the
         buddy's copy and phase 2)."""
-        where, target = self.where, job.target
-        assert target.map is not None and target.view is not None
+        where = self.where
         if job.ready is not None and job.pinned is not None:
             job.ready.synchronize()
-            target.view[job.start:job.start + job.size].copy_(job.pinned[:job.size])
+            assert job.target.view is not None
+            job.target.view[job.start:job.start + job.size].copy_(job.pinned[:job.size])
+        prefix = job.prefix or fmt.manifest_prefix(job.tree, job.tensors_json, meta=job.meta,
+                                                   data_bytes=job.size)
+        self._prefix_len = len(prefix)
+        if fmt.data_start(prefix) > job.start:
+            self._move(job, fmt.data_start(prefix))
+        target = job.target
+        assert target.map is not None
         with memoryview(target.map) as whole:
             crc = fmt.crc32(whole[job.start:job.start + job.size])
-            whole[:job.start] = fmt.finish_header(job.prefix, crc, job.start)
+            whole[:job.start] = fmt.finish_header(prefix, crc, job.start)
         final = self.directory / memory.file_name(where.epoch, job.step, where.rank)
         os.rename(target.path, final)
         target.path = final
@@ -317,6 +340,21 @@ class SnapshotWriter:
                                   copy.to_json())
         self.published.append((where.epoch, job.step))
         del self.published[:-2]
+
+    def _move(self, job: _Job, start: int) -> None:
+        """The manifest outgrew the room reserved at capture (a state's values grew by
+        more than :data:`_SLACK` bytes of JSON in one step): copy the data into a new file
+        with room enough; the old one goes (the next capture makes a spare again)."""
+        old = job.target
+        assert old.view is not None
+        moved = _Target(self.directory / f".r{self.where.rank}.{os.getpid()}."
+                        f"{next(_SPARES)}.moved", start + job.size)
+        assert moved.view is not None
+        moved.view[start:start + job.size].copy_(old.view[job.start:job.start + job.size])
+        old.close()
+        with contextlib.suppress(OSError):
+            old.path.unlink()
+        job.target, job.start = moved, start
 
     def _unpublish(self, job: _Job) -> None:
         """After a failed write or replication: the job's file never counts; it becomes
