@@ -42,7 +42,7 @@ def _state(step: int, grown: bool) -> dict[str, object]:
     if grown:
         state["m"] = torch.full((5, 5), float(step), dtype=torch.bfloat16)
     if step == 6:  # a value grows past the header's reserved room: the data is moved
-        state["loader"] = {"seen": step, "recent": "x" * 3000}
+        state["loader"] = {"seen": step, "recent": "x" * 6000}
     return state
 
 
