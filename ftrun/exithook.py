@@ -20,7 +20,15 @@ that started long before, calls :func:`adopt` instead. Nothing here imports torc
 What the hook does on an uncaught exception: Python's own hook (or the one the script set)
 prints the traceback first, as always; then, if the script initialised
 ``torch.distributed``, every process group is destroyed while the interpreter is whole.
-That is bounded by ``DESTROY_TIMEOUT_S``: a destroy that does not return (an NCCL destroy
+A gloo group's threads stop only when its last reference goes, and two references outlive
+a failed script on their own: the failed frames' locals (the model, whose DDP reducer holds
+the group), kept by the traceback; and the default arguments of
+``torch.distributed.nn.functional`` (``group=group.WORLD``, evaluated when that module is
+first imported, which DDP does after ``init_process_group``). The hook clears the first and
+resets the second to ``None`` before the destroy. A model kept in a module global still
+holds its group: such a script exits as it would under torchrun.
+
+The destroy is bounded by ``DESTROY_TIMEOUT_S``: one that does not return (an NCCL destroy
 waiting for a peer) ends the process with ``os._exit(1)`` after flushing the standard
 streams, the status an uncaught exception gives anyway. Errors in the destroy are swallowed:
 the traceback that matters was already printed.
@@ -29,10 +37,12 @@ the traceback that matters was already printed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import sys
 import threading
+import traceback
 from types import TracebackType
 
 ENV_DIR = "FTRUN_EXIT_HOOK"
@@ -78,9 +88,29 @@ def adopt() -> None:
     def on_uncaught(kind: type[BaseException], value: BaseException,
                     tb: TracebackType | None) -> None:
         previous(kind, value, tb)
-        destroy_process_groups(DESTROY_TIMEOUT_S)
+        if "torch.distributed" in sys.modules:
+            release_failed_frames(value, tb)
+            destroy_process_groups(DESTROY_TIMEOUT_S)
 
     sys.excepthook = on_uncaught
+
+
+def release_failed_frames(value: BaseException, tb: TracebackType | None) -> None:
+    """Drop what the failed script's frames and torch's default arguments keep alive."""
+    traceback.clear_frames(tb)
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    value.__traceback__ = None
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    group_type = getattr(sys.modules.get("torch.distributed"), "ProcessGroup", None)
+    if functional is not None and isinstance(group_type, type):
+        for item in vars(functional).values():
+            defaults = getattr(item, "__defaults__", None)
+            if isinstance(defaults, tuple) and any(isinstance(d, group_type) for d in defaults):
+                item.__defaults__ = tuple(None if isinstance(d, group_type) else d
+                                          for d in defaults)
+    gc.collect()
 
 
 def destroy_process_groups(timeout_s: float) -> None:
@@ -102,7 +132,9 @@ def destroy_process_groups(timeout_s: float) -> None:
             done.set()
 
     threading.Thread(target=destroy, name="ftrun-exit", daemon=True).start()
-    if not done.wait(timeout_s):
+    if done.wait(timeout_s):
+        gc.collect()  # the groups' last references: their threads are joined here
+    else:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a closed stream: nothing to flush
                 stream.flush()

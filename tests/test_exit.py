@@ -15,20 +15,34 @@ from tests.launch import Launch
 
 SCRIPT = """
 import atexit, json, os, sys
+import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+def gloo_threads():
+    names = (open(f"/proc/self/task/{t}/comm").read().strip()
+             for t in os.listdir("/proc/self/task"))
+    return sorted(n for n in names if "gloo" in n)
 
 def report():  # registered after the hook: runs after it, before the interpreter ends
     print("AT_EXIT " + json.dumps({"initialized": dist.is_initialized(),
+                                   "gloo_threads": bool(gloo_threads()),
                                    "pythonpath": os.environ.get("PYTHONPATH"),
                                    "hook_env": sorted(k for k in os.environ
                                                       if k.startswith("FTRUN_EXIT")),
                                    "site_on_path": any("_exit_site" in p for p in sys.path)}),
           flush=True)
 
-dist.init_process_group("gloo")
-atexit.register(report)
-if sys.argv[1] == "raise":
-    raise RuntimeError("boom on purpose")
+def main():  # as scripts for torchrun are written: the model is main's
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(torch.nn.Linear(8, 1))  # imports torch.distributed.nn
+    model(torch.randn(4, 8)).sum().backward()
+    print("RUNNING " + json.dumps({"gloo_threads": bool(gloo_threads())}), flush=True)
+    atexit.register(report)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("boom on purpose")
+
+main()
 """
 
 
@@ -50,8 +64,11 @@ def test_a_raising_worker_destroys_its_groups_and_exits_1(job_dir: Path, preload
                   "raise"], cwd=job_dir, env=env)
     assert run.wait(120) == 1, run.output
     seen = _at_exit(run)
-    # the hook ran after the traceback, before the script's own exit handlers
-    assert seen["initialized"] is False, seen
+    # the hook ran after the traceback, before the script's own exit handlers, and gloo's
+    # threads, alive while it ran, were joined (DDP's reducer and torch.distributed.nn's
+    # default arguments held the group)
+    assert '"gloo_threads": true' in run.output, run.output
+    assert seen["initialized"] is False and seen["gloo_threads"] is False, seen
     assert "RuntimeError: boom on purpose" in run.output
     assert "rank 0 (pid" in run.output and "failed: exit code 1" in run.output, run.output
     assert "Fatal Python error" not in run.output
@@ -70,5 +87,6 @@ def test_a_successful_worker_keeps_its_groups_to_the_end(job_dir: Path) -> None:
     run = Launch(["--nproc-per-node", "1", str(script), "end"], cwd=job_dir)
     assert run.wait(120) == 0, run.output
     seen = _at_exit(run)
-    assert seen == {"initialized": True, "pythonpath": os.environ.get("PYTHONPATH"),
-                    "hook_env": [], "site_on_path": False}, seen
+    assert seen == {"initialized": True, "gloo_threads": True,
+                    "pythonpath": os.environ.get("PYTHONPATH"), "hook_env": [],
+                    "site_on_path": False}, seen
