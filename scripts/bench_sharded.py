@@ -42,9 +42,12 @@ SIGKILLed and its snapshot memory removed. ``recovery_s``: the SIGKILL to the fi
 after it (h1's workers, the spares restoring the lost shards from the replicas h1 holds);
 ``steps_lost`` as above; ``stages``: from the leader's own fault record (``--events-file``)
 and the time each line reached the benchmark: ``detect_s`` (the SIGKILL to the leader's
-verdict; the heartbeat timeout is ``--node-heartbeat-timeout``), ``regroup_s`` (verdict to
-the member epoch formed), ``restore_s`` (to the last ``restored`` line), ``first_step_s``
-(to the first step).
+verdict; the heartbeat timeout is ``--node-heartbeat-timeout``, a killed agent's closed
+presence connection is seen sooner), ``regroup_restore_s`` (the verdict to the last
+``restored`` line: the next member epoch formed with the spares, its process groups, the
+snapshot chosen and read), ``rebuild_first_step_s`` (to the first step: the training
+function builds and shards the model again, loads the state, computes a step on the new
+groups).
 
 Prints a table, then (``--json``) one JSON object last:
 ``{"torchrun_dcp": {"recovery_s": [...], "steps_lost": [...]}, "ftrun_restart": {...},
@@ -379,13 +382,10 @@ def node_loss_once(args: argparse.Namespace, base: Path, repeat: int) -> dict[st
     restored = [t for t, line in leader.lines if "restored step=" in line and t > killed]
     fault = _fault_record(events)
     if fault is not None and isinstance(fault.get("detected"), int | float):
-        formed = fault.get("recovered")
         stages = {"detect_s": fault["detected"] - killed}
-        if isinstance(formed, int | float):
-            stages["regroup_s"] = formed - fault["detected"]
-            if restored:
-                stages["restore_s"] = max(restored) - formed
-        stages["first_step_s"] = first_t - (max(restored) if restored else killed)
+        if restored:
+            stages["regroup_restore_s"] = max(restored) - fault["detected"]
+        stages["rebuild_first_step_s"] = first_t - (max(restored) if restored else killed)
         result["stages"] = {k: round(v, 3) for k, v in stages.items()}
         result["fault"] = {k: fault.get(k) for k in ("cause", "path", "ranks", "node",
                                                        "world", "steps_lost", "recovery_s")}
