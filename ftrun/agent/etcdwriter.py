@@ -35,7 +35,7 @@ from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 from ftrun.control.store import JsonStore, connect_store, serve_store
 
 if TYPE_CHECKING:
-    from ftrun.control.etcd import Election
+    from ftrun.control.election import Election
 
 # ftrun.agent.loop.Agent, which imports this module (not imported back: no cycle)
 Agent = Any
@@ -43,11 +43,11 @@ Agent = Any
 
 def watch_writer(agent: Agent, rdzv: Rendezvous) -> None:
     """etcd-v3, an agent that is not the writer: run for the writer's key once the last
-    writer's lease expired (ftrun.control.etcd.WriterWatch); see :func:`promote`."""
+    writer's lease expired (ftrun.control.election.WriterWatch); see :func:`promote`."""
     if agent.config.rdzv_backend != "etcd-v3" or agent.config.is_single_node \
             or agent.election is not None or agent._open_client is None:
         return
-    from ftrun.control.etcd import WriterWatch
+    from ftrun.control.election import WriterWatch
     agent._writer_watch = WriterWatch(
         agent._open_client, f"ftrun/{agent.run_id}/writer", agent.node_id,
         ttl_s=math.ceil(agent.config.heartbeat_timeout_s),

@@ -70,7 +70,7 @@ from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
 from ftrun.jobref import register, unregister
 
 if TYPE_CHECKING:  # imported where used: requests and etcd3gw cost every agent's start
-    from ftrun.control.etcd import Election, WriterWatch
+    from ftrun.control.election import Election, WriterWatch
 
 
 class Agent:
@@ -341,7 +341,8 @@ class Agent:
         # etcd-v3: no agent serves the control store; the job's writer is elected below
         etcd = None
         if multi and config.rdzv_backend == "etcd-v3":
-            from ftrun.control.etcd import EtcdOptions, connect_etcd, join_etcd
+            from ftrun.control.election import join_etcd
+            from ftrun.control.etcd import EtcdOptions, connect_etcd
             etcd = EtcdOptions.parse(config.rdzv_endpoint, config.rdzv_conf)
         hosting = hosting and etcd is None
         op_timeout = max(1.0, config.heartbeat_timeout_s / 3)
