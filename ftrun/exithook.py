@@ -66,12 +66,15 @@ def boot(stub_path: str) -> None:
     here = os.path.dirname(os.path.abspath(stub_path))
     sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != here]
     adopt()
-    del sys.modules["sitecustomize"]
+    stub = sys.modules.pop("sitecustomize")
     try:
         importlib.import_module("sitecustomize")
     except ModuleNotFoundError as error:
         if error.name != "sitecustomize":
             raise
+    finally:
+        # the import that is running the stub reads the module back from sys.modules
+        sys.modules.setdefault("sitecustomize", stub)
 
 
 def adopt() -> None:

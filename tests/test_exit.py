@@ -71,7 +71,7 @@ def test_a_raising_worker_destroys_its_groups_and_exits_1(job_dir: Path, preload
     assert seen["initialized"] is False and seen["gloo_threads"] is False, seen
     assert "RuntimeError: boom on purpose" in run.output
     assert "rank 0 (pid" in run.output and "failed: exit code 1" in run.output, run.output
-    assert "Fatal Python error" not in run.output
+    assert "Fatal Python error" not in run.output and "Error in sitecustomize" not in run.output
     # the script saw its own PYTHONPATH and nothing of the hook
     assert seen["pythonpath"] == env["PYTHONPATH"], seen
     assert seen["hook_env"] == [] and seen["site_on_path"] is False, seen
@@ -90,3 +90,4 @@ def test_a_successful_worker_keeps_its_groups_to_the_end(job_dir: Path) -> None:
     assert seen == {"initialized": True, "gloo_threads": True,
                     "pythonpath": os.environ.get("PYTHONPATH"), "hook_env": [],
                     "site_on_path": False}, seen
+    assert "Error in sitecustomize" not in run.output, run.output  # no other one to run
