@@ -221,12 +221,13 @@ class RegroupLeader:
         Publish ``latest`` again there (the members' next epoch is counted from it), end it
         for the lost node (its address in the end: workers cut their connections to it)
         and drop that node, and mark the next member epoch as one whose members compare
-        their committed steps (``protocol.resync_key``: the step decisions died too). The
-        lost node's members had called ftrun.init() (they were in ``latest``): no restart
-        fallback for them."""
+        their committed steps (``protocol.resync_key``: the step decisions died too). Every
+        member of ``latest`` had called ftrun.init() (it was in a formed member epoch), and
+        the new store holds none of their statuses until they write again: a member lost
+        before it does (its node cut off, or lost in a later takeover) must not look like a
+        script without the worker API, so none of them gets the restart fallback."""
         m = self.m
-        gone = [x.id for x in latest.members if P.node_of(x.id) == lost.node_rank]
-        self.ready_checked.update(gone)
+        self.ready_checked.update(x.id for x in latest.members)
         m.publish(latest)
         m.lost_nodes.add(lost.node_rank)
         if self.nodes is not None:  # a new watch: it knows no node dropped before
