@@ -359,12 +359,13 @@ class _RegroupRun:
         if hang is None:
             return None
         hang = name_after_abort(hang, [x.process for x in initial.values()])
+        detected = time.time()
         announce_hang(self.services, self.generation, hang,
-                      [x.process for x in initial.values()], time.time(),
+                      [x.process for x in initial.values()], detected,
                       emit=not hang.culprits)  # _fault records a named culprit
         if hang.culprits:  # never ready and initial: _fault ends the job generation
             return self._fault(initial[hang.culprits[0].pid], f"hung: {hang.describe()}",
-                               kill=True)
+                               kill=True, happened=detected - hang.idle_s)
         return self._stop_job(StopJob(f"hung: {hang.describe()}"))
 
     def _said_finished(self, member: LocalMember) -> bool:
@@ -388,8 +389,10 @@ class _RegroupRun:
         return self._fault(member, describe_returncode(code))
 
     def _fault(self, member: LocalMember, cause: str, *, kill: bool = False,
-               reported: bool = False) -> Step:
-        """Take a member of this node out: end its epoch, kill it, tell the leader."""
+               reported: bool = False, happened: float | None = None) -> Step:
+        """Take a member of this node out: end its epoch, kill it, tell the leader.
+        ``happened``: when the fault began, where the verdict came later (a hang: when the
+        last worker went quiet); by default the process's exit, else the verdict."""
         services, latest = self.services, self.m.latest
         detected = time.time()
         active = self._is_active(member)
@@ -410,7 +413,8 @@ class _RegroupRun:
             Event.FAILURE, member=member.id, pid=member.process.pid, cause=cause,
             generation=self.generation.number, epoch=latest.number if latest else 0,
             detected=detected, rank=rank, local_rank=member.process.local_rank,
-            returncode=member.process.returncode, happened=member.process.ended or detected,
+            returncode=member.process.returncode,
+            happened=happened or member.process.ended or detected,
         )
         label = f"rank {rank}" if active else f"member {member.id}"
         if cause.startswith("frozen"):
