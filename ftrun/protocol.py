@@ -42,6 +42,9 @@ key                             written by        meaning
 ``fault/<i>``                   agent or leader   :class:`Fault` (a member or a whole node)
 ``rgen/<g>/released/<node>``    agent             its survivors' communicators of g are
                                                   aborted: the leader may publish g + 1
+``gate/<node rank>``            standby agent     its health gate's answer after member epoch
+                                                  ``epoch`` ended: ``failures`` ("" passed);
+                                                  the leader promotes only one that passed
 ``done``                        leader            every member finished: the job is over
 ==============================  ================  ========================================
 
@@ -332,6 +335,13 @@ def fault_key(index: int) -> str:
 
 def released_key(number: int, node_rank: int) -> str:
     return f"rgen/{number}/released/{node_rank}"
+
+
+def gate_key(node_rank: int) -> str:
+    """A standby node's health-gate answer (``{"epoch", "failures"}``): the quick doctor
+    checks it ran after member epoch ``epoch`` ended, before the leader may give its
+    spares a lost node's ranks (ftrun/agent/regroup.py, ftrun/agent/leader.py)."""
+    return f"gate/{node_rank}"
 
 
 def resync_key(number: int) -> str:
