@@ -6,7 +6,8 @@ Every tick it:
 
 * regroups when a member of the latest epoch is gone (removed, or on a lost node): it ends the
   epoch, waits until every surviving node confirmed its NCCL abort (bounded by the abort and
-  heartbeat timeouts), then publishes the survivors topped up with ready idle members;
+  heartbeat timeouts), then publishes the survivors topped up with ready idle members (a
+  standby node's only after its health gate, run again after the end, passed);
 * admits a replacement or spare that became ready (the survivors take it at a step boundary);
 * finds a stalled member: one whose progress stopped while others issued more collectives,
   for max(``--stall-floor``, 20 x the median step time);
@@ -20,6 +21,7 @@ never called ``ftrun.init()``.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import deque
@@ -31,13 +33,19 @@ from ftrun import protocol as P
 from ftrun.agent.events import Event, EventLog
 from ftrun.agent.faults import ProgressReport
 from ftrun.agent.membership import Membership
-from ftrun.agent.nodes import NodeWatch
+from ftrun.agent.nodes import NodeWatch, say_refused
 from ftrun.agent.outcome import restart_all_words
 from ftrun.agent.stragglers import StragglerWatch
 from ftrun.config import LaunchConfig
 from ftrun.control.errors import StoreValueError
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 from ftrun.snapshot import records as snapshot_records
+
+#: How long the leader waits, after a member epoch ended, for a standby node's health-gate
+#: answer before it promotes that node's spares anyway: the gate's own bound (2 s,
+#: ftrun.doctor.gate.DEFAULT_TIMEOUT_S; not imported: the doctor loads only where it runs)
+#: and a margin for the standby to notice the end and write.
+GATE_WAIT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,11 @@ class RegroupLeader:
         self.step_intervals: deque[float] = deque(maxlen=64)
         self.waiting_since: float | None = None
         self.ready_checked: set[str] = set()  # failed members whose readiness was looked up
+        # Standby nodes' health gates (--standby-nodes): the ended member epoch whose gate
+        # answers count, since when they are awaited, and the refusals already said.
+        self.gate_epoch: int | None = None
+        self.gate_since = 0.0
+        self.gate_said: set[tuple[int, int]] = set()
         self.finishing = False
         # The recovery record's half that only the leader sees: formed epochs, steps.
         marks = [f.step for f in config.inject.faults if f.step is not None] \
@@ -180,6 +193,8 @@ class RegroupLeader:
             self.whole_world = m.store.get_record(snapshot_records.WHOLE_WORLD_KEY) is not None
         if self.waiting_since is None:
             self.waiting_since = self.clock()
+        if self.gate_epoch != latest.number:  # standbys answer their gate after this end
+            self.gate_epoch, self.gate_since = latest.number, self.clock()
         unchecked = [x for x in gone if x.id not in self.ready_checked]  # once per member
         self.ready_checked.update(x.id for x in unchecked)
         never_ready = [x.id for x in unchecked if not x.joiner and x.id not in m.statuses
@@ -202,7 +217,10 @@ class RegroupLeader:
             self.say(f"nodes {missing} did not confirm their NCCL abort in {waited:.1f} s;"
                      " publishing the next generation anyway", style="yellow")
         members = [P.Member(x.id, rank, not self._synced(x)) for rank, x in enumerate(survivors)]
-        members = self._top_up(members)
+        topped = self._top_up(members)
+        if topped is None:
+            return None  # a standby's health gate has not answered yet
+        members = topped
         live_nodes = {P.node_of(x.id) for x in members}
         if len(members) < self.config.min_workers:
             return StopJob(f"{len(members)} workers left, fewer than --min-workers "
@@ -266,21 +284,57 @@ class RegroupLeader:
         return sum(n.local_world_size for n in self.generation.nodes
                    if n.node_rank not in self.m.lost_nodes)
 
-    def _top_up(self, members: list[P.Member]) -> list[P.Member]:
-        """Fill free ranks with ready, idle members (spares, replacements)."""
+    def _top_up(self, members: list[P.Member]) -> list[P.Member] | None:
+        """Fill free ranks with ready, idle members (spares, replacements), in node rank
+        order; a standby node's only once its health gate passed (:meth:`_promotable`).
+        None: wait (a standby whose answer is due would be next)."""
         self._read_pools()
         taken = {x.id for x in members}
         for node in sorted(self.pools):
             if node in self.m.lost_nodes:
                 continue
-            for member in self.pools[node].members:
+            idle = [x for x in self.pools[node].members if x in self.pools[node].ready
+                    and x not in taken and not self.m.gone(x)]
+            if not idle or len(members) >= self.target:
+                continue
+            promotable = self._promotable(node)
+            if promotable is None:
+                return None
+            for member in idle if promotable else ():
                 if len(members) >= self.target:
                     return members
-                if member in self.pools[node].ready and member not in taken \
-                        and not self.m.gone(member):
-                    members.append(P.Member(member, len(members), True))
-                    taken.add(member)
+                members.append(P.Member(member, len(members), True))
+                taken.add(member)
         return members
+
+    def _promotable(self, node_rank: int) -> bool | None:
+        """Whether ``node_rank``'s idle spares may take ranks. Yes on a node that is not a
+        standby (its agent passed the gate to join), and on a standby before any member
+        epoch ended (no rank was free). Otherwise its agent runs the health gate after
+        the end (ftrun/agent/regroup.py) and the leader waits for that answer: a failure
+        refuses it (said once per end: the console and a ``refused`` event) and the next
+        node's spares, or the job's usual rule for a lost node, take the ranks. No answer
+        within :data:`GATE_WAIT_S` (the gate's own bound and a margin) promotes it: as for
+        one check, no answer proves a slow node, not a broken one (None until then)."""
+        slot = next((n for n in self.generation.nodes if n.node_rank == node_rank), None)
+        if slot is None or not slot.standby or self.gate_epoch is None:
+            return True
+        answer = self.m.gate_answer(node_rank)
+        if answer is not None and answer[0] >= self.gate_epoch:
+            if not answer[1]:
+                return True
+            if (node_rank, self.gate_epoch) not in self.gate_said:
+                self.gate_said.add((node_rank, self.gate_epoch))
+                say_refused(dataclasses.replace(slot, health=answer[1]), self.say,
+                            self.events, promotion=True)
+            return False
+        if self.clock() - self.gate_since < GATE_WAIT_S:
+            return None
+        if (node_rank, self.gate_epoch) not in self.gate_said:
+            self.gate_said.add((node_rank, self.gate_epoch))
+            self.say(f"standby node {node_rank} ({slot.hostname}) gave no health-gate answer "
+                     f"in {GATE_WAIT_S:.0f} s: promoting it", style="yellow")
+        return True
 
     def _admit_ready_joiners(self) -> None:
         """A replacement that became ready joins at the survivors' next step boundary."""
@@ -288,7 +342,7 @@ class RegroupLeader:
         if latest.world_size >= self.target or self.finishing:
             return
         members = self._top_up(list(latest.members))
-        if len(members) == latest.world_size:
+        if members is None or len(members) == latest.world_size:
             return
         self.m.announce_join(latest.number, len(members))
         self.say(f"a new member is ready: it joins at the next step ({len(members)} ranks)")

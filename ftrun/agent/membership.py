@@ -2,10 +2,11 @@
 
 Under in-process regroup the agents of a job talk through signed records in the control
 store (the table is in :mod:`ftrun.protocol`). :class:`Membership` is this agent's one
-door to them: the writer (ends, faults, pools, releases, member epochs, the ``changes``
-counter bumped after each) and the follower (what changed since the last look, read in the
-order it was written). It also holds what this agent has learned: the latest member epoch,
-members' statuses, who was removed and which nodes were lost. The node side
+door to them: the writer (ends, faults, pools, releases, member epochs, a standby's
+health-gate answers, the ``changes`` counter bumped after each) and the follower (what
+changed since the last look, read in the order it was written). It also holds what this
+agent has learned: the latest member epoch, members' statuses, who was removed and which
+nodes were lost. The node side
 (:class:`~ftrun.agent.regroup.RegroupSupervisor`) and the leader
 (:class:`~ftrun.agent.leader.RegroupLeader`) share one instance.
 
@@ -25,6 +26,9 @@ from ftrun.control.store import JsonStore
 
 T = TypeVar("T")
 
+#: The longest health-gate answer kept (the checks' one-line failures, joined).
+MAX_GATE_TEXT = 2000
+
 
 class Membership:
     """What this agent knows and writes of the job's members; see the module docstring."""
@@ -42,6 +46,7 @@ class Membership:
         self._end_checked = -1  # the change count at the last look for an end
         self._faults_seen = 0
         self._fault_missing = (-1, 0.0)  # (index, since when) of a counted, unwritten fault
+        self._bad_gate: set[int] = set()  # nodes whose malformed gate record was said
 
     def gone(self, member: str) -> bool:
         """Taken out, or on a lost node."""
@@ -88,6 +93,13 @@ class Membership:
     def confirm_released(self, epoch: int, node_rank: int) -> None:
         """This node's communicators of ``epoch`` are aborted."""
         self.store.set_record(P.released_key(epoch, node_rank), {})
+        self.changed()
+
+    def answer_gate(self, node_rank: int, epoch: int, failures: str) -> None:
+        """A standby node's health-gate answer after member epoch ``epoch`` ended
+        (``failures``: "" when it passed)."""
+        self.store.set_record(P.gate_key(node_rank), {"epoch": epoch,
+                                                      "failures": failures[:MAX_GATE_TEXT]})
         self.changed()
 
     def say_finished(self, member: str) -> None:
@@ -145,6 +157,22 @@ class Membership:
         if self._fault_missing[0] != self._faults_seen:
             self._fault_missing = (self._faults_seen, now)
         return now - self._fault_missing[1] > 1.0
+
+    def gate_answer(self, node_rank: int) -> tuple[int, str] | None:
+        """A standby node's last health-gate answer, ``(epoch, failures)``; None when it has
+        none, or a malformed one (said once)."""
+        record = self.store.get_record(P.gate_key(node_rank))
+        if record is None:
+            return None
+        epoch, failures = record.get("epoch"), record.get("failures")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0 \
+                or not isinstance(failures, str) or len(failures) > MAX_GATE_TEXT:
+            if node_rank not in self._bad_gate:
+                self._bad_gate.add(node_rank)
+                self.say(f"ignored node {node_rank}'s malformed health-gate record",
+                         style="yellow")
+            return None
+        return epoch, failures
 
     def epoch_ended(self, epoch: int) -> bool:
         """Whether ``epoch`` has an end (read only when something changed since the last

@@ -30,7 +30,9 @@ LostNode = tuple[NodeSlot, dict[str, Any]]
 def health_refusal() -> str:
     """Why this node fails its health gate (the quick ``ftrun doctor`` checks,
     :mod:`ftrun.doctor.gate`), or "" when it passes or the gate is off. Run by every agent
-    but the store's host before it offers itself to a generation."""
+    but the store's host before it offers itself to a generation, and by a standby node
+    after each member epoch ends, before the leader may promote its spares
+    (:meth:`ftrun.agent.leader.RegroupLeader._promotable`)."""
     from ftrun.doctor.gate import gate_enabled, health_gate  # the doctor only when used
 
     if not gate_enabled():
@@ -67,13 +69,18 @@ def standby_config(config: LaunchConfig, standby: bool,
                                spares=config.spares + config.nproc_per_node)
 
 
-def say_refused(slot: NodeSlot, say: Callable[..., None], events: EventLog) -> None:
-    """The leader's line and event for a node its health gate refused."""
-    text = (f"node {slot.hostname} ({slot.addr}) refused: it failed its health gate: "
+def say_refused(slot: NodeSlot, say: Callable[..., None], events: EventLog, *,
+                promotion: bool = False) -> None:
+    """The leader's line and event for a node its health gate refused: when it offered
+    itself to a generation, or (``promotion``) a standby node when its spares were about to
+    take a lost node's ranks (the event's ``at``: ``join`` or ``promotion``)."""
+    when = " when promoted from standby" if promotion else ""
+    text = (f"node {slot.hostname} ({slot.addr}) refused: it failed its health gate{when}: "
             f"{slot.health}")
     say(text, style="yellow")
     events.emit(Event.REFUSED, node=slot.hostname, addr=slot.addr, node_id=slot.node_id,
-                detail=slot.health)
+                node_rank=slot.node_rank if promotion else None,
+                at="promotion" if promotion else "join", detail=slot.health)
 
 
 class NodeWatch:

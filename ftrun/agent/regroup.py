@@ -55,6 +55,7 @@ from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.leader import RegroupLeader, StopJob
 from ftrun.agent.members import LocalMember, MemberState
 from ftrun.agent.membership import Membership
+from ftrun.agent.nodes import health_refusal
 from ftrun.agent.outcome import (
     GenerationResult,
     Outcome,
@@ -110,6 +111,9 @@ class _RegroupRun:
         self.m = Membership(services.generation_store(generation, self.prefix), services.say)
         self.members: dict[str, LocalMember] = {}
         self.released: set[int] = set()  # ended epochs whose communicators we aborted
+        own = generation.node(services.node_id)
+        self.standby = own is not None and own.standby  # --standby-nodes: no rank of its own
+        self.gated: set[int] = set()  # ended epochs this standby ran its health gate after
         self.pool_sent: P.Pool | None = None
         self.next_member = 0
         self.first_failure: local.WorkerProcess | None = None
@@ -184,6 +188,7 @@ class _RegroupRun:
         if outcome is not None:
             return self._result(outcome)
         self._release_ended()
+        self._answer_gate()
         self._send_pool()
         if self.leader is not None:
             verdict = self.leader.tick()
@@ -477,6 +482,23 @@ class _RegroupRun:
         self.released.add(latest.number)
         self._abort_communicators(latest.number)
         self.m.confirm_released(latest.number, self.node_rank)
+
+    def _answer_gate(self) -> None:
+        """A standby node, once per ended member epoch (the moment the leader may give its
+        spares a lost node's ranks): run the health gate again (ftrun/doctor/gate.py,
+        bounded by its 2 s) and write the answer the leader waits for before it promotes
+        them (protocol.gate_key); a failure is said here too."""
+        latest = self.m.latest
+        if not self.standby or latest is None or latest.number not in self.released \
+                or latest.number in self.gated:
+            return
+        self.gated.add(latest.number)
+        failures = health_refusal()
+        self.m.answer_gate(self.node_rank, latest.number, failures)
+        if failures:
+            self.services.say(f"this standby node failed its health gate after member epoch "
+                              f"{latest.number} ended, so it takes no lost node's ranks: "
+                              f"{failures}", style="yellow")
 
     def _send_pool(self) -> None:
         live = [x for x in self.members.values() if x.live and x.process.poll() is None]
