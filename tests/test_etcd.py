@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ftrun.cli import config_from_args
@@ -40,7 +41,8 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
     clients all count (transactions), appends keep their order, a wait wakes on another
     client's write and times out within its bound; unsigned or forged records and another
     prefix's keys are ignored; a dead first endpoint is skipped; an agent promoted to
-    writer while it waits for a generation forms that generation."""
+    writer while it waits for a generation forms that generation; an offer that failed is
+    made again within the join's deadline."""
     with loopback_etcd() as endpoint:
         # the first endpoint refuses connections: every request fails over to the second
         options = EtcdOptions.parse(f"127.0.0.1:1,{endpoint}", {"etcd_prefix": "/ftrun"})
@@ -151,6 +153,54 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
         assert [g.number for g in generations] == [0, 0], generations  # type: ignore[attr-defined]
         assert generations[1].node("node-2").node_rank == 1  # type: ignore[attr-defined]
         assert generations[1].worker_store_port == 4242  # type: ignore[attr-defined]
+
+        # An offer that fails (the etcd member frozen: every request times out, the
+        # store's own retries spent) is made again within the join's deadline: once etcd
+        # answers, the node is in the generation (before, its join failed at once).
+        class Counted(DynamicRendezvous):
+            tries = 0
+
+            def _offer(self, number: int, slot: NodeSlot) -> None:
+                self.tries += 1
+                super()._offer(number, slot)
+
+        member = psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
+                                     if c.status == psutil.CONN_LISTEN and c.pid
+                                     and f"127.0.0.1:{c.laddr.port}" == endpoint))
+        quick = lambda: connect_etcd(options, 0.4, op_timeout_s=0.4)  # noqa: E731
+        joiner = Counted(JsonStore(quick(), "ftrun/retry", signer=Signer(TOKEN.encode()),
+                                   reconnect=quick, retry_s=0.4),
+                         min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=False,
+                         poll_s=0.02, interrupted=lambda: False)
+        leader = DynamicRendezvous(
+            JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/retry",
+                      signer=Signer(TOKEN.encode())),
+            min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
+            interrupted=lambda: False)
+        retried: dict[str, object] = {}
+
+        def join_retried(name: str, rdzv: DynamicRendezvous, slot: NodeSlot) -> None:
+            try:
+                retried[name] = rdzv.join(0, slot, 60, lambda: ("10.0.0.1", 4343))
+            except Exception as error:  # the assertion below shows it
+                retried[name] = error
+        member.suspend()
+        try:
+            late = threading.Thread(target=join_retried, args=(
+                "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
+            late.start()
+            deadline = time.monotonic() + 30
+            while joiner.tries < 3 and late.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            member.resume()
+        assert joiner.tries >= 3, (joiner.tries, retried)  # failed twice, offered again
+        join_retried("leader", leader, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"))
+        late.join(60)
+        generation = retried["joiner"]
+        assert not isinstance(generation, Exception), generation
+        assert generation.nnodes == 2 and generation.node("node-2").node_rank == 1, \
+            generation  # type: ignore[union-attr]
 
 
 def _ftrun(args: list[str], script: Path, timeout: float) -> subprocess.CompletedProcess[str]:
