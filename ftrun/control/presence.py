@@ -7,8 +7,12 @@ are not silent: when an agent's process is killed (SIGKILL, OOM killer, a crash)
 resets, the kernel on that host closes its sockets, and the leader's end of a connection
 reads end-of-file or a reset within a round trip. That is a verdict no timeout has to wait
 for. A host that goes silent without closing anything (SIGSTOP, a frozen VM, a cut link)
-keeps its connection open and quiet: that case is left to the heartbeat timeout, so a
-slow agent never raises a false alarm here.
+keeps its connection open and quiet: that case is the heartbeat timeout's. To see that
+silence at sub-second granularity without a store request per beat, the client pings: one
+empty line every :data:`PING_S` (or an eighth of the heartbeat timeout, if less), and the
+server keeps when it last heard from each connection (:meth:`PresenceServer.silent`). The
+verdict on silence stays with :class:`ftrun.control.heartbeat.HeartbeatMonitor`, which
+counts a node silent only when neither its store heartbeat nor its pings were heard.
 
 Roles:
 
@@ -26,9 +30,12 @@ Protocol (newline-terminated JSON lines, each at most :data:`MAX_LINE` bytes):
    "nonce"}, "mac"}`` signed with the job token over the key ``ftrun/<run id>/presence``;
    binding the server's nonce means a recorded hello cannot be replayed on another
    connection (and so nobody without the token can open, then drop, a connection in
-   another agent's name to fake its loss);
+   another agent's name to fake its loss); ``"ping_s"`` (optional, 0 < x <= 60) says the
+   client pings that often;
 3. server -> client: ``{"ok": true}`` (or ``{"ok": false, "error": ...}`` and a close);
-4. client -> server, when its agent ends on purpose: ``{"body": {"bye": "<node id>",
+4. client -> server, every ``ping_s``: an empty line (a ping; the connection is already
+   authenticated, and nobody off the path can inject into it);
+5. client -> server, when its agent ends on purpose: ``{"body": {"bye": "<node id>",
    "nonce"}, "mac"}``, same key. A connection that ends after a goodbye is a clean exit,
    never a loss: the leader then learns of the end as before (a done record, an end, or
    the heartbeat timeout).
@@ -47,8 +54,13 @@ server (etcd-v3 jobs rely on the heartbeat timeout).
 
 Timeouts: the client's connect and its wait for ``ok`` are bounded by ``timeout_s``
 (:class:`PresenceError` past it); a goodbye is one non-blocking-bounded send
-(``timeout_s``), best effort. The server never blocks on a client: its one thread polls
-every socket with a 0.2 s tick.
+(``timeout_s``), best effort; a ping is a non-blocking send, skipped when the socket's
+buffer is full (a cut link). The server never blocks on a client: its one thread polls
+every socket with a 0.2 s tick, and measures silence at its own last look, so a starved
+server thread never reports a silence it did not see.
+
+Cost: a ping is one ``send`` of one byte on the client and one ``recv`` on the server:
+4 per second per agent by default.
 """
 
 from __future__ import annotations
@@ -69,6 +81,8 @@ MAX_LINE = 4096
 HELLO_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 16384
 RECORD = "presence"  # the control-store record that names the leader's server
+PING_S = 0.25  # a client's ping period (at most; an eighth of the heartbeat timeout if less)
+MAX_PING_S = 60.0
 _TICK_S = 0.2
 
 
@@ -94,7 +108,7 @@ def parse_record(body: dict[str, Any] | None) -> tuple[str, int] | None:
 
 
 class _Conn:
-    __slots__ = ("buf", "bye", "deadline", "node_id", "nonce", "sock")
+    __slots__ = ("buf", "bye", "deadline", "heard", "node_id", "nonce", "ping_s", "sock")
 
     def __init__(self, sock: socket.socket, nonce: str, deadline: float) -> None:
         self.sock = sock
@@ -103,6 +117,8 @@ class _Conn:
         self.node_id: str | None = None
         self.bye = False
         self.deadline = deadline
+        self.heard = 0.0  # when the server last read anything from it (its clock)
+        self.ping_s = 0.0  # the client's ping period (0: it does not ping)
 
 
 class PresenceServer:
@@ -119,6 +135,7 @@ class PresenceServer:
         self._gone: dict[str, float] = {}
         self._left: set[str] = set()
         self._current: dict[str, _Conn] = {}  # node id -> its live connection
+        self._looked = clock()  # when the server thread last returned from select
         self._conns: dict[int, _Conn] = {}
         self._listener = socket.create_server((host or "", port), backlog=1024)
         self._listener.setblocking(False)
@@ -159,6 +176,15 @@ class PresenceServer:
         with self._lock:
             return set(self._left)
 
+    def silent(self) -> dict[str, float]:
+        """Node id -> seconds its live connection had sent nothing (no ping) when the
+        server thread last looked, for the clients that ping; measured at that look, so a
+        server thread that could not run adds no silence of its own."""
+        with self._lock:
+            looked = self._looked
+            return {node_id: max(0.0, looked - conn.heard)
+                    for node_id, conn in self._current.items() if conn.ping_s > 0}
+
     # --- the server's thread ------------------------------------------------------------
 
     def _run(self) -> None:
@@ -170,11 +196,15 @@ class PresenceServer:
                 self._stop.wait(_TICK_S)
 
     def _serve_once(self) -> None:
-        for key, _ in self._sel.select(timeout=_TICK_S):
+        ready = self._sel.select(timeout=_TICK_S)
+        looked = self._clock()  # what arrived before this is in ``ready``
+        for key, _ in ready:
             if key.data is None:
                 self._accept()
             else:
                 self._readable(key.data)
+        with self._lock:  # only now: silence is measured after what was heard is counted
+            self._looked = looked
         now = self._clock()
         for conn in [c for c in self._conns.values() if c.node_id is None]:
             if now > conn.deadline:
@@ -216,6 +246,7 @@ class PresenceServer:
         if not data:
             self._ended(conn)
             return
+        conn.heard = self._clock()
         conn.buf += data
         while b"\n" in conn.buf:
             line, _, conn.buf = conn.buf.partition(b"\n")
@@ -226,6 +257,8 @@ class PresenceServer:
 
     def _line(self, conn: _Conn, line: bytes) -> bool:
         """Handle one line; False when the connection was closed."""
+        if not line and conn.node_id is not None:
+            return True  # a ping: its arrival was the point
         try:
             record = json.loads(line)
             body = self._signer.unwrap(self._key, record)
@@ -240,7 +273,12 @@ class PresenceServer:
             if not isinstance(node_id, str) or not 0 < len(node_id) <= 256:
                 self._reject(conn, "a hello without a valid node_id")
                 return False
-            conn.node_id = node_id
+            ping_s = body.get("ping_s", 0.0)
+            if isinstance(ping_s, bool) or not isinstance(ping_s, int | float) \
+                    or not 0 <= ping_s <= MAX_PING_S:
+                self._reject(conn, f"a hello with a bad ping_s (0 to {MAX_PING_S:g} s)")
+                return False
+            conn.node_id, conn.ping_s, conn.heard = node_id, float(ping_s), self._clock()
             with self._lock:
                 old = self._current.get(node_id)
                 self._current[node_id] = conn
@@ -294,16 +332,24 @@ class PresenceServer:
 
 
 class PresenceClient:
-    """An agent's end: connect once, hold the socket open, say goodbye when ending."""
+    """An agent's end: connect once, hold the socket open, ping every ``ping_s`` (0: never;
+    from a daemon thread of its own, started at the first connect), say goodbye when
+    ending."""
 
-    def __init__(self, signer: Signer, run_id: str, node_id: str, timeout_s: float) -> None:
+    def __init__(self, signer: Signer, run_id: str, node_id: str, timeout_s: float,
+                 ping_s: float = 0.0) -> None:
+        if not 0 <= ping_s <= MAX_PING_S:
+            raise ValueError(f"ping_s={ping_s}: 0 to {MAX_PING_S:g} s")
         self._signer = signer
         self._key = presence_key(run_id)
         self.node_id = node_id
         self.timeout_s = timeout_s
+        self.ping_s = ping_s
         self._sock: socket.socket | None = None
         self._nonce = ""
         self._lock = threading.Lock()
+        self._pinger: threading.Thread | None = None
+        self._stop = threading.Event()
         self.closed = False  # goodbye said: never connect again
 
     @property
@@ -347,7 +393,9 @@ class PresenceClient:
             nonce = hello.get("nonce") if isinstance(hello, dict) else None
             if not isinstance(nonce, str) or len(nonce) != 32:
                 raise PresenceError(f"presence {where}: not a presence server (no nonce)")
-            body = {"node_id": self.node_id, "nonce": nonce}
+            body: dict[str, Any] = {"node_id": self.node_id, "nonce": nonce}
+            if self.ping_s > 0:
+                body["ping_s"] = self.ping_s
             sock.sendall(self._signer.line(self._key, body).encode() + b"\n")
             answer = json.loads(reader.line())
             if not isinstance(answer, dict) or answer.get("ok") is not True:
@@ -366,10 +414,27 @@ class PresenceClient:
             old.close()
         if late:
             self.goodbye()
+        elif self.ping_s > 0 and self._pinger is None:
+            self._pinger = threading.Thread(target=self._ping, name="ftrun-presence-ping",
+                                             daemon=True)
+            self._pinger.start()
+
+    def _ping(self) -> None:
+        """Send an empty line every ``ping_s`` while connected; never block: a full socket
+        buffer (a cut link) skips the ping, a broken socket is left for :attr:`connected`
+        to find (the heartbeat thread then connects again)."""
+        while not self._stop.wait(self.ping_s):
+            with self._lock:
+                sock = self._sock
+                if sock is None:
+                    continue
+                with contextlib.suppress(OSError):  # BlockingIOError included
+                    sock.send(b"\n", socket.MSG_DONTWAIT)
 
     def goodbye(self) -> None:
         """Say this agent ends on purpose, then close (best effort, bounded by
         ``timeout_s``); the server then never counts the close as a loss."""
+        self._stop.set()
         with self._lock:
             self.closed = True
             sock, self._sock = self._sock, None
