@@ -20,6 +20,17 @@ holds one to the leader (connected from its own thread once the leader's ``prese
 record is readable, re-tried every few intervals, said goodbye to on :meth:`stop`), and the
 monitor counts a connection that ended without a goodbye as lost at its next scan.
 
+Silence is heard on both channels: the presence connection also carries a ping every
+quarter second, so the monitor counts an agent silent only for as long as neither its
+store heartbeat nor its pings were heard, and declares it lost past ``timeout`` (the
+default, 2 s, rests on those pings: ftrun/cli.py). An agent whose connection does not ping
+(etcd-v3, or a site that opens only the store port) is judged on its store heartbeats
+alone, and then never before three of them were missed (``3 x interval``).
+
+The sender's own verdict, the store host lost, waits for ``timeout`` but at least
+``min_grace_s`` (the agent passes three request timeouts): with a short heartbeat timeout,
+one slow request on a loaded machine must not make an agent give up on a live store.
+
 Cost at N agents: N ``set`` per interval on the store plus one N-key ``multi_get`` per
 leader scan; ``scripts/bench_multinode.py --store-load`` measures it.
 """
@@ -60,6 +71,7 @@ class HeartbeatSender:
         interval_s: float,
         timeout_s: float,
         presence: PresenceClient | None = None,
+        min_grace_s: float = 0.0,
     ) -> None:
         self._connect = connect
         self.presence = presence
@@ -68,7 +80,7 @@ class HeartbeatSender:
         self._template = template
         self.node_id = node_id
         self.interval_s = interval_s
-        self.timeout_s = timeout_s
+        self.timeout_s = max(timeout_s, min_grace_s)  # of failing requests: see lost()
         self.last_ok = time.monotonic()
         self.last_error = ""
         self.failing_since: float | None = None  # start of the first failed attempt in a row
@@ -154,16 +166,20 @@ class HeartbeatMonitor:
     """The leader's view of the other agents' heartbeats."""
 
     def __init__(self, store: JsonStore, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic,
-                 presence: Callable[[], dict[str, float]] | None = None) -> None:
+                 presence: PresenceServer | None = None, interval_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.timeout_s = timeout_s
         self.clock = clock
-        # node id -> when its presence connection ended without a goodbye (PresenceServer.gone)
+        # its gone(): node id -> when its connection ended without a goodbye; its silent():
+        # node id -> seconds its pinging connection was quiet (ftrun/control/presence.py)
         self.presence = presence
+        # without pings, a verdict on store heartbeats alone waits for three missed beats
+        self.beats_timeout_s = max(timeout_s, 3 * interval_s)
         self.closed: set[str] = set()  # the last scan's agents lost by their connection
         self._seq: dict[str, int] = {}
         self._changed: dict[str, float] = {}
+        self._silent: dict[str, float] = {}  # the last scan's silence of each agent
 
     def watch(self, node_ids: Iterable[str]) -> None:
         """Track these agents (a newly watched one gets a full timeout from now)."""
@@ -177,12 +193,17 @@ class HeartbeatMonitor:
             self._seq.pop(node_id, None)
 
     def silent_s(self, node_id: str) -> float:
+        """Seconds the agent was silent at the last scan (neither its store heartbeat nor
+        its pings heard)."""
+        if node_id in self._silent:
+            return self._silent[node_id]
         return self.clock() - self._changed.get(node_id, self.clock())
 
     def scan(self) -> list[str]:
         """Read every watched heartbeat; return the agents silent for longer than the
-        timeout and those whose presence connection ended without a goodbye (kept in
-        :attr:`closed`); they stay watched until :meth:`watch` drops them."""
+        timeout (see the module docstring: both channels) and those whose presence
+        connection ended without a goodbye (kept in :attr:`closed`); they stay watched
+        until :meth:`watch` drops them."""
         ids = sorted(self._changed)
         records = self.store.get_records([heartbeat_key(i) for i in ids])
         now = self.clock()
@@ -191,7 +212,18 @@ class HeartbeatMonitor:
             if isinstance(seq, int) and not isinstance(seq, bool) and seq > self._seq[node_id]:
                 self._seq[node_id] = seq
                 self._changed[node_id] = now
-        gone = self.presence() if self.presence is not None else {}
+        gone = self.presence.gone() if self.presence is not None else {}
+        quiet = self.presence.silent() if self.presence is not None else {}
         self.closed = {i for i in ids if i in gone}
-        return [i for i in ids if now - self._changed[i] > self.timeout_s or i in gone]
+        self._silent.clear()
+        lost = []
+        for node_id in ids:
+            silent = now - self._changed[node_id]
+            limit = self.beats_timeout_s
+            if node_id in quiet:  # it pings: heard on either channel is alive
+                silent, limit = min(silent, quiet[node_id]), self.timeout_s
+            self._silent[node_id] = silent
+            if silent > limit or node_id in gone:
+                lost.append(node_id)
+        return lost
 
