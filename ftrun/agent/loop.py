@@ -54,7 +54,7 @@ from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender, serve_presence
-from ftrun.control.presence import PresenceClient, PresenceServer
+from ftrun.control.presence import PING_S, PresenceClient, PresenceServer
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
     Generation,
@@ -405,15 +405,15 @@ class Agent:
                                            self._rejected_record)
         if multi and not hosting:
             self.heartbeat = HeartbeatSender(
-                reconnect, jstore, self.node_id,
-                config.heartbeat_interval_s, config.heartbeat_timeout_s,
+                reconnect, jstore, self.node_id, config.heartbeat_interval_s,
+                config.heartbeat_timeout_s, min_grace_s=3 * op_timeout,
                 presence=None if etcd is not None else PresenceClient(
-                    signer, self.run_id, self.node_id, min(2.0, op_timeout)),
+                    signer, self.run_id, self.node_id, min(2.0, op_timeout),
+                    ping_s=min(PING_S, config.heartbeat_timeout_s / 8)),
             )
             self.heartbeat.start()
-        gone = self.presence.gone if self.presence is not None else None
-        monitor = HeartbeatMonitor(jstore, config.heartbeat_timeout_s, presence=gone) \
-            if multi and hosting else None
+        monitor = HeartbeatMonitor(jstore, config.heartbeat_timeout_s, self.presence,
+                                   config.heartbeat_interval_s) if multi and hosting else None
         if monitor is not None:
             self.nodes = NodeWatch(monitor, node_id=self.node_id,
                                    heartbeat_interval_s=config.heartbeat_interval_s,
