@@ -122,8 +122,9 @@ def _torchrun_flags(parser: argparse.ArgumentParser) -> None:
 FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--heartbeat-interval", "heartbeat_interval", "FTRUN_HEARTBEAT_INTERVAL", "1.0",
      "Seconds between an agent's heartbeats."),
-    ("--heartbeat-timeout", "heartbeat_timeout", "FTRUN_HEARTBEAT_TIMEOUT", "5.0",
-     "Seconds without a heartbeat before an agent is declared lost."),
+    ("--heartbeat-timeout", "heartbeat_timeout", "FTRUN_HEARTBEAT_TIMEOUT", "auto",
+     "Seconds an agent may be silent (no heartbeat, no presence ping) before it is declared "
+     "lost (auto: 2 s, or 5 s with etcd-v3, which has no pings; at least 2 intervals)."),
     ("--stop-grace", "stop_grace", "FTRUN_STOP_GRACE", "",
      "Seconds from SIGTERM to SIGKILL when stopping workers (same as --shutdown-timeout)."),
     ("--recovery", "recovery", "FTRUN_RECOVERY", "auto",
@@ -343,7 +344,9 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ConfigError(f"--start-method={ns.start_method!r}: expected spawn, fork or forkserver")
     heartbeat_interval = parse_seconds(ns.heartbeat_interval, "--heartbeat-interval")
-    heartbeat_timeout = parse_seconds(ns.heartbeat_timeout, "--heartbeat-timeout")
+    heartbeat_timeout = max(5.0 if backend == "etcd-v3" else 2.0, 2 * heartbeat_interval) \
+        if ns.heartbeat_timeout.strip().lower() == "auto" \
+        else parse_seconds(ns.heartbeat_timeout, "--heartbeat-timeout")
     if heartbeat_timeout <= heartbeat_interval:
         raise ConfigError("--heartbeat-timeout must be longer than --heartbeat-interval")
 
