@@ -14,6 +14,7 @@ a silent one only after the heartbeat timeout, a clean exit never.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,7 +34,8 @@ _CLIENT = """
 import sys, time
 from ftrun.control.auth import Signer
 from ftrun.control.presence import PresenceClient
-client = PresenceClient(Signer(sys.argv[1].encode()), "run", sys.argv[2], 5.0)
+client = PresenceClient(Signer(sys.argv[1].encode()), "run", sys.argv[2], 5.0,
+                        ping_s=float(sys.argv[5]))
 client.connect("127.0.0.1", int(sys.argv[3]))
 print("connected", flush=True)
 if sys.argv[4] == "bye":
@@ -44,9 +46,10 @@ else:
 """
 
 
-def _client(port: int, node_id: str, mode: str = "hold") -> subprocess.Popen[str]:
+def _client(port: int, node_id: str, mode: str = "hold",
+            ping_s: float = 0.0) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-c", _CLIENT, TOKEN.decode(), node_id, str(port),
-                             mode], stdout=subprocess.PIPE, text=True, cwd=REPO)
+                             mode, str(ping_s)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout is not None and proc.stdout.readline() == "connected\n"
     return proc
 
@@ -114,3 +117,62 @@ def test_presence_verdicts_kill_stop_goodbye_and_refusals() -> None:
                 proc.kill()
             proc.wait(10)
         server.close()
+
+
+#: The silence verdict's timeout in the test below, and the bound on the time from SIGSTOP
+#: to the verdict: the timeout, a ping period and a few scans (measured ~1.2 s here); 5x
+#: that fails.
+SILENT_TIMEOUT_S = 1.0
+STOP_TO_VERDICT_S = 5.0
+
+
+def test_pings_keep_a_quiet_store_heartbeat_alive_and_a_stopped_agent_is_lost_in_time() -> None:
+    """Silence is heard on both channels (ftrun/control/heartbeat.py): a real client process
+    that pings its presence connection every 0.1 s but never writes a store heartbeat is
+    not lost for over twice the 1 s timeout (the server sees it pinging: its silence stays
+    under half a second); SIGSTOPped, its connection stays open but quiet, and the monitor
+    declares it lost by silence (not by a closed connection) after the timeout, within
+    STOP_TO_VERDICT_S; SIGCONTinued, its pings are heard again. A hello with a bad ping
+    period is refused."""
+    from ftrun.control.heartbeat import HeartbeatMonitor
+    from ftrun.control.store import JsonStore, serve_store
+
+    refused: list[str] = []
+    server = PresenceServer(Signer(TOKEN), "run", "127.0.0.1", on_reject=refused.append).start()
+    store = serve_store(0, 10)
+    client = _client(server.port, "pinger", ping_s=0.1)
+    try:
+        monitor = HeartbeatMonitor(JsonStore(store, "ftrun/run", signer=Signer(TOKEN)),
+                                   SILENT_TIMEOUT_S, server, interval_s=0.25)
+        monitor.watch(["pinger"])
+        deadline = time.monotonic() + 2 * SILENT_TIMEOUT_S
+        while time.monotonic() < deadline:  # no store beat at all: the pings carry it
+            assert monitor.scan() == [], (server.silent(), monitor.silent_s("pinger"))
+            assert server.silent()["pinger"] < 0.5, server.silent()
+            time.sleep(0.05)
+        os.kill(client.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_until(lambda: monitor.scan() == ["pinger"], STOP_TO_VERDICT_S,
+                   "the stopped agent's silence verdict")
+        took = time.monotonic() - stopped
+        print(f"SIGSTOP to the silence verdict: {took:.2f} s (timeout {SILENT_TIMEOUT_S} s)")
+        assert took >= SILENT_TIMEOUT_S / 2, took  # not at once: silence counts from the last ping
+        assert monitor.closed == set() and monitor.silent_s("pinger") > SILENT_TIMEOUT_S
+        os.kill(client.pid, signal.SIGCONT)
+        wait_until(lambda: server.silent().get("pinger", 9.0) < 0.5, 5, "pings again")
+        # A hello that names a bad ping period is refused in one line.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            nonce = json.loads(sock.recv(MAX_LINE).split(b"\n")[0])["nonce"]
+            hello = Signer(TOKEN).line("ftrun/run/presence",
+                                       {"node_id": "bad-ping", "nonce": nonce, "ping_s": -1})
+            sock.sendall(hello.encode() + b"\n")
+            assert b"bad ping_s" in sock.recv(MAX_LINE)
+        assert "bad-ping" not in server.connected()
+        wait_until(lambda: any("bad ping_s" in r for r in refused), 5, "the refusal said")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(client.pid, signal.SIGCONT)
+        client.kill()
+        client.wait(10)
+        server.close()
+        del store

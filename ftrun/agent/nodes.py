@@ -25,6 +25,9 @@ from ftrun.control.heartbeat import HeartbeatMonitor
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 
 LostNode = tuple[NodeSlot, dict[str, Any]]
+#: The longest gap between two of the leader's scans for lost nodes (a heartbeat read of
+#: every node and a look for a newcomer).
+SCAN_S = 0.25
 
 
 def health_refusal() -> str:
@@ -118,14 +121,16 @@ class NodeWatch:
     def scan(
         self, rdzv: Rendezvous, generation: Generation
     ) -> tuple[list[LostNode], dict[str, Any] | None]:
-        """At most every half heartbeat interval: the other nodes of ``generation`` whose
-        heartbeats stopped (and that are not done), each with the cause that would end the
-        generation for it, and a newcomer's join cause if one waits. Each is said and logged
-        once; ending anything is the caller's choice."""
+        """At most every half heartbeat interval (and every :data:`SCAN_S`: a silence
+        heard through presence pings is seen that finely): the other nodes of
+        ``generation`` that went silent or whose agent's connection closed (and that are
+        not done), each with the cause that would end the generation for it, and a
+        newcomer's join cause if one waits. Each is said and logged once; ending anything
+        is the caller's choice."""
         now = time.monotonic()
         if now < self._next_scan:
             return [], None
-        self._next_scan = now + self.heartbeat_interval_s / 2
+        self._next_scan = now + min(self.heartbeat_interval_s / 2, SCAN_S)
         members = {n.node_id for n in generation.nodes} - {self.node_id}
         self.monitor.watch(members - self.finished - self.dropped)
         lost: list[LostNode] = []
