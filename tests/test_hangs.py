@@ -23,7 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch, JobHang, NodeView, WorkerView, judge_job
+from ftrun.agent.hangs import (
+    HANG_FLOOR_S,
+    HangWatch,
+    JobHang,
+    NodeView,
+    WorkerView,
+    _tree_cpu,
+    judge_job,
+)
 from ftrun.agent.ncclprogress import NcclProgress
 from ftrun.agent.stacks import Frame, Stack, stack_from_fault_dump
 from ftrun.control.errors import StoreValueError
@@ -66,7 +74,11 @@ def test_a_hung_rank_is_named_and_the_job_restarts_in_seconds(
     assert "restarting (1/1)" in out
     if stacks == "faulthandler":
         assert "Fatal Python error: Aborted" in out  # the dumps the names came from
-    # The floor is 5 s (three of it without stacks) and a restart ~3 s here; torchrun needs
+    # the fault began when the last worker went quiet, at least a timeout before the verdict
+    detected = re.search(r"every worker restarted in [\d.]+ s \(generation 1\) "
+                         r"\(detected in ([\d.]+) s", " ".join(out.split()))  # lines wrap
+    assert detected and float(detected[1]) >= HANG_FLOOR_S, out
+    # The floor is 3 s (three of it without stacks) and a restart ~5 s here; torchrun needs
     # the 10-minute timeout.
     assert restarted_s < 60, f"hang to restart took {restarted_s:.1f}s"
 
@@ -239,6 +251,18 @@ def test_idle_ranks_waiting_on_one_elsewhere_name_it(procs: dict[str, Proc]) -> 
 def test_a_busy_rank_means_no_hang(procs: dict[str, Proc]) -> None:
     watch = HangWatch(timeout_s=1.0, multi_node=False, stack_of=waiting_stack)
     assert run_watch(watch, [procs["idle0"], procs["busy"]], 4) is None
+
+
+def test_a_rank_on_the_run_queue_counts_as_working(procs: dict[str, Proc]) -> None:
+    """A loaded host may give a working rank too little CPU in a sample to count; it is
+    still on the run queue, which the watch reads too. A rank asleep is not."""
+    deadline = time.monotonic() + 10
+    while not _tree_cpu(procs["busy"].pid)[2]:
+        assert time.monotonic() < deadline, "a busy loop never seen running"
+        time.sleep(0.05)
+    while any(_tree_cpu(procs["idle0"].pid)[1:]):  # still starting its interpreter
+        assert time.monotonic() < deadline, "a sleeping process seen running"
+        time.sleep(0.05)
 
 
 def test_a_verdict_needs_two_looks_that_agree(procs: dict[str, Proc]) -> None:

@@ -43,8 +43,11 @@ whole job (:func:`judge_job`): every node idle together for the timeout, ranks w
 communication and ranks idle in their own code -> those are the culprits, named with their
 node and stack; all waiting -> a hang after three timeouts.
 
-The timeout (``--hang-timeout``): ``auto`` is max(5 s, twice the longest all-idle spell the
-job recovered from by itself); a number fixes it; 0 turns the watch off.
+The timeout (``--hang-timeout``): ``auto`` is max(3 s, twice the longest all-idle spell the
+job recovered from by itself); a number fixes it; 0 turns the watch off. A worker whose main
+thread is on the run queue counts as busy, so a loaded host that starves a working rank of
+CPU does not make it look idle; the verdict's two looks straddle the timeout's end (the
+first a sample before it), so the floor is what a hang costs.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from ftrun.control.errors import StoreValueError, require
 from ftrun.control.rendezvous import Generation
 from ftrun.shim import ShimError
 
-HANG_FLOOR_S = 5.0
+HANG_FLOOR_S = 3.0
 SAMPLE_S = 0.5
 IDLE_CPU_FRACTION = 0.05  # less CPU than this share of one core over a sample: idle
 
@@ -307,14 +310,16 @@ class HangWatch:
             return None
         self.progress = {w.pid: p for w in live if (p := self.progress_of(w)) is not None}
         for worker in live:
-            cpu, in_io = _tree_cpu(worker.pid)
+            cpu, in_io, running = _tree_cpu(worker.pid)
             nccl = self.progress.get(worker.pid)
             ops = nccl.operations if nccl is not None else -1
             seen = self.activity.get(worker.pid)
             if seen is None:
                 self.activity[worker.pid] = _Activity(cpu, now, now, ops)
                 continue
-            used_cpu = cpu - seen.cpu_s > IDLE_CPU_FRACTION * SAMPLE_S
+            # on the run queue counts as use: on a loaded host a working rank may get too
+            # little CPU in a sample to count, and it must not look like one that waits
+            used_cpu = cpu - seen.cpu_s > IDLE_CPU_FRACTION * SAMPLE_S or running
             if used_cpu:
                 seen.cpu_at = now
             # CPU without NCCL calls may be a host thread spinning in a CUDA wait for a
@@ -332,7 +337,9 @@ class HangWatch:
             self.last_look = ()
             self.view = None
         self.spell_s = idle_s
-        if idle_s < self.timeout_s or now < self.next_check:
+        # the first of the verdict's two looks comes a sample before the timeout, so that
+        # the second, which decides, comes at it
+        if idle_s < self.timeout_s - SAMPLE_S or now < self.next_check:
             return None
         return self._judge(live, idle_s, now)
 
@@ -350,6 +357,9 @@ class HangWatch:
             # earlier, already waits for it in the next collective (its CPU since the
             # sample too little to count).
             self.last_look = look
+            self.next_check = now + SAMPLE_S
+            return None
+        if idle_s < self.timeout_s:  # two looks agree, but the spell is not long enough yet
             self.next_check = now + SAMPLE_S
             return None
         self.next_check = now + self.timeout_s  # judged: look again after another timeout
@@ -457,24 +467,27 @@ def _state(pid: int, stacks: dict[int, Stack], nccl: dict[int, str]) -> str:
     return "waiting" if stack.waiting else "own"
 
 
-def _tree_cpu(pid: int) -> tuple[float, bool]:
-    """CPU seconds of ``pid`` and its descendants, and whether one is in uninterruptible
-    I/O (a checkpoint write); a process that is gone counts as nothing."""
-    total, in_io = 0.0, False
+def _tree_cpu(pid: int) -> tuple[float, bool, bool]:
+    """CPU seconds of ``pid`` and its descendants, whether one is in uninterruptible I/O (a
+    checkpoint write), and whether one's main thread is running or waits for a CPU; a
+    process that is gone counts as nothing."""
+    total, in_io, running = 0.0, False, False
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0, False
+        return 0.0, False, False
     for proc in procs:
         try:
             with proc.oneshot():
                 times = proc.cpu_times()
                 total += times.user + times.system
-                in_io = in_io or proc.status() == psutil.STATUS_DISK_SLEEP
+                status = proc.status()
         except psutil.Error:
             continue
-    return total, in_io
+        in_io = in_io or status == psutil.STATUS_DISK_SLEEP
+        running = running or status == psutil.STATUS_RUNNING
+    return total, in_io, running
 
 
 def announce_hang(services: AgentServices, generation: Generation, hang: Hang,
