@@ -8,6 +8,7 @@
     python scripts/bench_multinode.py --only store-load --store-load 1000
     python scripts/bench_multinode.py --only rendezvous-light-etcd --agents 512
     python scripts/bench_multinode.py --only leader-loss --runs 2
+    python scripts/bench_multinode.py --only node-loss-etcd --runs 2
 
 * ``leader_loss_recovery_s.ftrun_etcd`` (and ``leader_loss_steps_lost``): ``--rdzv-backend
   etcd-v3`` on three namespace hosts, a 3-member etcd cluster (one member per host,
@@ -19,6 +20,10 @@
   process). With the embedded TCPStore
   the same fault (the store host's node) stops the whole job: there is no figure to put
   next to it.
+* ``node_loss_recovery_s.ftrun_etcd`` (``--only node-loss-etcd``): the same etcd-v3 job,
+  but the node SIGKILLed is the last one whose agent is not the writer; the figure is
+  from the kill to a step of both survivors (the writer declares the node lost and the
+  survivors regroup in process).
 * ``rendezvous_s.ftrun_etcd``: the light-agent rendezvous below with the etcd-v3 backend's
   client on a one-member etcd on loopback (``rendezvous_light_runs_etcd``).
 
@@ -359,12 +364,16 @@ def _wait_victim(readers: list[_Reader], timeout_s: float = 180.0) -> int:
     raise RuntimeError(f"ftrun_spare: no standby node: {readers[1].lines[-20:]}")
 
 
-def leader_loss_once_etcd(cap_s: float) -> tuple[float | None, int | None]:
+def leader_loss_once_etcd(cap_s: float, victim: str = "writer"
+                          ) -> tuple[float | None, int | None]:
     """``--rdzv-backend etcd-v3`` on three namespace hosts, one etcd member and one ftrun
     agent (one gloo worker, scripts/train_elastic.py, ``--recovery regroup``) per host: the
-    node of the agent elected as the job's writer is SIGKILLed (agent and workers). Seconds
-    from the kill to a new step on both survivors, and the committed steps they lost (the
-    survivors follow the member-epoch store to the new writer and regroup in process)."""
+    node of the agent elected as the job's writer (``victim="writer"``), or the last node
+    whose agent is not the writer (``"other"``: ``node_loss_recovery_s.ftrun_etcd``), is
+    SIGKILLed (agent and workers). Seconds from the kill to a new step on both survivors,
+    and the committed steps they lost (for the writer: the survivors follow the
+    member-epoch store to the new writer and regroup in process; for another node: the
+    writer declares it lost and the survivors regroup in process)."""
     from tests.infra.etcd_cluster import EtcdCluster
     from tests.infra.netns import NetnsNetwork
 
@@ -395,9 +404,11 @@ def leader_loss_once_etcd(cap_s: float) -> tuple[float | None, int | None]:
                        if any("job's writer (elected" in x for x in r.lines)]
             if len(writers) != 1:
                 raise RuntimeError(f"ftrun_etcd: {len(writers)} agents say they are the writer")
-            os.killpg(procs[writers[0]].pid, signal.SIGKILL)
+            lost = writers[0] if victim == "writer" else \
+                max(i for i in range(len(procs)) if i != writers[0])
+            os.killpg(procs[lost].pid, signal.SIGKILL)
             killed = time.time()
-            survivors = [r for i, r in enumerate(readers) if i != writers[0]]
+            survivors = [r for i, r in enumerate(readers) if i != lost]
             while time.time() < killed + cap_s:
                 if all(any(t > killed + 0.5 for t in r.steps) for r in survivors):
                     firsts = [next(i for i, t in enumerate(r.steps) if t > killed + 0.5)
@@ -1419,7 +1430,85 @@ def measure_rendezvous_light_etcd(args: argparse.Namespace, result: dict[str, ob
         print(f"  rendezvous (light agents), ftrun_etcd: skipped: {reason}", file=sys.stderr)
         return
     with loopback_etcd() as endpoint:
+        share: dict[str, Any] = {}
+        for n in (int(x) for x in args.agents.split(",")):
+            share[str(n)] = etcd_leader_share(n, endpoint)
+            print(f"  rendezvous, ftrun_etcd, the leader's share at {n} agents: "
+                  f"{share[str(n)]}", file=sys.stderr, flush=True)
+        result["rendezvous_leader_share_etcd"] = share
         measure_rendezvous_light(args, result, etcd=endpoint)
+
+
+def etcd_leader_share(n: int, endpoint: str) -> dict[str, Any]:
+    """The protocol's own share of a rendezvous of ``n`` agents on etcd, without ``n`` live
+    agents competing for this machine's cores: ``n - 1`` signed slots are appended first
+    (16 threads, a client each), then the real leader's ``DynamicRendezvous.join`` of
+    generation 0 (min = max = n) is timed: its read of every slot (``_collect``: the slots
+    list, one range request per poll) and its write of the generation (``n - 1``
+    assignments in transactions of 128, the record, ``latest``); ``assignment_read_s`` is
+    one agent's read of its assignment afterwards. The etcd member's CPU in that window is
+    ``etcd_cpu_s``."""
+    from ftrun.control.auth import Signer
+    from ftrun.control.etcd import EtcdOptions, connect_etcd
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+    from ftrun.control.store import JsonStore
+
+    options = EtcdOptions.parse(endpoint, {})
+    op = _agent_op_timeout(_HB_TIMEOUT_S)
+    run_id = f"share-{n}-{time.time_ns()}"
+
+    def store() -> JsonStore:
+        return JsonStore(connect_etcd(options, 30, op_timeout_s=op), f"ftrun/{run_id}",
+                         signer=Signer(b"bench-token"))
+
+    def offer(first: int) -> None:
+        mine = store()
+        for i in range(first, n, 16):
+            slot = NodeSlot(-1, 1, "127.0.0.1", f"light{i}", 1, f"light-{i}")
+            mine.put_record("gen/0/slots", slot.to_json())
+    threads = [threading.Thread(target=offer, args=(1 + k,)) for k in range(16)]
+    began = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    appended = time.monotonic() - began
+    etcd_pid = next((c.pid for c in __import__("psutil").net_connections("tcp")
+                     if c.status == "LISTEN" and c.pid and
+                     f"127.0.0.1:{c.laddr.port}" == endpoint), None)
+    etcd_cpu = _cpu_s(etcd_pid) if etcd_pid else 0.0
+
+    class TimedLeader(DynamicRendezvous):
+        collected = 0.0
+
+        def _collect(self, *args: Any, **kwargs: Any) -> list[NodeSlot]:
+            slots = super()._collect(*args, **kwargs)
+            self.collected = time.monotonic()
+            return slots
+
+    leader = TimedLeader(store(), min_nodes=n, max_nodes=n, last_call_s=30, is_leader=True,
+                         poll_s=_FTRUN_POLL_S, interrupted=lambda: False)
+    own_cpu = time.process_time()
+    started = time.monotonic()
+    generation = leader.join(0, NodeSlot(-1, 1, "127.0.0.1", "leader", 1, "leader"), 120,
+                             lambda: ("127.0.0.1", 1))
+    written = time.monotonic()
+    info: dict[str, Any] = {
+        "slots_appended_s": round(appended, 3),
+        "leader_read_every_slot_s": round(leader.collected - started, 4),
+        "leader_wrote_generation_s": round(written - leader.collected, 4),
+        "leader_total_s": round(written - started, 4),
+        "leader_cpu_s": round(time.process_time() - own_cpu, 3),
+        "etcd_cpu_s": round(_cpu_s(etcd_pid) - etcd_cpu, 3) if etcd_pid else None,
+        "nnodes": generation.nnodes,
+    }
+    agent = DynamicRendezvous(store(), min_nodes=n, max_nodes=n, last_call_s=30,
+                              is_leader=False, poll_s=_FTRUN_POLL_S, interrupted=lambda: False)
+    started = time.monotonic()
+    found = agent._wait_assignment(0, f"light-{n - 1}", time.monotonic() + 30)
+    info["assignment_read_s"] = round(time.monotonic() - started, 4)
+    info["assignment_ok"] = found is not None and found.world_size == n
+    return info
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -1626,6 +1715,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", choices=["recovery", "rendezvous", "rendezvous-light",
                                            "rendezvous-light-etcd", "leader-loss",
+                                           "node-loss-etcd",
                                            "store-load", "false-alarms"])
     parser.add_argument("--runs", type=int, default=2, help="node-loss runs per launcher")
     parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -1678,8 +1768,8 @@ def main() -> None:
         print(f"  {args.only}: the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md) cut to 1 s "
               f"with RES_OPTIONS={_RESOLVER_WORKAROUND}", file=sys.stderr, flush=True)
     result: dict[str, object] = {
-        "node_loss_recovery_s": {variant: [] for variant in VARIANTS},
-        "node_loss_steps_lost": {variant: [] for variant in VARIANTS},
+        "node_loss_recovery_s": {variant: [] for variant in (*VARIANTS, "ftrun_etcd")},
+        "node_loss_steps_lost": {variant: [] for variant in (*VARIANTS, "ftrun_etcd")},
         "rendezvous_s": {"ftrun": {}, "ftrun_process": {}, "torchrun": {}, "ftrun_etcd": {}},
         "leader_loss_recovery_s": {"ftrun_etcd": []},
         "leader_loss_steps_lost": {"ftrun_etcd": []},
@@ -1716,6 +1806,14 @@ def main() -> None:
             result["leader_loss_recovery_s"]["ftrun_etcd"].append(  # type: ignore[index]
                 None if took is None else round(took, 2))
             result["leader_loss_steps_lost"]["ftrun_etcd"].append(steps_lost)  # type: ignore[index]
+    if args.only in (None, "node-loss-etcd"):
+        for _ in range(args.runs):
+            took, steps_lost = leader_loss_once_etcd(args.cap, victim="other")
+            print(f"  a non-writer node lost, ftrun_etcd: {took} s, {steps_lost} steps lost",
+                  file=sys.stderr, flush=True)
+            result["node_loss_recovery_s"]["ftrun_etcd"].append(  # type: ignore[index]
+                None if took is None else round(took, 2))
+            result["node_loss_steps_lost"]["ftrun_etcd"].append(steps_lost)  # type: ignore[index]
     if args.only in (None, "rendezvous"):
         rendezvous(args, result)
     if args.only in (None, "rendezvous-light"):
@@ -1737,7 +1835,8 @@ def main() -> None:
     rec = result["node_loss_recovery_s"]
     if any(rec.values()):  # type: ignore[union-attr]
         print("node loss -> training progressing again (s), link of h3 cut (ftrun_spare: "
-              "the active non-leader's; ftrun_spare_kill: its launcher SIGKILLed):")
+              "the active non-leader's; ftrun_spare_kill: its launcher SIGKILLed; "
+              "ftrun_etcd: a non-writer node of an etcd-v3 job SIGKILLed):")
     for program in rec:  # type: ignore[union-attr]
         values = rec[program]  # type: ignore[index]
         if values:
