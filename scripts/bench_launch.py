@@ -12,8 +12,10 @@ For each repeat and launcher, one run of ``scripts/train_ddp.py`` on N workers m
   learns of the hang only when that timeout fails the collective; ftrun sees every worker
   idle, reads their stacks and restarts (``--hang-timeout`` auto). ``--no-hang`` skips it.
 
-``ftrun_preload`` is ftrun with ``--preload torch`` (``--preload``): a per-node fork server
-imports torch once, and every worker of every generation is forked from it.
+``ftrun_preload`` is ftrun with ``--preload torch,torch._dynamo`` (``--preload``): a per-node
+fork server imports them once, and every worker of every generation is forked from it.
+``torch._dynamo`` is there because DDP's constructor imports it (about as long as torch
+itself here); ``--preload MODULES`` names others.
 
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it its restarted
 workers read the dead generation's addresses from the shared store and do not recover on
@@ -49,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "scripts" / "train_ddp.py"
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+)")
 LAUNCHERS = ("torchrun", "ftrun", "ftrun_preload")
-PRELOAD = "torch"
+PRELOAD = "torch,torch._dynamo"  # DDP imports torch._dynamo when a model is wrapped
 
 
 def launcher_path(name: str) -> str:
@@ -57,9 +59,9 @@ def launcher_path(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def launcher_argv(name: str) -> list[str]:
+def launcher_argv(name: str, preload: str) -> list[str]:
     if name == "ftrun_preload":
-        return [launcher_path("ftrun"), "--preload", PRELOAD]
+        return [launcher_path("ftrun"), "--preload", preload]
     return [launcher_path(name)]
 
 
@@ -109,11 +111,13 @@ class Run:
                 self.proc.wait()
 
 
-def measure(name: str, nproc: int, kill_after: int, timeout: float) -> dict[str, float | None]:
+def measure(name: str, nproc: int, kill_after: int, timeout: float,
+            preload: str) -> dict[str, float | None]:
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as ckpt:
-        argv = [*launcher_argv(name), "--nproc-per-node", str(nproc), "--max-restarts", "1",
+        argv = [*launcher_argv(name, preload), "--nproc-per-node", str(nproc),
+                "--max-restarts", "1",
                 str(TRAIN), "--steps", "1000000", "--step-sleep", "0.01",
                 "--checkpoint-dir", ckpt, "--checkpoint-every", "1000000"]
         run = Run(argv, env)
@@ -139,12 +143,13 @@ def measure(name: str, nproc: int, kill_after: int, timeout: float) -> dict[str,
 
 
 def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
-                 timeout: float) -> float | None:
+                 timeout: float, preload: str) -> float | None:
     """Seconds from a rank's hang to the restarted job's first step, or None."""
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="bench_hang_") as scratch:
-        argv = [*launcher_argv(name), "--nproc-per-node", str(nproc), "--max-restarts", "1",
+        argv = [*launcher_argv(name, preload), "--nproc-per-node", str(nproc),
+                "--max-restarts", "1",
                 str(TRAIN), "--steps", "1000000", "--step-sleep", "0.01",
                 "--fail-at-step", str(hang_at), "--fail-rank", "1", "--fail-mode", "hang",
                 "--fail-once-marker", str(Path(scratch) / "hung-once"),
@@ -189,7 +194,14 @@ def main() -> int:
                         help="the job's process-group timeout in the hang case (seconds)")
     parser.add_argument("--no-hang", action="store_true", help="skip the hang case")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--preload", default=PRELOAD,
+                        help=f"modules ftrun_preload's fork server imports (default {PRELOAD})")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS),
+                        help="a subset to run (a figure reported against torchrun needs both)")
     args = parser.parse_args()
+    launchers = args.launchers.split(",")
+    if unknown := set(launchers) - set(LAUNCHERS):
+        parser.error(f"--launchers: unknown {', '.join(sorted(unknown))}")
 
     results: dict[str, dict[str, list[float] | int]] = {
         name: {"first_step_s": [], "restart_s": [], "hang_s": [], "failed_to_recover": 0,
@@ -199,7 +211,9 @@ def main() -> int:
         shift = repeat % len(LAUNCHERS)
         order = LAUNCHERS[shift:] + LAUNCHERS[:shift]
         for name in order:
-            figures = measure(name, args.nproc, args.kill_after_step, args.timeout)
+            if name not in launchers:
+                continue
+            figures = measure(name, args.nproc, args.kill_after_step, args.timeout, args.preload)
             entry = results[name]
             if figures["first_step_s"] is not None:
                 entry["first_step_s"].append(round(figures["first_step_s"], 3))  # type: ignore[union-attr]
@@ -211,7 +225,7 @@ def main() -> int:
             if args.no_hang:
                 continue
             hang = measure_hang(name, args.nproc, args.hang_at_step, args.hang_pg_timeout,
-                                args.timeout)
+                                args.timeout, args.preload)
             if hang is None:
                 entry["hang_failed_to_recover"] += 1  # type: ignore[operator]
             else:
@@ -223,7 +237,7 @@ def main() -> int:
         "timeout_s": args.timeout, "torch_disable_share_rdzv_tcp_store": True,
         "hang_at_step": None if args.no_hang else args.hang_at_step,
         "hang_pg_timeout_s": None if args.no_hang else args.hang_pg_timeout,
-        "cpus": os.cpu_count(), "preload": PRELOAD,
+        "cpus": os.cpu_count(), "preload": args.preload, "launchers": launchers,
     }
     if args.json:
         print(json.dumps(results))
