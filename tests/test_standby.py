@@ -161,6 +161,23 @@ def test_a_standby_node_takes_a_lost_nodes_ranks_and_failing_nodes_are_refused( 
     assert epochs[-1]["joiners"] and epochs[-1]["joiners"][0].startswith("3."), epochs
 
 
+def test_each_spare_gets_a_local_rank_of_its_own() -> None:
+    """Spares no longer all get LOCAL_RANK 0 (each would take cuda:0 on a GPU): a node
+    starts its members at the lowest local rank its live members do not hold
+    (ftrun/agent/regroup.py ``free_local_rank``): the initial workers 0..N-1, then the
+    spares N, N+1; a standby node's spares 0, 1, ... (the ranks of the workers they stand
+    in for on a node like it); a replacement the one its failed member freed."""
+    from ftrun.agent.regroup import free_local_rank
+
+    held: list[int] = []
+    for _ in range(4):  # --nproc-per-node 2 --spares 2, or a standby with 4 spares
+        held.append(free_local_rank(held))
+    assert held == [0, 1, 2, 3]
+    held.remove(1)  # local rank 1's worker failed: its replacement takes 1 again
+    assert free_local_rank(held) == 1
+    assert free_local_rank([]) == 0
+
+
 def test_the_gate_is_doctors_quick_subset_and_names_what_failed() -> None:
     """``ftrun doctor --quick`` runs exactly the gate's checks (ftrun/doctor/gate.py), in
     well under its 1 s budget here, and a bogus GLOO_SOCKET_IFNAME fails it, exit 1; the

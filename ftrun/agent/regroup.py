@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from ftrun import protocol as P
@@ -83,6 +84,13 @@ def wants_replacement(on_failure: str, replacement_failures: int, job_done: bool
     with fewer ranks)."""
     return (on_failure == "replace" and replacement_failures <= MAX_REPLACEMENT_FAILURES
             and not job_done)
+
+
+def free_local_rank(held: Iterable[int]) -> int:
+    """The ``LOCAL_RANK`` of a member this node starts: the lowest its live members do not
+    hold (see :meth:`_RegroupRun._spawn`)."""
+    taken = set(held)
+    return next(i for i in range(len(taken) + 1) if i not in taken)
 
 
 class RegroupSupervisor:
@@ -291,11 +299,19 @@ class _RegroupRun:
     # --- this node's members -------------------------------------------------------------
 
     def _spawn(self, *, initial: bool) -> LocalMember:
+        """Start member ``<node rank>.<next number>``. Its ``LOCAL_RANK`` is the lowest
+        that no live member of this node holds (``LOCAL_WORLD_SIZE`` stays the node's
+        ``--nproc-per-node``, as torchrun sets it): the initial workers 0..N-1, then the
+        spares N, N+1, ...; on a standby node (no initial workers) spare i is local rank i,
+        the local rank of the worker it replaces on a node like it; a replacement takes
+        the one its failed member freed. A process keeps its local rank (its GPU) for its
+        life: a spare that takes a lost rank does not move to the lost worker's device."""
         number = self.next_member
         self.next_member += 1
         member_id = P.member_id(self.node_rank, number)
         process = self.services.launcher.spawn_worker(
-            self.generation, number if initial else 0,
+            self.generation, free_local_rank(x.process.local_rank
+                                             for x in self.members.values() if x.live),
             member=P.MemberEnv(member_id, self.prefix, initial),
             prefix=f"[rank{self.generation.rank_offset(self.node_rank) + number}]:"
             if initial else f"[member{member_id}]:",
