@@ -24,4 +24,4 @@ fi
 # Many tests wait on processes (rendezvous, heartbeats, restarts): two pytest-xdist workers
 # keep both cores busy. The infrastructure's leak checks see only their own process's
 # namespaces and clusters (tests/infra), so tests in the two workers never see each other's.
-exec .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-2}" "$@"
+exec .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-2}" --durations=25 "$@"
