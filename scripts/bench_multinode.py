@@ -281,7 +281,8 @@ def node_loss_once(variant: str, cap_s: float, fault: str = "cut"
 
 def false_alarms(minutes: float, busy: int) -> dict[str, Any]:
     """A regroup job on three namespace hosts with the default heartbeat settings (1 s /
-    5 s) and presence connections, trained for ``minutes`` while ``busy`` busy-loop
+    auto: 2 s with the TCPStore's presence pings, 5 s before 2026-12-02) and presence
+    connections, trained for ``minutes`` while ``busy`` busy-loop
     processes keep the cores busy; counts the node-loss declarations (node_lost events and
     'lost: no heartbeat' lines on every agent) and the store-lost exits: all must be 0."""
     from tests.infra.netns import NetnsNetwork
