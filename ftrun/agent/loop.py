@@ -400,14 +400,14 @@ class Agent:
             self.say("control records are unauthenticated: anyone who reaches "
                      f"{host}:{port} can steer this job (set FTRUN_JOB_TOKEN on every node)",
                      style="yellow")
-        if multi and hosting and etcd is None:  # a killed agent is lost at once (TCPStore)
-            self.presence = serve_presence(jstore, signer, self.run_id, self.store_bind, host,
-                                           self._rejected_record)
+        if multi and hosting:  # a killed agent is lost at once (etcd-v3: the writer serves)
+            self.presence = serve_presence(jstore, signer, self.run_id, self.store_bind,
+                                           self.store_host, self._rejected_record)
         if multi and not hosting:
             self.heartbeat = HeartbeatSender(
                 reconnect, jstore, self.node_id, config.heartbeat_interval_s,
                 config.heartbeat_timeout_s, min_grace_s=3 * op_timeout,
-                presence=None if etcd is not None else PresenceClient(
+                presence=PresenceClient(
                     signer, self.run_id, self.node_id, min(2.0, op_timeout),
                     ping_s=min(PING_S, config.heartbeat_timeout_s / 8)),
             )
