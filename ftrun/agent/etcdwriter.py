@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol as P
+from ftrun.agent.events import Event
 from ftrun.agent.nodes import NodeWatch
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
-from ftrun.control.heartbeat import HeartbeatMonitor
+from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 from ftrun.control.store import JsonStore, connect_store, serve_store
 
@@ -57,14 +58,21 @@ def watch_writer(agent: Agent, rdzv: Rendezvous) -> None:
 
 def promote(agent: Agent, rdzv: Rendezvous, election: Election) -> None:
     """This agent became the job's writer (called from the writer watch's thread): it
-    watches the other agents' heartbeats, hosts the next generations' worker stores and
-    forms them; the generation running now ends by itself (its workers lose the dead
+    serves the presence connections (ftrun/control/presence.py: a killed agent is lost at
+    once) and watches the other agents' heartbeats, hosts the next generations' worker
+    stores and forms them; the generation running now ends by itself (its workers lose the dead
     writer's store and their peers on its node), and the join of the next one, where
     the others wait, is formed here (ftrun.control.rendezvous: a promoted waiter
     forms the generation it waited for)."""
     agent.election = election
     agent._bind_stores()
-    monitor = HeartbeatMonitor(rdzv.store, agent.config.heartbeat_timeout_s)
+    # the presence connections move here: every agent's heartbeat thread connects to the
+    # server the record names, once its connection to the dead writer has ended
+    agent.presence = serve_presence(rdzv.store, Signer(load_secret()), agent.run_id,
+                                    agent.store_bind, agent.store_host,
+                                    agent._rejected_record)
+    monitor = HeartbeatMonitor(rdzv.store, agent.config.heartbeat_timeout_s, agent.presence,
+                               agent.config.heartbeat_interval_s)
     agent.nodes = NodeWatch(monitor, node_id=agent.node_id,
                             heartbeat_interval_s=agent.config.heartbeat_interval_s,
                             events=agent.events, say=agent.say)
@@ -165,6 +173,7 @@ def moved_store(agent: Agent, generation: Generation, prefix: str) -> MovedStore
     key = f"gen/{generation.number}/store"
     secret = Signer(load_secret())
     if agent.election is not None and rdzv.is_leader and old.node_id != agent.node_id:
+        _say_lost_writer(agent, generation, old)
         server = serve_store(0, agent.config.join_timeout_s, host=agent.store_bind)
         agent.worker_stores.append(server)
         host, port = agent.store_host, int(server.port)
@@ -202,3 +211,20 @@ def moved_store(agent: Agent, generation: Generation, prefix: str) -> MovedStore
         writer_gone(agent, generation) is not None,
         on_reject=agent._rejected_record)
     return MovedStore(store, old, False, lambda: hand_down(agent, generation, host, port))
+
+
+def _say_lost_writer(agent: Agent, generation: Generation, old: NodeSlot) -> None:
+    """The lost writer's ``node_lost`` event, for this agent's fault record (its cause and
+    its detection time, ftrun/agent/faults.py): silent since its last sign of life, the
+    last renewal of its lease, which expired a whole TTL after it. When the key was seen
+    free (``vacated_at``) dates that renewal to a TTL before at the latest, and at most one
+    watch interval earlier (when it was last seen held); the later bound is taken, so the
+    detection time is never overstated. Without a campaign (this agent was elected at
+    start) the detection time is a TTL."""
+    election = agent.election
+    now = time.time()
+    vacated = election.vacated_at if election is not None and election.vacated_at else now
+    ttl = election.ttl_s if election is not None else agent.config.heartbeat_timeout_s
+    agent.events.emit(Event.NODE_LOST, generation=generation.number, node=old.hostname,
+                      node_rank=old.node_rank, node_id=old.node_id,
+                      silent_s=round(max(0.0, now - (vacated - ttl)), 3), via="lease")

@@ -41,6 +41,10 @@ class Election:
         self.ttl_s = max(2, int(ttl_s))
         self.lease: int | None = None
         self.lost_at: float | None = None  # when a renewal found the lease expired
+        # a campaign after the last holder's lease expired: when (time.time()) this agent
+        # saw the key free, and the last time it saw it held (WriterWatch)
+        self.vacated_at: float | None = None
+        self.held_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,7 +119,9 @@ class WriterWatch:
     for it; the winner's ``on_won(election)`` is called from the watch's thread, once.
 
     Reads the key every ``interval_s`` on a client of its own (a poll, not a watch: one
-    small read per agent per interval; the election itself is one transaction). Errors
+    small read per agent per interval; the election itself is one transaction); the
+    winner's election carries when the key was seen free (``vacated_at``) and last seen
+    held (``held_at``), which date the last writer's last renewal. Errors
     (etcd unreachable) are retried at the next interval: the agent's heartbeats decide
     when etcd counts as lost."""
 
@@ -141,13 +147,16 @@ class WriterWatch:
 
     def _run(self) -> None:
         client: EtcdClient | None = None
+        held_at: float | None = None
         while not self._stop.wait(self.interval_s):
             try:
                 client = client or self._connect()
                 held, _ = client._range(self.key)
                 if held is not None:
+                    held_at = time.time()
                     continue
                 election = Election(self._connect, self.key, self.value, self.ttl_s)
+                election.vacated_at, election.held_at = time.time(), held_at
                 if election.campaign():
                     self._on_won(election)
                     return
