@@ -25,7 +25,8 @@ from ftrun.control.auth import Signer
 from ftrun.control.errors import StoreError
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
 from ftrun.control.store import JsonStore
-from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
+from tests.infra.etcd_cluster import EtcdCluster, etcd_missing_reason, loopback_etcd
+from tests.infra.procs import pid_alive
 from tests.launch import REPO, Launch, launcher
 from tests.lines import Done, ElasticStep, find, parse, reached
 from tests.test_multinode import TOKEN, HostLaunch, _check_regroup_across_nodes
@@ -248,17 +249,28 @@ def test_etcd_bad_input_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def etcd_net(infra_leak_check, netns_network, etcd_cluster):  # type: ignore[no-untyped-def]
+def etcd_net(infra_leak_check, netns_factory):  # type: ignore[no-untyped-def]
+    """Four namespace hosts, a 3-member etcd cluster on h1..h3 (each member killed and
+    waited for, its data removed, after the test)."""
     if subprocess.run(["sh", "-c", "command -v iptables || test -x /usr/sbin/iptables"],
                       capture_output=True).returncode != 0:
         pytest.skip("iptables not installed: run scripts/install_test_services.sh")
-    return netns_network, etcd_cluster
+    net = netns_factory(4)
+    cluster = EtcdCluster(list(net)[:3])
+    try:
+        cluster.start()
+        yield net, cluster
+    finally:
+        cluster.stop()
+        left = [p.pid for p in cluster.procs if p is not None and pid_alive(p.pid)]
+        assert not left, f"etcd members left running: {left}"
+        assert not cluster.root.exists(), f"etcd data {cluster.root} not removed"
 
 
 def _etcd_job(net, cluster, job_dir: Path, steps: int) -> list[Launch]:  # type: ignore[no-untyped-def]
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
-    args = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
+    args = ["--nnodes", "1:4", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
             "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "etcdjob",
             "--rdzv-conf", "last_call_timeout=5", "--heartbeat-interval", "0.5",
             "--heartbeat-timeout", str(HB_TIMEOUT_S), "--recovery", "regroup",
@@ -302,9 +314,13 @@ def _check_in_place(survivors: list[Launch], before: dict[int, int], world: int)
 
 def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
         job_dir: Path, etcd_net) -> None:  # type: ignore[no-untyped-def]
-    """Three ftrun nodes on a 3-member etcd cluster (one member per host), in-process
-    regroup, one run, three faults:
+    """Four ftrun nodes on a 3-member etcd cluster (one member on each of h1..h3),
+    in-process regroup, one run, four faults:
 
+    0. a node whose agent is not the writer is SIGKILLed (agent and worker): the writer
+       declares it lost through its presence connection (ftrun/control/presence.py, served
+       by the writer on etcd too), well inside the heartbeat timeout, and the other three
+       regroup at a world of three;
     1. the etcd member every agent talks to first (h1's, the first endpoint) is SIGKILLed:
        the agents move to the next member; for longer than the heartbeat timeout and 15
        more steps no node is declared lost, no generation ends, nothing restarts, and each
@@ -329,6 +345,22 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
         for node in nodes:
             node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
                           "steps everywhere")
+        (first,) = [n for n in nodes if any("job's writer (elected" in x for x in n.lines)]
+        victim = [n for n in nodes if n is not first][-1]
+        victim.kill()
+        killed = time.monotonic()
+        first.wait_for(lambda lines: any("lost" in x and "connection closed" in x
+                                         for x in lines), 60, "the writer's verdict")
+        detected = time.monotonic() - killed
+        print(f"a non-writer node SIGKILLed to the writer's verdict: {detected:.2f}s")
+        assert detected < 10, detected  # ~0.2 s by its connection; the heartbeat's: >= 5 s
+        nodes = [n for n in nodes if n is not victim]
+        for node in nodes:
+            node.wait_for(lambda lines: any(s.world == 3 for s in find(lines, ElasticStep)),
+                          120, "the three others regrouped")
+        first.wait_for(lambda lines: any("survivors regrouped in" in x for x in lines), 60,
+                       "the writer's account of the regroup")
+        regrouped = [len(n.lines) for n in nodes]  # fault 1 is judged on the lines after
         before = [len(find(node.lines, ElasticStep)) for node in nodes]
         cluster.kill(0)
         killed = time.monotonic()
@@ -337,14 +369,13 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
                           120, "15 steps after the etcd member died")
         while time.monotonic() - killed < HB_TIMEOUT_S + 1.0:  # a lost node is seen by now
             time.sleep(0.2)
-        for node in nodes:
-            by_pid = _steps_by_pid(node)
-            assert len(by_pid) == 1, by_pid.keys()  # one worker process throughout
-            (mine,) = by_pid.values()
+        for node, mark in zip(nodes, regrouped, strict=True):
+            assert len(_steps_by_pid(node)) == 1  # one worker process throughout
+            mine = find(node.lines[mark:], ElasticStep)
             numbers = [s.step for s in mine]
             assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
             assert len({s.gen for s in mine}) == 1 and mine[-1].world == 3, mine[-1]
-            own = "\n".join(x for x in node.lines if "step=" not in x)
+            own = "\n".join(x for x in node.lines[mark:] if "step=" not in x)
             for sign in ("lost", "ended", "restarting", "failed", "Traceback"):
                 assert sign not in own, own[-3000:]
         cluster.restart(0)
@@ -366,6 +397,15 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
         (second,) = [n for n in survivors if "took over" in n.output]
         (last,) = [n for n in survivors if n is not second]
         _check_in_place(survivors, reached_at, world=2)
+        # the new writer's record of the lost writer: detected when its lease expired, a
+        # TTL (the heartbeat timeout) after its last renewal, not "in 0.00 s"
+        since = marks[survivors.index(second)]
+        second.wait_for(lambda lines: any("detected in" in x for x in lines[since:]), 60,
+                        "the new writer's fault record")
+        record = next(x for x in second.lines[since:] if "detected in" in x)
+        print(f"the new writer's record: {record}")
+        detected = float(re.findall(r"detected in ([\d.]+) s", record)[0])
+        assert HB_TIMEOUT_S / 2 <= detected <= 6 * HB_TIMEOUT_S, record
 
         mark = len(last.lines)
         reached_at = reached(parse(last.lines[:mark]))
@@ -379,7 +419,7 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
         # and exits 3 (measured 10 s from the cut)
         assert second.wait(60) == 3, second.output[-3000:]
         stopped = time.monotonic() - cut
-        assert stopped < 45, stopped
+        assert stopped < 45, (stopped, second.output[-5000:])
         assert "lost the rendezvous store" in second.output, second.output[-3000:]
         assert sum("took over" in x for x in last.lines[mark:]) == 1, last.output[-3000:]
         assert last.wait(120) == 0, last.output[-3000:]
