@@ -49,8 +49,10 @@ token the hello is unsigned and accepted as the store's records are.
 
 Limits: a middlebox that resets idle connections would read as a loss; none sits between
 the namespace hosts of the tests, and the connection carries TCP keep-alives so that an
-idle-connection timeout sees traffic. Only the TCPStore backend publishes a presence
-server (etcd-v3 jobs rely on the heartbeat timeout).
+idle-connection timeout sees traffic. On the etcd-v3 backend the job's elected writer
+serves it and publishes the record in etcd; an agent that takes the writer's place serves
+a new one and overwrites the record, and the others connect to it once their connection
+to the dead writer has ended (ftrun/agent/etcdwriter.py).
 
 Timeouts: the client's connect and its wait for ``ok`` are bounded by ``timeout_s``
 (:class:`PresenceError` past it); a goodbye is one non-blocking-bounded send
