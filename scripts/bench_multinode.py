@@ -908,7 +908,9 @@ def _light_agents(port: int, ids: list[int], cfg: dict[str, Any], out: mp.Queue,
         began = time.monotonic()
         agents = []
         for i in ids:
-            kinds = ("main", "heartbeat") if cfg["end_poll"] else ("heartbeat", "endwatch")
+            watched = cfg["end_poll"] or i < cfg["end_watches"]  # else it only beats
+            kinds = ("main", "heartbeat") if cfg["end_poll"] else (
+                ("heartbeat", "endwatch") if watched else ("heartbeat",))
             made = {kind: connect_store("127.0.0.1", port, 300, op_timeout_s=op_timeout)
                     for kind in kinds}
             reconnect = connector("main", made["main"]) if cfg["end_poll"] else dial
@@ -917,10 +919,10 @@ def _light_agents(port: int, ids: list[int], cfg: dict[str, Any], out: mp.Queue,
                              reconnect=reconnect, retry_s=cfg["heartbeat_timeout"] * 3)
             beat = HeartbeatSender(connector("heartbeat", made["heartbeat"]), main,
                                    f"sim-{i}", cfg["interval"], cfg["heartbeat_timeout"])
-            end: EndWatcher | _EndPoller = (
+            end: EndWatcher | _EndPoller | None = (
                 _EndPoller(main, "gen/0/end") if cfg["end_poll"] else
                 EndWatcher(connector("endwatch", made["endwatch"]), main, "gen/0/end",
-                           slice_s))
+                           slice_s) if watched else None)
             agents.append((beat, end))
         setup_s = time.monotonic() - began
         # Threads start once every process has made all its connections: each accept
@@ -931,7 +933,8 @@ def _light_agents(port: int, ids: list[int], cfg: dict[str, Any], out: mp.Queue,
         first_ok = [beat.last_ok for beat, _ in agents]
         for beat, end in agents:
             beat.start()
-            end.start()
+            if end is not None:
+                end.start()
         deadline = time.monotonic() + 120
         while any(beat.last_ok == since for (beat, _), since in zip(agents, first_ok,
                                                                     strict=True)):
@@ -947,18 +950,20 @@ def _light_agents(port: int, ids: list[int], cfg: dict[str, Any], out: mp.Queue,
         seq_before = [beat.seq for beat, _ in agents]
         time.sleep(max(0.0, stop - time.time()))
         beats = [beat.seq - s for (beat, _), s in zip(agents, seq_before, strict=True)]
-        while not all(end.fired.is_set() for _, end in agents) and time.time() < end_by:
+        ends = [end for _, end in agents if end is not None]
+        while not all(end.fired.is_set() for end in ends) and time.time() < end_by:
             time.sleep(0.01)
         for beat, end in agents:
             beat.stop(0.0)
-            end.stop(0.0)
+            if end is not None:
+                end.stop(0.0)
         with tally.lock:
             out.put(("done", ids[0], {
                 "calls": dict(tally.calls), "errors": dict(tally.errors),
                 "requests": tally.requests, "heartbeat_s": tally.heartbeat_s,
                 "wait_overrun_s": tally.wait_overrun_s, "beats": beats,
-                "fired": sorted(tally.fired)[:len(agents)],
-                "unfired": sum(not end.fired.is_set() for _, end in agents),
+                "fired": sorted(tally.fired)[:len(ends)],
+                "unfired": sum(not end.fired.is_set() for end in ends),
                 "reconnects": {kind: max(0, n - len(ids)) for kind, n in
                                tally.connects.items() if n},
                 "last_errors": sorted({beat.last_error for beat, _ in agents
@@ -982,9 +987,12 @@ def _ms(value: float | None) -> float | None:
 
 
 def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float = 20.0,
-               procs: int = 8, end_poll: bool = False) -> dict[str, Any]:
+               procs: int = 8, end_poll: bool = False,
+               end_watches: int | None = None) -> dict[str, Any]:
     """``n`` light agents against one real TCPStore that this process serves, as the leader
-    does; see the module docstring. Raises RuntimeError when the agents cannot be set up."""
+    does; see the module docstring. ``end_watches``: only the first that many agents hold
+    an EndWatcher (and its connection); the others beat only (None: all of them). Raises
+    RuntimeError when the agents cannot be set up."""
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatMonitor
     from ftrun.control.store import JsonStore, serve_store
@@ -995,7 +1003,8 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 2 * n + 256
+    watches = n if end_poll or end_watches is None else max(0, min(end_watches, n))
+    wanted = n + watches + 256
     if soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, wanted), hard))
     server = serve_store(0, 60)
@@ -1007,7 +1016,8 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
     out: mp.Queue = ctx.Queue()
     begin, go, leave = ctx.Event(), ctx.Event(), ctx.Event()
     times = ctx.Array("d", 3)
-    cfg = {"interval": interval, "heartbeat_timeout": heartbeat_timeout, "end_poll": end_poll}
+    cfg = {"interval": interval, "heartbeat_timeout": heartbeat_timeout, "end_poll": end_poll,
+           "end_watches": watches}
     workers = [ctx.Process(target=_light_agents, daemon=True,
                            args=(server.port, list(range(k, n, procs)), cfg, out, begin, go,
                                  times, leave))
@@ -1071,7 +1081,7 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
                 if time.time() >= start:
                     scans.append(time.monotonic() - t0)
                     lost.update(found)
-                store.drain_records("gen/1/slots")  # the newcomer check: one queue_len
+                store.records_after("gen/1/slots", 0)  # the newcomer check: a check
             time.sleep(_MONITOR_INTERVAL_S)
         host = _cpu_s(os.getpid()) - cpu.get("host", 0.0)
         agents_cpu = sum(_cpu_s(w.pid) for w in workers if w.pid) - cpu.get("agents", 0.0)
@@ -1107,19 +1117,23 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
     overrun_s = [x for r in reports for x in r["wait_overrun_s"]]
     beats_per_s = sorted(b / seconds for r in reports for b in r["beats"])
     fired = sorted(t - written for r in reports for t in r["fired"] if t >= written)
-    end_checks = n / _MONITOR_INTERVAL_S if end_poll else 2 * n / slice_s
+    end_checks = n / _MONITOR_INTERVAL_S if end_poll else 2 * watches / slice_s
     return {
         "agents": n,
         "harness": (f"{n} light agents in {procs} processes; each runs ftrun's own "
                     "HeartbeatSender and " + ("an end poll every 0.1 s on its main "
                                               "connection" if end_poll else "EndWatcher")
+                    + ("" if watches == n else f" (the EndWatcher for {watches} of them "
+                       "only: the store host's descriptors do not fit more; the others "
+                       "beat only)")
                     + ", each on a TCPStore connection of its own made by connect_store "
                     "with the agent's request timeout (a real agent's idle main "
                     "connection is left out); this process serves the store and runs the "
                     "leader's loop: end read every 0.1 s, heartbeat scan and newcomer "
                     "check every half interval"),
         "processes": procs,
-        "connections": 2 * n,
+        "connections": n + watches,
+        "end_watchers": watches,
         "resolver_options": os.environ.get("RES_OPTIONS"),
         "window_s": round(window, 2),
         "setup_s": round(setup_s, 1),
@@ -1142,7 +1156,8 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
         "leader_scan_max_ms": _ms(max(scans, default=None)),
         "leader_scans": len(scans),
         "agents_lost_by_monitor": len(lost),
-        "end_seen_by_all_s": round(fired[-1], 4) if len(fired) == n else None,
+        "end_seen_by_all_s": round(fired[-1], 4) if fired and len(fired) == watches
+        else None,
         "end_seen_median_s": round(statistics.median(fired), 4) if fired else None,
         "end_not_seen": sum(r["unfired"] for r in reports),
         "store_host_cores": round(host / window, 3),
@@ -1349,6 +1364,9 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         generation = leader.join(0, NodeSlot(-1, 1, "127.0.0.1", "leader", os.getpid(),
                                              "leader"), timeout_s, open_worker_store)
         written = time.time()
+        # CPU from here on is the agents' wake-up (their assignments are in the store) and
+        # the store thread serving it: read per process from /proc (10 ms ticks each)
+        at_write = (sum(_cpu_s(w.pid) for w in workers if w.pid), _cpu_s(os.getpid()))
         reports = []
         while len(reports) < procs:
             try:
@@ -1359,6 +1377,9 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                 raise RuntimeError(f"agents from {first} failed: {value}")
             reports.append(value)
         window = max(0.001, time.time() - started)
+        info["agents_cpu_s_after_record"] = round(
+            sum(_cpu_s(w.pid) for w in workers if w.pid) - at_write[0], 2)
+        info["store_host_cpu_s_after_record"] = round(_cpu_s(os.getpid()) - at_write[1], 2)
         info["store_host_cores"] = round((_cpu_s(os.getpid()) - host_cpu) / window, 2)
         info["agents_cores"] = round((sum(_cpu_s(w.pid) for w in workers if w.pid)
                                       - agents_cpu) / window, 2)
@@ -1592,6 +1613,8 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
                  str(args.store_load_seconds), "--interval", str(args.interval),
                  "--heartbeat-timeout", str(args.heartbeat_timeout)]
         flags += ["--end-poll"] if args.end_poll else []
+        if args.store_load_end_watches is not None:
+            flags += ["--store-load-end-watches", str(args.store_load_end_watches)]
         done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags],
                               stdout=subprocess.PIPE, text=True, check=False)
         try:
@@ -1606,7 +1629,8 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
         try:
             measured = store_load(n, args.interval, args.heartbeat_timeout,
                                   args.store_load_seconds, args.store_load_procs,
-                                  end_poll=args.end_poll)
+                                  end_poll=args.end_poll,
+                                  end_watches=args.store_load_end_watches)
         except RuntimeError as error:
             print(f"  store load at {n} agents could not run: {error}", file=sys.stderr,
                   flush=True)
@@ -1751,6 +1775,9 @@ def main() -> None:
                         help="rendezvous-light: agents send no heartbeats while joining")
     parser.add_argument("--store-load", type=int, default=1000,
                         help="light agents (2 store connections each) for the store load")
+    parser.add_argument("--store-load-end-watches", type=int, default=None,
+                        help="store-load: only this many agents hold an EndWatcher and "
+                             "its connection (default: all); the others beat only")
     parser.add_argument("--store-load-procs", type=int, default=8,
                         help="processes the light agents are spread over")
     parser.add_argument("--store-load-seconds", type=float, default=20.0,
