@@ -1361,9 +1361,11 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         agents_cpu = sum(_cpu_s(w.pid) for w in workers if w.pid)
         started = time.time()
         go.set()
+        leader_cpu = time.thread_time()  # the leader's own work (not the store's thread)
         generation = leader.join(0, NodeSlot(-1, 1, "127.0.0.1", "leader", os.getpid(),
                                              "leader"), timeout_s, open_worker_store)
         written = time.time()
+        info["leader_cpu_s"] = round(time.thread_time() - leader_cpu, 3)
         # CPU from here on is the agents' wake-up (their assignments are in the store) and
         # the store thread serving it: read per process from /proc (10 ms ticks each)
         at_write = (sum(_cpu_s(w.pid) for w in workers if w.pid), _cpu_s(os.getpid()))
