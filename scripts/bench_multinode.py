@@ -1460,7 +1460,8 @@ def measure_rendezvous_light_etcd(args: argparse.Namespace, result: dict[str, ob
             print(f"  rendezvous, ftrun_etcd, the leader's share at {n} agents: "
                   f"{share[str(n)]}", file=sys.stderr, flush=True)
         result["rendezvous_leader_share_etcd"] = share
-        measure_rendezvous_light(args, result, etcd=endpoint)
+        if not args.etcd_share_only:
+            measure_rendezvous_light(args, result, etcd=endpoint)
 
 
 def etcd_leader_share(n: int, endpoint: str) -> dict[str, Any]:
@@ -1775,6 +1776,8 @@ def main() -> None:
                         help="rendezvous-light: sys.setswitchinterval in agent processes")
     parser.add_argument("--light-no-heartbeats", action="store_true",
                         help="rendezvous-light: agents send no heartbeats while joining")
+    parser.add_argument("--etcd-share-only", action="store_true",
+                        help="rendezvous-light-etcd: only the leader's share (no live agents)")
     parser.add_argument("--store-load", type=int, default=1000,
                         help="light agents (2 store connections each) for the store load")
     parser.add_argument("--store-load-end-watches", type=int, default=None,
