@@ -38,9 +38,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, default=0)
     parser.add_argument("--fail-once-marker", type=Path, default=None,
                         help="fail only if this file does not exist yet (then create it)")
-    parser.add_argument("--fail-mode", choices=("raise", "hang"), default="raise",
+    parser.add_argument("--fail-mode", choices=("raise", "hang", "block"), default="raise",
                         help="hang: --fail-rank sleeps forever at --fail-at-step (a wedged "
-                        "rank; its peers block in the next collective)")
+                        "rank; its peers block in the next collective); block: it waits "
+                        "inside a receive no peer sends (every rank inside communication)")
     parser.add_argument("--slow-step-at", type=int, default=-1,
                         help="every rank sleeps --slow-step-s before this step (slow, healthy)")
     parser.add_argument("--slow-step-s", type=float, default=0.0)
@@ -98,6 +99,9 @@ def main() -> None:
                     print(f"hanging at step={step} rank={rank} pid={os.getpid()}", flush=True)
                     while True:
                         time.sleep(3600)
+                if args.fail_mode == "block":
+                    print(f"blocking at step={step} rank={rank} pid={os.getpid()}", flush=True)
+                    dist.recv(torch.zeros(1), src=(rank + 1) % world)
                 raise RuntimeError(f"injected failure at step {step} on rank {rank}")
         if step == args.slow_step_at:
             time.sleep(args.slow_step_s)

@@ -128,6 +128,33 @@ def test_a_hang_with_no_restart_left_names_the_culprit_in_the_summary(job_dir: P
     assert "hung: rank 0 (pid" in run.output and "stuck in train_ddp.py:" in run.output
 
 
+def test_every_rank_inside_communication_is_a_hang_after_three_timeouts(job_dir: Path) -> None:
+    """Rank 1 waits inside a receive no peer sends, rank 0 for it in DDP's all-reduce: both
+    inside torch's communication, and gloo has no per-communicator counts to say who is
+    behind, so nobody is named: a hang after three timeouts, and the job restarts."""
+    script = copy_train_script(job_dir)
+    run = Launch(
+        ["--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
+         "--hang-timeout", "1", str(script), "--steps", "25", "--step-sleep", "0.02",
+         "--fail-at-step", "10", "--fail-rank", "1", "--fail-mode", "block",
+         "--fail-once-marker", str(job_dir / "blocked-once")],
+        cwd=job_dir,
+    )
+    run.wait_for(lambda lines: any("blocking at step" in x for x in lines), 120, "the block")
+    blocked_at = time.monotonic()
+    run.wait_for(lambda lines: any(s.restart == 1 for s in find(lines, Start)), 90,
+                 "the restart")
+    restarted_s = time.monotonic() - blocked_at
+    assert run.wait(120) == 0, run.output
+    out = " ".join(run.output.split())  # the console wraps long lines
+    verdict = re.search(r"rank 0 waiting in backward \(train_ddp.py:\d+ main\); rank 1 "
+                        r"waiting in recv \(train_ddp.py:\d+ main\); no CPU progress for "
+                        r"([\d.]+) s", out)
+    assert verdict and float(verdict[1]) >= 3.0, out  # three timeouts: nobody to name
+    assert "stuck in" not in out and "restarting (1/1)" in out, out
+    assert restarted_s < 60, f"block to restart took {restarted_s:.1f}s"  # torch: 30 min
+
+
 def test_a_slow_step_is_not_a_hang(job_dir: Path) -> None:
     """Every rank sleeps three hang timeouts in one step: nobody waits for anybody."""
     script = copy_train_script(job_dir)

@@ -107,10 +107,12 @@ class Hang:
             if worker.pid in self.late:
                 where += f", {self.late[worker.pid].describe()}"
             parts.append(f"rank {worker.rank} (pid {worker.pid}){where}")
-        if self.waiting:
-            ranks = ",".join(str(w.rank) for w in self.waiting)
-            plural = "s" if len(self.waiting) > 1 else ""
-            parts.append(f"rank{plural} {ranks} {self.where(self.waiting[0])}")
+        by_where: dict[str, list[int]] = {}  # ranks waiting in different calls say so
+        for worker in self.waiting:
+            by_where.setdefault(self.where(worker), []).append(worker.rank)
+        for where, ranks in by_where.items():
+            plural = "s" if len(ranks) > 1 else ""
+            parts.append(f"rank{plural} {','.join(map(str, ranks))} {where}")
         if not parts:
             parts.append("every rank idle (stacks not readable)")
         progress = "NCCL or CPU progress" if self.late or self.nccl else "CPU progress"
