@@ -25,7 +25,10 @@
   from the kill to a step of both survivors (the writer declares the node lost and the
   survivors regroup in process).
 * ``rendezvous_s.ftrun_etcd``: the light-agent rendezvous below with the etcd-v3 backend's
-  client on a one-member etcd on loopback (``rendezvous_light_runs_etcd``).
+  client on a one-member etcd on loopback (``rendezvous_light_runs_etcd``); first, the
+  protocol's own share at each N without live agents (``rendezvous_leader_share_etcd``:
+  the real leader's join timed over N - 1 slots appended beforehand; alone with
+  ``--etcd-share-only``).
 
 * ``node_loss_recovery_s``: three network-namespace hosts (tests/infra/netns.py; needs root)
   each run one launcher and one gloo worker (elastic 2:3, c10d), in three variants: ``ftrun``
