@@ -94,7 +94,9 @@
   went (``leader_had_every_slot_after_last_join_s``, ``record_written_after_last_join_s``)
   and the cores each side got, is in ``rendezvous_light_runs``. A run counts only if every
   rank was given once with the same world and worker store (``consistent``). The agent
-  processes shorten the GIL switch interval (a hundred agents share an interpreter here).
+  processes keep Python's GIL switch interval, 5 ms (``--light-switch-interval``; 0.5 ms
+  before 2026-12-02 made every thread that waits for the GIL wake every 0.5 ms: at 512
+  agents their CPU after the record was 0.44-0.92 s with it, 0.15-0.20 s without).
   The process-per-agent figures of ``--only rendezvous`` are under
   ``rendezvous_s["ftrun_process"]``.
 * ``store_load``: the real load N agents put on one control store, measured: N light
@@ -1200,10 +1202,10 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
             self.offered = time.time()
 
     try:
-        # A real agent is a process of its own; here a hundred share one interpreter, and a
-        # thread woken from a store call waits for the GIL up to the switch interval (5 ms
-        # by default) behind each other runnable one: shortened, so that the figure is the
-        # protocol's and not this harness's queue.
+        # A real agent is a process of its own; here 64 share one interpreter. A shorter
+        # switch interval than Python's 5 ms lets a woken thread in sooner but wakes every
+        # thread waiting for the GIL that much more often: at 0.5 ms, 512 agents burnt 3-5x
+        # the CPU after the record (the module docstring), so the default is Python's.
         sys.setswitchinterval(cfg["switch_interval"])
         op_timeout = _agent_op_timeout(cfg["heartbeat_timeout"])
 
@@ -1276,7 +1278,7 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
 
 
 def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
-                     heartbeats: bool = True, switch_interval: float = 0.0005,
+                     heartbeats: bool = True, switch_interval: float = 0.005,
                      etcd: str | None = None) -> dict[str, Any]:
     """One rendezvous of ``n`` agents: the leader in this process (it serves the store, as
     the store host's agent does, and opens the generation's worker store), ``n - 1`` light
@@ -1775,7 +1777,7 @@ def main() -> None:
     parser.add_argument("--light-procs", type=int, default=0,
                         help="rendezvous-light: processes the light agents are spread over "
                              f"(0: N / {_LIGHT_PER_PROC}, at least {_LIGHT_PROCS})")
-    parser.add_argument("--light-switch-interval", type=float, default=0.0005,
+    parser.add_argument("--light-switch-interval", type=float, default=0.005,
                         help="rendezvous-light: sys.setswitchinterval in agent processes")
     parser.add_argument("--light-no-heartbeats", action="store_true",
                         help="rendezvous-light: agents send no heartbeats while joining")
