@@ -121,8 +121,9 @@ class NodeWatch:
     def scan(
         self, rdzv: Rendezvous, generation: Generation
     ) -> tuple[list[LostNode], dict[str, Any] | None]:
-        """At most every half heartbeat interval (and, with presence pings, every
-        :data:`SCAN_S`: their silence is seen that finely): the other nodes of
+        """At most every half heartbeat interval, and every eighth of the heartbeat timeout
+        down to :data:`SCAN_S` (presence pings make silence visible that finely; 0.25 s
+        with the 2 s default): the other nodes of
         ``generation`` that went silent or whose agent's connection closed (and that are
         not done), each with the cause that would end the generation for it, and a
         newcomer's join cause if one waits. Each is said and logged once; ending anything
@@ -130,9 +131,9 @@ class NodeWatch:
         now = time.monotonic()
         if now < self._next_scan:
             return [], None
-        pings = self.monitor.presence is not None  # etcd-v3 has none: its reads cost more
-        self._next_scan = now + (min(self.heartbeat_interval_s / 2, SCAN_S) if pings
-                                 else self.heartbeat_interval_s / 2)
+        # as fine as an eighth of the timeout (down to SCAN_S), never coarser than before
+        self._next_scan = now + min(self.heartbeat_interval_s / 2,
+                                    max(SCAN_S, self.monitor.timeout_s / 8))
         members = {n.node_id for n in generation.nodes} - {self.node_id}
         self.monitor.watch(members - self.finished - self.dropped)
         lost: list[LostNode] = []
