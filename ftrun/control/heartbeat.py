@@ -23,8 +23,8 @@ monitor counts a connection that ended without a goodbye as lost at its next sca
 Silence is heard on both channels: the presence connection also carries a ping every
 quarter second, so the monitor counts an agent silent only for as long as neither its
 store heartbeat nor its pings were heard, and declares it lost past ``timeout`` (the
-default, 2 s, rests on those pings: ftrun/cli.py). An agent whose connection does not ping
-(etcd-v3, or a site that opens only the store port) is judged on its store heartbeats
+TCPStore default, 2 s, rests on those pings: ftrun/cli.py). An agent without a pinging
+connection (a site that opens only the store port) is judged on its store heartbeats
 alone, and then never before three of them were missed (``3 x interval``).
 
 The sender's own verdict, the store host lost, waits for ``timeout`` but at least
