@@ -124,7 +124,8 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "Seconds between an agent's heartbeats."),
     ("--heartbeat-timeout", "heartbeat_timeout", "FTRUN_HEARTBEAT_TIMEOUT", "auto",
      "Seconds an agent may be silent (no heartbeat, no presence ping) before it is declared "
-     "lost (auto: 2 s, or 5 s with etcd-v3, which has no pings; at least 2 intervals)."),
+     "lost (auto: 2 s, or 5 s with etcd-v3, whose writer's lease it also sets; at least 2 "
+     "intervals)."),
     ("--stop-grace", "stop_grace", "FTRUN_STOP_GRACE", "",
      "Seconds from SIGTERM to SIGKILL when stopping workers (same as --shutdown-timeout)."),
     ("--recovery", "recovery", "FTRUN_RECOVERY", "auto",
