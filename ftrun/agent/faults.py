@@ -515,6 +515,9 @@ class ProgressReport:
         self.highest = 0  # the highest committed step reported
         # Steps at which a progress event goes out at once (--inject's step triggers).
         self.marks = sorted(set(marks))
+        # Member epochs whose members resync (an etcd-v3 takeover: the step decisions died
+        # with the old store): each member takes the furthest committed state.
+        self.resynced: set[int] = set()
 
     def published(self, epoch: int, world_size: int) -> None:
         self.epoch, self.world = epoch, world_size
@@ -532,7 +535,9 @@ class ProgressReport:
             # The status beats lag commits (0.2 s): the ended epoch's decisions say exactly
             # which step the new one resumes after.
             step = min(steps.values()) if steps else self.highest
-            if self.last_commit is not None:
+            if epoch in self.resynced:
+                step = max(steps.values()) if steps else self.highest
+            elif self.last_commit is not None:
                 step = self.last_commit(epoch - 1, step)
             self.events.emit(Event.FORMED, generation=self.generation, epoch=epoch,
                              world_size=world, step=step)

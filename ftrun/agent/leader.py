@@ -253,6 +253,7 @@ class RegroupLeader:
                 if node.node_rank in m.lost_nodes:
                     self.nodes.drop(node.node_id)
         m.store.put_record(P.resync_key(latest.number + 1), {})
+        self.report.resynced.add(latest.number + 1)
         m.end(latest.number, {"node": lost.node_rank, "addr": lost.addr,
                               "cause": "node lost"})
         m.append_fault(P.Fault("node lost: the job's writer, with the member epochs' store",
