@@ -3,8 +3,10 @@
 For each repeat and launcher, one run of ``scripts/train_ddp.py`` on N workers measures:
 
 * ``first_step_s``: from starting the launcher command to the first completed step;
-* ``restart_s``: from SIGKILL of one worker (after step K) to the first step completed by
-  the restarted job;
+* ``restart_s``: from SIGKILL of one worker (after step K and ``--soak-s`` seconds of
+  fault-free training) to the first step completed by the restarted job;
+* ``false_alarms``: ftrun's hang or frozen verdicts (from its ``--events-file``) where no
+  worker hung: any in the fault-free soak, and any beyond the one hang of the hang case;
 * ``hang_s``: from one rank hanging (it sleeps forever after step ``--hang-at-step``,
   printing ``hanging``; its peer blocks in DDP's next all-reduce) to the first step
   completed by the restarted job. Both launchers run the same script with a process-group
@@ -26,7 +28,8 @@ counts as a failure to recover and gives no figure.
     python scripts/bench_launch.py --repeats 5 --json     # one JSON object
 
 JSON: {"torchrun": {"first_step_s": [...], "restart_s": [...], "hang_s": [...],
-"failed_to_recover": n, "hang_failed_to_recover": n}, "ftrun": {...}, "ftrun_preload":
+"failed_to_recover": n, "hang_failed_to_recover": n, "false_alarms": n}, "ftrun": {...},
+"ftrun_preload":
 {...}, "config": {...}}.
 Note: on this sandbox about 3-8% of TCPStore connects stall exactly 5 s in a reverse-DNS
 lookup inside torch; an outlier of ~5 s is that quirk.
@@ -111,49 +114,80 @@ class Run:
                 self.proc.wait()
 
 
+def hang_verdicts(events: Path) -> int:
+    """ftrun's hang and frozen verdicts in an events file (0 where there is none)."""
+    if not events.exists():
+        return 0
+    count = 0
+    for line in events.read_text().splitlines():
+        event = json.loads(line)
+        cause = str(event.get("cause", ""))
+        if event.get("event") == "failure" and (
+                event.get("kind") in ("hung", "frozen") or cause.startswith(("hung", "frozen"))):
+            count += 1
+    return count
+
+
 def measure(name: str, nproc: int, kill_after: int, timeout: float,
-            preload: str) -> dict[str, float | None]:
+            preload: str, soak_s: float) -> dict[str, float | None]:
+    """First step, then ``soak_s`` of fault-free training (a hang verdict there is a false
+    alarm), then a worker SIGKILLed: the restart's first step."""
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as ckpt:
+        events = Path(ckpt) / "events.jsonl"
         argv = [*launcher_argv(name, preload), "--nproc-per-node", str(nproc),
                 "--max-restarts", "1",
                 str(TRAIN), "--steps", "1000000", "--step-sleep", "0.01",
                 "--checkpoint-dir", ckpt, "--checkpoint-every", "1000000"]
+        if name != "torchrun":
+            argv[1:1] = ["--events-file", str(events)]
         run = Run(argv, env)
         try:
             first = run.wait_step(run.t0, timeout)
             if first is None:
-                return {"first_step_s": None, "restart_s": None}
+                return {"first_step_s": None, "restart_s": None, "false_alarms": None}
+            soaked = first[0] + soak_s
+            while (left := soaked - time.monotonic()) > 0 and run.proc.poll() is None:
+                time.sleep(min(left, 0.5))  # training, fault-free, for the soak
             victim = run.wait_step(run.t0, timeout, min_step=kill_after)
             if victim is None:
-                return {"first_step_s": first[0] - run.t0, "restart_s": None}
+                return {"first_step_s": first[0] - run.t0, "restart_s": None,
+                        "false_alarms": None}
+            with run.cond:  # a rank that stepped last (after a false alarm: a new pid)
+                victim_pid = next(int(m[3]) for _, line in reversed(run.lines)
+                                  if (m := STEP.search(line)))
             old_pids = frozenset(
                 int(m[3]) for _, line in list(run.lines) if (m := STEP.search(line))
             )
             killed_at = time.monotonic()
-            os.kill(victim[2], signal.SIGKILL)
+            os.kill(victim_pid, signal.SIGKILL)
             after = run.wait_step(killed_at, timeout, exclude_pids=old_pids)
             return {
                 "first_step_s": first[0] - run.t0,
                 "restart_s": None if after is None else after[0] - killed_at,
+                "false_alarms": hang_verdicts(events),  # the fault was a SIGKILL
             }
         finally:
             run.stop()
 
 
 def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
-                 timeout: float, preload: str) -> float | None:
-    """Seconds from a rank's hang to the restarted job's first step, or None."""
+                 timeout: float, preload: str) -> tuple[float | None, int]:
+    """Seconds from a rank's hang to the restarted job's first step (or None), and the
+    hang verdicts beyond the one hang (false alarms)."""
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="bench_hang_") as scratch:
+        events = Path(scratch) / "events.jsonl"
         argv = [*launcher_argv(name, preload), "--nproc-per-node", str(nproc),
                 "--max-restarts", "1",
                 str(TRAIN), "--steps", "1000000", "--step-sleep", "0.01",
                 "--fail-at-step", str(hang_at), "--fail-rank", "1", "--fail-mode", "hang",
                 "--fail-once-marker", str(Path(scratch) / "hung-once"),
                 "--pg-timeout", str(pg_timeout)]
+        if name != "torchrun":
+            argv[1:1] = ["--events-file", str(events)]
         run = Run(argv, env)
         try:
             deadline = time.monotonic() + timeout
@@ -165,12 +199,13 @@ def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
                     if hung_at is None:
                         run.cond.wait(0.2)
             if hung_at is None:
-                return None
+                return None, hang_verdicts(events)
             with run.cond:
                 old_pids = frozenset(int(m[3]) for _, line in run.lines
                                      if (m := STEP.search(line)))
             after = run.wait_step(hung_at, timeout + pg_timeout, exclude_pids=old_pids)
-            return None if after is None else after[0] - hung_at
+            extra = max(0, hang_verdicts(events) - 1)
+            return (None if after is None else after[0] - hung_at), extra
         finally:
             run.stop()
 
@@ -196,6 +231,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--preload", default=PRELOAD,
                         help=f"modules ftrun_preload's fork server imports (default {PRELOAD})")
+    parser.add_argument("--soak-s", type=float, default=10.0,
+                        help="fault-free training before the kill (hang verdicts there are "
+                        "false alarms)")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
                         help="a subset to run (a figure reported against torchrun needs both)")
     args = parser.parse_args()
@@ -205,7 +243,7 @@ def main() -> int:
 
     results: dict[str, dict[str, list[float] | int]] = {
         name: {"first_step_s": [], "restart_s": [], "hang_s": [], "failed_to_recover": 0,
-               "hang_failed_to_recover": 0} for name in LAUNCHERS
+               "hang_failed_to_recover": 0, "false_alarms": 0} for name in LAUNCHERS
     }
     for repeat in range(args.repeats):
         shift = repeat % len(LAUNCHERS)
@@ -213,8 +251,10 @@ def main() -> int:
         for name in order:
             if name not in launchers:
                 continue
-            figures = measure(name, args.nproc, args.kill_after_step, args.timeout, args.preload)
+            figures = measure(name, args.nproc, args.kill_after_step, args.timeout,
+                              args.preload, args.soak_s)
             entry = results[name]
+            entry["false_alarms"] += figures["false_alarms"] or 0  # type: ignore[operator]
             if figures["first_step_s"] is not None:
                 entry["first_step_s"].append(round(figures["first_step_s"], 3))  # type: ignore[union-attr]
             if figures["restart_s"] is None:
@@ -224,8 +264,9 @@ def main() -> int:
             print(f"# repeat {repeat + 1}/{args.repeats} {name}: {figures}", file=sys.stderr)
             if args.no_hang:
                 continue
-            hang = measure_hang(name, args.nproc, args.hang_at_step, args.hang_pg_timeout,
-                                args.timeout, args.preload)
+            hang, extra = measure_hang(name, args.nproc, args.hang_at_step,
+                                       args.hang_pg_timeout, args.timeout, args.preload)
+            entry["false_alarms"] += extra  # type: ignore[operator]
             if hang is None:
                 entry["hang_failed_to_recover"] += 1  # type: ignore[operator]
             else:
@@ -238,6 +279,7 @@ def main() -> int:
         "hang_at_step": None if args.no_hang else args.hang_at_step,
         "hang_pg_timeout_s": None if args.no_hang else args.hang_pg_timeout,
         "cpus": os.cpu_count(), "preload": args.preload, "launchers": launchers,
+        "soak_s": args.soak_s,
     }
     if args.json:
         print(json.dumps(results))
@@ -247,7 +289,8 @@ def main() -> int:
 
     table = Table(title=f"launch and restart latency, {args.nproc} gloo workers, seconds")
     for column in ("launcher", "first step: median (min, max)", "restart: median (min, max)",
-                   "hang to training: median (min, max)", "failed to recover"):
+                   "hang to training: median (min, max)", "failed to recover",
+                   "false alarms"):
         table.add_column(column)
     for name in LAUNCHERS:
         entry = results[name]
@@ -255,7 +298,8 @@ def main() -> int:
                       summarize(entry["restart_s"]),  # type: ignore[arg-type]
                       summarize(entry["hang_s"]),  # type: ignore[arg-type]
                       f"{entry['failed_to_recover']}/{args.repeats} "
-                      f"(hang {entry['hang_failed_to_recover']}/{args.repeats})")
+                      f"(hang {entry['hang_failed_to_recover']}/{args.repeats})",
+                      str(entry["false_alarms"]))
     Console().print(table)
     print(json.dumps(results))
     return 0
