@@ -50,6 +50,8 @@ import threading
 import time
 from pathlib import Path
 
+from ftrun.report.events import read_events
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "scripts" / "train_ddp.py"
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+)")
@@ -116,11 +118,10 @@ class Run:
 
 def hang_verdicts(events: Path) -> int:
     """ftrun's hang and frozen verdicts in an events file (0 where there is none)."""
-    if not events.exists():
+    if not events.exists() or events.stat().st_size == 0:
         return 0
     count = 0
-    for line in events.read_text().splitlines():
-        event = json.loads(line)
+    for event in read_events(events):
         cause = str(event.get("cause", ""))
         if event.get("event") == "failure" and (
                 event.get("kind") in ("hung", "frozen") or cause.startswith(("hung", "frozen"))):

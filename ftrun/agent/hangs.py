@@ -56,7 +56,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,6 +74,16 @@ from ftrun.shim import ShimError
 HANG_FLOOR_S = 3.0
 SAMPLE_S = 0.5
 IDLE_CPU_FRACTION = 0.05  # less CPU than this share of one core over a sample: idle
+
+
+def waiting_phrases(ranks_where: Iterable[tuple[int, str]]) -> list[str]:
+    """"rank 0 waiting in backward (..)", "ranks 1,2 waiting in recv (..)": the waiting
+    ranks grouped by where each waits, in the order given."""
+    by_where: dict[str, list[int]] = {}
+    for rank, where in ranks_where:
+        by_where.setdefault(where, []).append(rank)
+    return [f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))} {where}"
+            for where, ranks in by_where.items()]
 
 
 @dataclass(frozen=True)
@@ -107,12 +117,7 @@ class Hang:
             if worker.pid in self.late:
                 where += f", {self.late[worker.pid].describe()}"
             parts.append(f"rank {worker.rank} (pid {worker.pid}){where}")
-        by_where: dict[str, list[int]] = {}  # ranks waiting in different calls say so
-        for worker in self.waiting:
-            by_where.setdefault(self.where(worker), []).append(worker.rank)
-        for where, ranks in by_where.items():
-            plural = "s" if len(ranks) > 1 else ""
-            parts.append(f"rank{plural} {','.join(map(str, ranks))} {where}")
+        parts += waiting_phrases((w.rank, self.where(w)) for w in self.waiting)
         if not parts:
             parts.append("every rank idle (stacks not readable)")
         progress = "NCCL or CPU progress" if self.late or self.nccl else "CPU progress"
@@ -206,12 +211,9 @@ class JobHang:
         behind = f", {self.late.describe()}" if self.late else ""
         parts = [f"rank {w.rank} (node {node}, pid {w.pid}) stuck {w.where}{behind}"
                  for w, node in self.culprits]
-        if self.waiting:
-            ranks = ",".join(str(w.rank) for w in sorted(self.waiting, key=lambda w: w.rank))
-            plural = "s" if len(self.waiting) > 1 else ""
-            where = f"waiting for collective #{self.late.peers}" if self.late \
-                else self.waiting[0].where
-            parts.append(f"rank{plural} {ranks} {where}")
+        behind_peers = f"waiting for collective #{self.late.peers}" if self.late else ""
+        parts += waiting_phrases((w.rank, behind_peers or w.where)
+                                 for w in sorted(self.waiting, key=lambda w: w.rank))
         if not parts:
             parts.append("every rank idle (stacks not readable)")
         return "; ".join(parts) + f"; no CPU progress on any node for {self.idle_s:.1f} s"
