@@ -567,10 +567,11 @@ def _mem_available_mb() -> float:
     return float("inf")
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds a process has used (all its threads), 0 when it is gone."""
+def _cpu_s(pid: int, stat_path: str = "") -> float:
+    """CPU seconds a process has used (all its threads), 0 when it is gone; or a thread's,
+    given its ``/proc/.../task/<tid>/stat``."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
+        with open(stat_path or f"/proc/{pid}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
@@ -1172,6 +1173,223 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
     }
 
 
+# --- store load: event-driven simulated agents (scripts/loadgen.py) -----------------------
+
+
+def _loadgen() -> Any:
+    """scripts/loadgen.py, imported by path (scripts/ is not a package)."""
+    import importlib.util
+
+    if "ftrun_loadgen" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "ftrun_loadgen", Path(__file__).resolve().parent / "loadgen.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ftrun_loadgen"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["ftrun_loadgen"]
+
+
+def _thread_cpu_s(tid: int) -> float:
+    """CPU seconds one thread of this process has used."""
+    return _cpu_s(0, f"/proc/self/task/{tid}/stat")
+
+
+def _load_average() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+def _scan_period(interval: float, heartbeat_timeout: float) -> float:
+    """How often the leader scans (ftrun/agent/nodes.py NodeWatch.scan): every half interval
+    and every eighth of the heartbeat timeout down to 0.25 s."""
+    from ftrun.agent.nodes import SCAN_S
+
+    return min(interval / 2, max(SCAN_S, heartbeat_timeout / 8))
+
+
+def store_load_events(n: int, interval: float, heartbeat_timeout: float,
+                      seconds: float = 20.0, procs: int = 0) -> dict[str, Any]:
+    """``n`` simulated agents of scripts/loadgen.py (event-driven, ``procs`` processes; 0:
+    enough for 7,500 descriptors each) against the real leader in this process: ftrun's
+    ``serve_store`` (torch's TCPStore), ``serve_presence`` (the PresenceServer, with its
+    signed ``presence`` record) and a HeartbeatMonitor with it, scanned at the agent's
+    NodeWatch cadence together with the newcomer check, and the end read every monitor
+    interval. Each agent holds a heartbeat, an end-watch and a presence connection and
+    uses the agent's defaults for ``interval``/``heartbeat_timeout``: its request timeout,
+    wait slice and ping period. Raises RuntimeError when the agents cannot be set up."""
+    import resource
+
+    from ftrun.control.auth import Signer
+    from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
+    from ftrun.control.presence import PING_S
+    from ftrun.control.store import JsonStore, serve_store
+
+    loadgen = _loadgen()
+    procs = procs or max(2, -(-3 * n // 7500))
+    op_timeout = _agent_op_timeout(heartbeat_timeout)
+    slice_s = _end_wait_slice(heartbeat_timeout)
+    ping_s = min(PING_S, heartbeat_timeout / 8)
+    scan_every = _scan_period(interval, heartbeat_timeout)
+    wanted = 3 * n + 1024  # every connection the store and presence server accept
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:  # above the hard limit only as root
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, max(hard, wanted)))
+        except (ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    token, run_id = "bench-token", f"load-{time.time_ns()}"
+    signer = Signer(token.encode())
+    server = serve_store(0, 60)
+    tally = _Tally(slice_s)
+    store = JsonStore(_CountedClient(server, "leader", tally), f"ftrun/{run_id}",  # type: ignore[arg-type]
+                      signer=signer)
+    rejected: list[str] = []
+    presence = serve_presence(store, signer, run_id, "127.0.0.1", "127.0.0.1",
+                              rejected.append)
+    monitor = HeartbeatMonitor(store, heartbeat_timeout, presence, interval)
+    store_part: list[float] = []
+    read_heartbeats = store.get_records
+
+    def timed_read(names: list[str]) -> list[dict[str, Any] | None]:  # the scan's store part
+        t0 = time.perf_counter()
+        try:
+            return read_heartbeats(names)
+        finally:
+            store_part.append(time.perf_counter() - t0)
+
+    store.get_records = timed_read  # type: ignore[method-assign]
+    cfg = {"store_port": server.port, "presence_port": presence.port, "token": token,
+           "prefix": f"ftrun/{run_id}", "run_id": run_id, "interval": interval,
+           "op_timeout": op_timeout, "slice": slice_s, "ping_s": ping_s, "mode": "load"}
+    load_before = _load_average()
+    began = time.monotonic()
+    fleet = loadgen.Fleet(cfg, list(range(n)), procs)
+    try:
+        connected = fleet.wait_for("connected", 900)
+        fleet.wait_for("ready", 300)
+        setup_s = time.monotonic() - began
+        print(f"  store load (events): {n} agents ready in {setup_s:.0f} s "
+              f"({sum(c['connect_errors'] for c in connected)} connects retried), load "
+              f"average {_load_average()}", file=sys.stderr, flush=True)
+        ids = [f"sim-{i}" for i in range(n)]
+        monitor.watch(ids)
+        start = time.time() + 2 * max(interval, slice_s)
+        stop = start + seconds
+        fleet.send({"cmd": "window", "start": start, "stop": stop})
+        with tally.lock:
+            tally.window = (start, stop)
+        main_tid, presence_tid = threading.get_native_id(), presence._thread.native_id
+        scans: list[float] = []
+        lost: set[str] = set()
+        cpu: dict[str, float] = {}
+        next_scan = time.monotonic()
+        while time.time() < stop:
+            if not cpu and time.time() >= start:
+                store_part.clear()
+                cpu = {"host": _cpu_s(os.getpid()), "main": _thread_cpu_s(main_tid),
+                       "presence": _thread_cpu_s(presence_tid or 0),
+                       "machine": _machine_busy_s(),
+                       "agents": sum(_cpu_s(pid) for pid in fleet.pids)}
+            store.first_record("gen/0/end")  # the leader's loop reads the end every tick
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + scan_every
+                t0 = time.perf_counter()
+                monitor.watch(ids)
+                found = monitor.scan()
+                if time.time() >= start:
+                    scans.append(time.perf_counter() - t0)
+                    lost.update(found)
+                store.records_after("gen/1/slots", 0)  # the newcomer check
+            time.sleep(_MONITOR_INTERVAL_S)
+        window = max(0.001, time.time() - start)
+        host = _cpu_s(os.getpid()) - cpu.get("host", 0.0)
+        main_cpu = _thread_cpu_s(main_tid) - cpu.get("main", 0.0)
+        presence_cpu = _thread_cpu_s(presence_tid or 0) - cpu.get("presence", 0.0)
+        agents_cpu = sum(_cpu_s(pid) for pid in fleet.pids) - cpu.get("agents", 0.0)
+        busy = _machine_busy_s() - cpu.get("machine", 0.0)
+        load_window = _load_average()
+        with tally.lock:
+            tally.window = (float("inf"), float("inf"))
+        written = time.time()
+        store.put_record("gen/0/end", {"kind": "bench", "time": written})
+        fleet.send({"cmd": "finish", "end_by": time.time() + 3 * slice_s + 15})
+        reports = fleet.wait_for("report", 3 * slice_s + 60)
+    finally:
+        fleet.close()
+        presence.close()
+    calls: dict[str, int] = dict(tally.calls)
+    errors: dict[str, int] = dict(tally.errors)
+    reconnects: dict[str, int] = {}
+    for report in reports:
+        for into, part in ((calls, "calls"), (errors, "errors"), (reconnects, "reconnects")):
+            for key, value in report[part].items():
+                into[key] = into.get(key, 0) + value
+    requests = tally.requests + sum(r["requests"] for r in reports)
+    heartbeat_s = [x for r in reports for x in r["heartbeat_s"]]
+    overrun_s = [x for r in reports for x in r["wait_overrun_s"]]
+    beats_per_s = sorted(b for r in reports for b in r["beats_per_s"])
+    seen = sorted(t - written for r in reports for t in r["end_seen"])
+    watchers = sum(r["watchers"] for r in reports)
+    return {
+        "agents": n,
+        "harness": (f"{n} event-driven simulated agents (scripts/loadgen.py) in {procs} "
+                    "processes, each agent with a heartbeat, an end-watch and a presence "
+                    "connection of its own speaking torch's TCPStore wire protocol and "
+                    "ftrun's presence protocol (signed heartbeat records, signed hello, "
+                    f"a ping every {ping_s:g} s); this process is the leader: ftrun's "
+                    "serve_store, serve_presence and HeartbeatMonitor, scanned every "
+                    f"{scan_every:g} s with the newcomer check, the end read every "
+                    f"{_MONITOR_INTERVAL_S:g} s"),
+        "processes": procs,
+        "connections": 2 * n,
+        "presence_connections": n,
+        "end_watchers": n,
+        "interval_s": interval,
+        "heartbeat_timeout_s": heartbeat_timeout,
+        "request_timeout_s": op_timeout,
+        "resolver_options": os.environ.get("RES_OPTIONS"),
+        "window_s": round(window, 2),
+        "setup_s": round(setup_s, 1),
+        # computed from the schedule, not measured: beats (set + check), end-wait renewals
+        # (a wait and its cancel), without the leader's own requests and the pings
+        "offered_req_per_s": round(2 * n / interval + 2 * n / slice_s, 1),
+        "achieved_req_per_s": round(requests / window, 1),
+        "requests_per_s_by_kind": {k: round(v / window, 1) for k, v in sorted(calls.items())},
+        "pings_offered_per_s": round(n / ping_s, 1),
+        "errors": errors,
+        "reconnects": reconnects,
+        "presence_rejections": rejected[:3],
+        "heartbeat_p50_ms": _ms(_quantile(heartbeat_s, 0.5)),
+        "heartbeat_p99_ms": _ms(_quantile(heartbeat_s, 0.99)),
+        "heartbeat_max_ms": _ms(max(heartbeat_s, default=None)),
+        "beats_per_agent_per_s": {"min": beats_per_s[0] if beats_per_s else None,
+                                  "median": statistics.median(beats_per_s)
+                                  if beats_per_s else None},
+        "end_wait_overrun_p50_ms": _ms(_quantile(overrun_s, 0.5)),
+        "end_wait_overrun_p99_ms": _ms(_quantile(overrun_s, 0.99)),
+        "leader_scan_every_s": scan_every,
+        "leader_scan_median_ms": _ms(statistics.median(scans)) if scans else None,
+        "leader_scan_p99_ms": _ms(_quantile(scans, 0.99)),
+        "leader_scan_max_ms": _ms(max(scans, default=None)),
+        "leader_scan_store_read_median_ms": _ms(statistics.median(store_part))
+        if store_part else None,
+        "leader_scans": len(scans),
+        "agents_lost_by_monitor": len(lost),
+        "agents_lost_sample": sorted(lost)[:5],
+        "end_seen_by_all_s": round(seen[-1], 4) if seen and len(seen) == watchers else None,
+        "end_seen_median_s": round(statistics.median(seen), 4) if seen else None,
+        "end_not_seen": watchers - len(seen),
+        "store_host_cores": round(host / window, 3),
+        "leader_loop_cores": round(main_cpu / window, 3),
+        "presence_thread_cores": round(presence_cpu / window, 3),
+        "store_thread_cores": round(max(0.0, host - main_cpu - presence_cpu) / window, 3),
+        "agents_cores": round(agents_cpu / window, 3),
+        "other_work_cores": round(max(0.0, busy - host - agents_cpu) / window, 2),
+        "load_average": {"before": load_before, "end_of_window": load_window,
+                         "after": _load_average()},
+    }
+
+
 # --- rendezvous of many light agents (many per process, a connection each) ----------------
 
 #: Light agents run in at least this many processes, about _LIGHT_PER_PROC agents each.
@@ -1617,9 +1835,12 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
         # glibc reads it once, with the resolver's configuration, which earlier phases have
         # loaded in this process: the store load runs in a fresh one, that sets it at once
         flags = ["--only", "store-load", "--json", "--store-load", str(n),
-                 "--store-load-procs", str(args.store_load_procs), "--store-load-seconds",
-                 str(args.store_load_seconds), "--interval", str(args.interval),
-                 "--heartbeat-timeout", str(args.heartbeat_timeout)]
+                 "--store-load-seconds", str(args.store_load_seconds),
+                 "--interval", str(args.interval),
+                 "--heartbeat-timeout", str(args.heartbeat_timeout),
+                 "--store-load-harness", args.store_load_harness]
+        if args.store_load_procs is not None:
+            flags += ["--store-load-procs", str(args.store_load_procs)]
         flags += ["--end-poll"] if args.end_poll else []
         if args.store_load_end_watches is not None:
             flags += ["--store-load-end-watches", str(args.store_load_end_watches)]
@@ -1635,10 +1856,15 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
         return
     while True:
         try:
-            measured = store_load(n, args.interval, args.heartbeat_timeout,
-                                  args.store_load_seconds, args.store_load_procs,
-                                  end_poll=args.end_poll,
-                                  end_watches=args.store_load_end_watches)
+            if args.store_load_harness == "events" and not args.end_poll:
+                measured = store_load_events(n, args.interval, args.heartbeat_timeout,
+                                             args.store_load_seconds,
+                                             args.store_load_procs or 0)
+            else:
+                measured = store_load(n, args.interval, args.heartbeat_timeout,
+                                      args.store_load_seconds, args.store_load_procs or 8,
+                                      end_poll=args.end_poll,
+                                      end_watches=args.store_load_end_watches)
         except RuntimeError as error:
             print(f"  store load at {n} agents could not run: {error}", file=sys.stderr,
                   flush=True)
@@ -1788,17 +2014,27 @@ def main() -> None:
     parser.add_argument("--store-load-end-watches", type=int, default=None,
                         help="store-load: only this many agents hold an EndWatcher and "
                              "its connection (default: all); the others beat only")
-    parser.add_argument("--store-load-procs", type=int, default=8,
-                        help="processes the light agents are spread over")
+    parser.add_argument("--store-load-procs", type=int, default=None,
+                        help="processes the agents are spread over (threads: 8; events: "
+                             "enough for 7,500 descriptors each, at least 2)")
+    parser.add_argument("--store-load-harness", choices=["events", "threads"],
+                        default="events",
+                        help="store-load: event-driven simulated agents (scripts/loadgen.py: "
+                             "heartbeat, end-watch and presence connections each) or the "
+                             "light agents' threads (ftrun's HeartbeatSender and EndWatcher)")
     parser.add_argument("--store-load-seconds", type=float, default=20.0,
                         help="length of the measured window (s)")
     parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval (s)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                        help="heartbeat timeout (s); sets the agents' request timeout and "
-                             "end-wait slice as the agent does")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None,
+                        help="heartbeat timeout (s; default the agent's auto for the "
+                             "TCPStore: 2 s, at least two intervals); sets the agents' "
+                             "request timeout, end-wait slice and ping period as the agent "
+                             "does")
     parser.add_argument("--end-poll", action="store_true",
                         help="agents poll the end key every 0.1 s (before the EndWatcher)")
     args = parser.parse_args()
+    if args.heartbeat_timeout is None:  # ftrun/cli.py's auto for the TCPStore
+        args.heartbeat_timeout = max(2.0, 2 * args.interval)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if args.only in ("store-load", "rendezvous-light", "rendezvous-light-etcd") \
             and "RES_OPTIONS" not in os.environ:
@@ -1901,8 +2137,8 @@ def main() -> None:
     if "store_load" in result:
         load = result["store_load"]
         assert isinstance(load, dict)
-        print(f"store load, measured: {load['agents']} real light agents "
-              f"({load['connections']} connections), {load['window_s']} s window:")
+        print(f"store load, measured: {load['agents']} simulated agents "
+              f"({load['connections']} store connections), {load['window_s']} s window:")
         for key, value in load.items():
             if key not in ("agents", "connections", "window_s"):
                 print(f"  {key:28} {value}")

@@ -10,13 +10,18 @@ agents (threads, each on a connection of its own, as the benchmark's light agent
 
 from __future__ import annotations
 
+import importlib.util
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ftrun.control.auth import Signer
+from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
     Generation,
@@ -121,3 +126,79 @@ def test_forged_assignments_are_ignored_and_a_record_that_does_not_match_is_refu
     signed.put_record("gen/0", body)
     with pytest.raises(RendezvousError, match="digest"):
         list(generation.nodes)
+
+
+def _loadgen() -> Any:
+    """scripts/loadgen.py, the scale benchmarks' simulated agents (scripts/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "loadgen.py"
+    spec = importlib.util.spec_from_file_location("ftrun_loadgen", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: Path) -> None:
+    """The store-load benchmark's event-driven agents (scripts/loadgen.py), 20 in two
+    processes, against ftrun's own leader: its TCPStore, PresenceServer and
+    HeartbeatMonitor. Their signed heartbeats verify and keep growing, their presence
+    hellos are accepted, and for longer than the timeout none is lost; a stopped agent is
+    lost by silence, a killed one at once by its connection, and no other; every other
+    agent reads and verifies the end record the leader writes, and says goodbye."""
+    loadgen = _loadgen()
+    server = serve_store(0, 30)
+    signer = Signer(TOKEN)
+    store = JsonStore(server, "ftrun/gen", signer=signer)
+    rejected: list[str] = []
+    presence = serve_presence(store, signer, "gen", "127.0.0.1", "127.0.0.1",
+                              rejected.append)
+    monitor = HeartbeatMonitor(store, 1.0, presence, 0.25)
+    n, ids = 20, [f"sim-{i}" for i in range(20)]
+    cfg = {"store_port": server.port, "presence_port": presence.port,  # type: ignore[attr-defined]
+           "token": TOKEN.decode(), "prefix": "ftrun/gen", "run_id": "gen", "interval": 0.25,
+           "op_timeout": 1.0, "slice": 0.5, "ping_s": 0.125}
+    fleet = loadgen.Fleet(cfg, list(range(n)), 2, tag=str(job_dir))
+    try:
+        fleet.wait_for("ready", 30)
+        monitor.watch(ids)
+        assert _until(lambda: presence.connected() == set(ids), 5), presence.connected()
+        first = store.get_records([f"hb/{i}" for i in ids])
+        assert all(b is not None and b["seq"] >= 1 for b in first), first  # signed, verified
+        quiet_until = time.monotonic() + 1.5  # longer than the timeout
+        while time.monotonic() < quiet_until:
+            assert monitor.scan() == []
+            time.sleep(0.05)
+        later = store.get_records([f"hb/{i}" for i in ids])
+        assert all(b is not None and a is not None and b["seq"] > a["seq"]
+                   for a, b in zip(first, later, strict=True)), (first, later)
+        fleet.send({"cmd": "freeze", "agents": [3]})  # as SIGSTOP: silent, sockets open
+        fleet.send({"cmd": "kill", "agents": [5]})  # as SIGKILL: its sockets close
+        began, lost = time.monotonic(), {}
+        while len(lost) < 2 and time.monotonic() - began < 5:
+            for node_id in monitor.scan():
+                lost.setdefault(node_id, time.monotonic() - began)
+            time.sleep(0.02)
+        assert set(lost) == {"sim-3", "sim-5"}, lost
+        assert "sim-5" in presence.gone() and "sim-3" not in presence.gone()
+        assert lost["sim-5"] < 0.5 <= lost["sim-3"], lost  # at once; after its silence
+        written = time.time()
+        store.put_record("gen/0/end", {"kind": "test"})
+        fleet.send({"cmd": "finish", "end_by": time.time() + 5})
+        reports = fleet.wait_for("report", 10)
+        seen = [t for r in reports for t in r["end_seen"]]
+        assert len(seen) == n - 2 and all(written <= t < written + 5 for t in seen), reports
+        assert not any(r["errors"] for r in reports), reports
+        assert _until(lambda: len(presence.left()) == n - 2, 5), presence.left()
+        assert rejected == []
+    finally:
+        fleet.close()
+        presence.close()

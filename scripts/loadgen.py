@@ -1,0 +1,897 @@
+"""Simulated agents for the control plane's scale benchmarks: thousands per process, each
+speaking the real protocols over connections of its own, driven by one event loop.
+
+Why: the benchmark's light agents (scripts/bench_multinode.py) run ftrun's own
+HeartbeatSender and EndWatcher threads on torch's C++ store client. That is the real code,
+but two threads per simulated agent on a 2-core machine measure the threads: at 10,000
+agents 19,000 threads never all started beating (load average 2,114). Here one thread per
+process drives every simulated agent with non-blocking sockets (``selectors``, epoll), so
+the agents' own cost is a few system calls per request, and the figure is the leader's.
+
+What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent/loop.py):
+
+* **heartbeat connection** (:class:`ftrun.control.heartbeat.HeartbeatSender`): every
+  ``interval`` a ``set`` of ``hb/<node id>`` with a signed ``{"seq": n}``
+  (:class:`ftrun.control.auth.Signer`, so the leader's real HeartbeatMonitor verifies it)
+  and a ``check`` of that key, whose reply proves the set arrived; one request in flight,
+  as on a blocking client; a reply missing for the request timeout is a failure, and the
+  connection is replaced (as :func:`ftrun.control.store.connect_store`'s bound makes it).
+* **end-watch connection** (:class:`ftrun.control.endwatch.EndWatcher`): a server-side
+  ``wait`` on ``gen/<N>/end`` held for the wait slice, then cancelled in-protocol and held
+  again; once it fires, the agent reads the end record as its loop does (``check``, then
+  torch's ``get``: a ``wait`` and a ``get``) and verifies its signature: the end is *seen*
+  when the verified record is in hand. (A real agent reads it on its main connection; here
+  on the watch connection, idle by then, to save the store host a descriptor per agent.)
+* **presence connection** (:mod:`ftrun.control.presence`): the authenticated hello (the
+  server's nonce, a signed ``{"node_id", "nonce", "ping_s"}``), then an empty line every
+  ``ping_s``, and a signed goodbye when the run ends.
+* **rendezvous** (``join`` command, :class:`ftrun.control.rendezvous.DynamicRendezvous`):
+  the signed slot appended to ``gen/<N>/slots`` (one ``append``), then torch's ``get`` of
+  the node's own assignment ``gen/<N>/as/<node id>`` (a ``wait`` in slices of
+  ``WAIT_SLICE_S``, then the ``get``), verified (signature, ``Assignment.from_json``,
+  generation and node id).
+
+The wire protocol is torch 2.13's TCPStore protocol, read from torch's client for the
+design and checked here by capturing what torch's own client sends (tests/
+test_rendezvous_scale.py runs this generator against the real store): a connection opens
+with VALIDATE and its magic number, then PING with a nonce that the server echoes; every
+request is a one-byte query type, strings and values as a little-endian uint64 length and
+the bytes; keys carry torch's ``/`` prefix; ``set`` and ``append`` have no reply, ``check``
+and ``wait`` answer one byte, ``get`` a length and the bytes. Nothing here is torch's code.
+
+Run by the harness, one process per share of the agents: ``python scripts/loadgen.py
+[--tag LABEL]``; the first line on stdin is the JSON configuration (it holds the job token,
+so it is not on the command line), later lines are commands (``window``, ``freeze``,
+``kill``, ``join``, ``finish``); stdout carries one JSON object per line (``connected``,
+``ready``, ``report``, ``error``). End of stdin ends the process at once. Timeouts: every
+request has the agents' request timeout (``op_timeout``); connects are retried until
+``setup_timeout``; ``finish`` waits for the end until its ``end_by``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import heapq
+import json
+import os
+import resource
+import selectors
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ftrun.control.assignments import Assignment, NodeSlot
+from ftrun.control.auth import Signer
+from ftrun.control.presence import presence_key
+
+# torch 2.13's TCPStore query types and answers (see the module docstring)
+VALIDATE, SET, GET, CHECK, WAIT, APPEND, CANCEL_WAIT, PING = 0, 1, 3, 5, 6, 9, 12, 13
+MAGIC = 0x3C85F7CE
+READY, STOP_WAITING, WAIT_CANCELED = 0, 0, 1
+#: a wait slice of the rendezvous (ftrun.control.rendezvous.Rendezvous.WAIT_SLICE_S)
+WAIT_SLICE_S = 2.0
+#: connects in flight per process (the listeners' backlogs are bounded)
+CONNECTS_IN_FLIGHT = 256
+_LEN = struct.Struct("<Q")
+
+
+def _string(data: bytes) -> bytes:
+    return _LEN.pack(len(data)) + data
+
+
+def msg_set(key: bytes, value: bytes) -> bytes:
+    return bytes([SET]) + _string(key) + _string(value)
+
+
+def msg_append(key: bytes, value: bytes) -> bytes:
+    return bytes([APPEND]) + _string(key) + _string(value)
+
+
+def msg_keys(query: int, keys: list[bytes]) -> bytes:
+    """``check`` or ``wait`` of ``keys``."""
+    return bytes([query]) + _LEN.pack(len(keys)) + b"".join(_string(k) for k in keys)
+
+
+def msg_get(key: bytes) -> bytes:
+    return bytes([GET]) + _string(key)
+
+
+def msg_hello(nonce: int) -> bytes:
+    """What torch's client sends on a new connection: VALIDATE, then a PING it checks."""
+    return bytes([VALIDATE]) + struct.pack("<I", MAGIC) + bytes([PING]) + \
+        struct.pack("<I", nonce)
+
+
+# --- the event loop -------------------------------------------------------------------------
+
+
+class Loop:
+    """Timers (a heap) and readiness (epoll) on one thread."""
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._count = 0
+        self.now = time.time()
+
+    def at(self, due: float, fn: Callable[..., None], *args: Any) -> None:
+        self._count += 1
+        heapq.heappush(self._heap, (due, self._count, fn, args))
+
+    def every(self, period: float, buckets: int, fn: Callable[[int], None]) -> None:
+        """``fn(bucket)`` for each of ``buckets`` phases, every ``period``, spread evenly."""
+        start = time.time()
+
+        def tick(bucket: int, due: float) -> None:
+            fn(bucket)
+            self.at(due + period, tick, bucket, due + period)
+
+        for b in range(buckets):
+            due = start + period * b / buckets
+            self.at(due, tick, b, due)
+
+    def run_once(self, max_wait: float = 0.05) -> None:
+        self.now = now = time.time()
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, _, fn, args = heapq.heappop(heap)
+            fn(*args)
+        wait = min(max_wait, heap[0][0] - time.time()) if heap else max_wait
+        for key, mask in self.sel.select(max(0.0, wait)):
+            self.now = time.time()
+            key.data(mask)
+
+
+# --- connections ------------------------------------------------------------------------------
+
+
+class _Conn:
+    """What both connection kinds share: a non-blocking connect to ``port`` through the
+    generator's bounded connect queue, and a close that leaves the selector."""
+
+    sock: socket.socket | None
+    closed: bool
+    live: bool
+
+    def __init__(self, gen: Generator, port: int) -> None:
+        self.gen, self.port = gen, port
+        self.sock, self.closed, self.live = None, False, False
+
+    def open(self) -> None:
+        self.gen.connect_later(self)
+
+    def start_connect(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        code = sock.connect_ex((self.gen.host, self.port))
+        if code not in (0, errno.EINPROGRESS):
+            sock.close()
+            self.gen.connect_done(self, f"connect: {os.strerror(code)}")
+            return
+        self.sock = sock
+        self.connecting(sock)
+
+    def connecting(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.closed, self.live = True, False
+        if self.sock is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.gen.loop.sel.unregister(self.sock)
+            self.sock.close()
+            self.sock = None
+
+
+# --- one TCPStore connection ----------------------------------------------------------------
+
+
+class StoreConn(_Conn):
+    """A non-blocking connection speaking torch's store protocol; replies are parsed in
+    order: ``1`` one byte, ``4`` the ping's nonce, ``0`` a length and that many bytes."""
+
+    def __init__(self, gen: Generator, agent: Agent, kind: str) -> None:
+        super().__init__(gen, gen.store_port)
+        self.agent, self.kind = agent, kind
+        self.buf = bytearray()
+        self.want: deque[tuple[int, Callable[[StoreConn, Any], None]]] = deque()
+        self.sent_at = 0.0
+
+    def connecting(self, sock: socket.socket) -> None:
+        self.gen.loop.sel.register(sock, selectors.EVENT_WRITE, self._on_connect)
+        self.gen.loop.at(time.time() + self.gen.op_timeout * 5, self._connect_due, sock)
+
+    def _connect_due(self, sock: socket.socket) -> None:
+        if self.sock is sock and not self.live:
+            self.fail("connect timed out")
+
+    def _on_connect(self, mask: int) -> None:
+        assert self.sock is not None
+        code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code:
+            self.fail(f"connect: {os.strerror(code)}")
+            return
+        nonce = (os.getpid() + id(self)) & 0x7FFFFFFF
+        self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
+        self.want.append((4, lambda conn, got, n=nonce: self._validated(got == n)))
+        self._send(msg_hello(nonce))
+
+    def _validated(self, ok: bool) -> None:
+        if not ok:
+            self.fail("the store did not echo the ping")
+            return
+        self.live = True
+        self.gen.connect_done(self, "")
+        self.agent.conn_live(self)
+
+    def request(self, data: bytes, *replies: tuple[int, Callable[[StoreConn, Any], None]]
+                ) -> None:
+        self.sent_at = self.gen.loop.now
+        self.want.extend(replies)
+        self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        if self.sock is None:  # closed: its agent's replacement sends instead
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as error:
+            self.fail(f"send: {error.strerror or error}")
+            return
+        if sent < len(data):  # the store is behind: finish the send blocking, bounded
+            try:
+                self.sock.settimeout(self.gen.op_timeout)
+                self.sock.sendall(data[sent:])
+                self.sock.setblocking(False)
+            except OSError as error:
+                self.fail(f"send: {error.strerror or error}")
+
+    def _on_read(self, mask: int) -> None:
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as error:
+            self.fail(f"recv: {error.strerror or error}")
+            return
+        if not data:
+            self.fail("the store closed the connection")
+            return
+        buf = self.buf
+        buf += data
+        want = self.want
+        while want:
+            size, callback = want[0]
+            if size == 1:
+                if not buf:
+                    break
+                value: Any = buf[0]
+                del buf[:1]
+            elif size == 4:
+                if len(buf) < 4:
+                    break
+                value = struct.unpack_from("<I", buf)[0]
+                del buf[:4]
+            else:
+                if len(buf) < 8:
+                    break
+                length = _LEN.unpack_from(buf)[0]
+                if len(buf) < 8 + length:
+                    break
+                value = bytes(buf[8:8 + length])
+                del buf[:8 + length]
+            want.popleft()
+            callback(self, value)
+            if self.closed:
+                return
+        if buf and not want:
+            self.fail(f"{len(buf)} unexpected bytes from the store")
+
+    def fail(self, why: str) -> None:
+        """Close this connection; a live one is replaced (a failed client is never
+        reused), a connect that failed is made again."""
+        if self.closed:
+            return
+        was_live = self.live
+        self.close()
+        self.gen.count_error(f"{self.kind}.{why}")
+        if was_live:
+            self.agent.conn_failed(self)
+        else:
+            self.gen.connect_done(self, why)
+
+    def reset(self) -> None:
+        self.buf.clear()
+        self.want.clear()
+        self.sock, self.closed, self.live = None, False, False
+
+
+# --- one presence connection ----------------------------------------------------------------
+
+
+class PresenceConn(_Conn):
+    """The presence client's protocol (ftrun/control/presence.py), non-blocking."""
+
+    def __init__(self, gen: Generator, agent: Agent) -> None:
+        super().__init__(gen, gen.presence_port)
+        self.agent = agent
+        self.buf = b""
+        self.nonce = ""
+
+    def connecting(self, sock: socket.socket) -> None:
+        self.gen.loop.sel.register(sock, selectors.EVENT_READ, self._on_read)
+
+    def _on_read(self, mask: int) -> None:
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.gen.count_error("presence.closed by the server")
+            if not self.live:
+                self.gen.connect_done(self, "presence closed")
+            self.close()
+            return
+        self.buf += data
+        while b"\n" in self.buf:
+            line, _, self.buf = self.buf.partition(b"\n")
+            try:
+                answer = json.loads(line)
+                if not isinstance(answer, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                self.gen.count_error("presence.not JSON from the server")
+                continue
+            if not self.nonce:
+                self.nonce = str(answer["nonce"])
+                body = {"node_id": self.agent.node_id, "nonce": self.nonce,
+                        "ping_s": self.gen.ping_s}
+                self.sock.send(self.gen.signer.line(self.gen.presence_key, body).encode()
+                               + b"\n")
+            elif answer.get("ok") is True and not self.live:
+                self.live = True
+                self.gen.connect_done(self, "")
+            else:
+                self.gen.count_error(f"presence.refused: {str(answer)[:100]}")
+
+    def reset(self) -> None:
+        self.buf, self.nonce, self.sock, self.closed, self.live = b"", "", None, False, False
+
+    def ping(self) -> None:
+        if self.live and self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.send(b"\n", socket.MSG_DONTWAIT)
+
+    def goodbye(self) -> None:
+        if self.live and self.sock is not None:
+            body = {"bye": self.agent.node_id, "nonce": self.nonce}
+            with contextlib.suppress(OSError):
+                self.sock.send(self.gen.signer.line(self.gen.presence_key, body).encode()
+                               + b"\n", socket.MSG_DONTWAIT)
+        self.close()
+
+
+# --- one simulated agent --------------------------------------------------------------------
+
+
+class Agent:
+    """One simulated agent's state; see the module docstring for what it sends."""
+
+    def __init__(self, gen: Generator, index: int) -> None:
+        self.gen, self.index = gen, index
+        self.node_id = f"{gen.id_prefix}{index}"
+        self.hb_name = f"hb/{self.node_id}"
+        self.hb_wire = gen.wire(self.hb_name)
+        self.hb: StoreConn | None = StoreConn(gen, self, "heartbeat") if gen.heartbeats \
+            else None
+        self.ew: StoreConn | None = StoreConn(gen, self, "endwatch") if gen.end_watch or \
+            gen.mode == "rdzv" else None
+        self.pres: PresenceConn | None = PresenceConn(gen, self) if gen.presence_port \
+            else None
+        self.seq = 0
+        self.beats = 0  # beats acknowledged
+        self.frozen = False
+        self.wait_no = 0
+        self.waiting = False  # an end wait (or an assignment wait) is held
+        self.cancelling = False
+        self.fired = 0.0  # when the end wait came back with the key
+        self.end_seen = 0.0  # when the verified end record was in hand
+        self.offered = 0.0
+        self.joined: list[Any] | str | None = None
+
+    def conns(self) -> list[StoreConn | PresenceConn]:
+        return [c for c in (self.hb, self.ew, self.pres) if c is not None]
+
+    # connections
+    def conn_live(self, conn: StoreConn) -> None:
+        if conn is self.ew and self.gen.mode == "load" and not self.fired:
+            self.hold_end()
+        elif conn is self.ew and self.gen.mode == "rdzv" and self.offered and \
+                self.joined is None:
+            self.wait_assignment()
+
+    def conn_failed(self, conn: StoreConn) -> None:
+        if self.frozen:
+            return
+        self.gen.reconnects[conn.kind] = self.gen.reconnects.get(conn.kind, 0) + 1
+        fresh = StoreConn(self.gen, self, conn.kind)
+        if conn is self.hb:
+            self.hb = fresh
+        else:
+            self.ew = fresh
+            self.waiting = self.cancelling = False
+        fresh.open()
+
+    # heartbeats
+    def beat(self) -> None:
+        conn, gen = self.hb, self.gen
+        if conn is None or not conn.live or self.frozen:
+            return
+        if conn.want:  # the last beat is unanswered: a blocking client is still in it
+            if gen.loop.now - conn.sent_at > gen.op_timeout:
+                conn.fail("request timed out")
+            return
+        self.seq += 1
+        value = gen.signer.line(gen.prefix + self.hb_name, {"seq": self.seq}).encode()
+        conn.request(msg_set(self.hb_wire, value) + msg_keys(CHECK, [self.hb_wire]),
+                     (1, self._beat_done))
+
+    def _beat_done(self, conn: StoreConn, answer: int) -> None:
+        gen = self.gen
+        self.beats += 1
+        if gen.in_window(gen.loop.now):
+            gen.count("heartbeat.set", 1)
+            gen.count("heartbeat.check", 1)
+            gen.heartbeat_s.append(gen.loop.now - conn.sent_at)
+
+    # the end watch
+    def hold_end(self) -> None:
+        conn, gen = self.ew, self.gen
+        if conn is None or not conn.live or self.frozen or self.fired:
+            return
+        self.wait_no += 1
+        self.waiting, self.cancelling = True, False
+        conn.request(msg_keys(WAIT, [gen.end_wire]), (1, self._end_answer))
+        gen.loop.at(conn.sent_at + gen.slice_s, self._end_due, conn, self.wait_no)
+
+    def _end_due(self, conn: StoreConn, number: int) -> None:
+        if conn is not self.ew or number != self.wait_no or not self.waiting or \
+                self.cancelling or conn.closed:
+            return
+        if self.frozen:
+            return  # a stopped agent cancels nothing; its wait stays held
+        self.cancelling = True
+        conn._send(bytes([CANCEL_WAIT]))
+        self.gen.loop.at(self.gen.loop.now + self.gen.op_timeout, self._cancel_due, conn,
+                         number)
+
+    def _cancel_due(self, conn: StoreConn, number: int) -> None:
+        if conn is self.ew and number == self.wait_no and self.cancelling and not conn.closed:
+            conn.fail("cancel unanswered")
+
+    def _end_answer(self, conn: StoreConn, answer: int) -> None:
+        gen, now = self.gen, self.gen.loop.now
+        self.waiting = False
+        if self.frozen:
+            return  # a stopped agent reads nothing
+        if answer == STOP_WAITING:
+            if self.cancelling:  # the key came just before the cancel: its answer follows
+                conn.want.append((1, lambda c, a: None))
+            self.cancelling = False
+            self.fired = now
+            if gen.in_window(now):
+                gen.count("endwatch.wait", 1)
+            self.read_end(conn)
+            return
+        if self.cancelling:  # WAIT_CANCELED: the slice passed without the key
+            self.cancelling = False
+            if gen.in_window(now):
+                gen.count("endwatch.wait.timeout", 2)
+                gen.wait_overrun_s.append(now - conn.sent_at - gen.slice_s)
+            self.hold_end()
+            return
+        conn.fail(f"unexpected wait answer {answer}")
+
+    def read_end(self, conn: StoreConn) -> None:
+        """As the agent's loop reads an end: ``check``, then torch's ``get``."""
+        key = self.gen.end_wire
+        conn.request(msg_keys(CHECK, [key]), (1, self._end_checked))
+
+    def _end_checked(self, conn: StoreConn, answer: int) -> None:
+        key = self.gen.end_wire
+        conn.request(msg_keys(WAIT, [key]) + msg_get(key), (1, lambda c, a: None),
+                     (0, self._end_read))
+
+    def _end_read(self, conn: StoreConn, raw: bytes) -> None:
+        gen = self.gen
+        for line in raw.split(b"\n"):
+            if line.strip():
+                with contextlib.suppress(ValueError):
+                    gen.signer.unwrap(gen.prefix + gen.end_name, json.loads(line))
+                    self.end_seen = gen.loop.now
+                    return
+        gen.count_error("endwatch.end record not valid")
+
+    # the rendezvous
+    def join(self) -> None:
+        conn, gen = self.ew, self.gen
+        assert conn is not None
+        slot = NodeSlot(-1, 1, "127.0.0.1", f"sim{self.index}", os.getpid(), self.node_id)
+        name = f"gen/{gen.number}/slots"
+        line = gen.signer.line(gen.prefix + name, slot.to_json())
+        conn.request(msg_append(gen.wire(name), b"\n" + line.encode()))
+        self.offered = time.time()
+        self.wait_assignment()
+
+    def wait_assignment(self) -> None:
+        """torch's ``get``: a wait for the key with the slice as its timeout, then GET."""
+        conn, gen = self.ew, self.gen
+        if conn is None or not conn.live or self.joined is not None:
+            return
+        self.wait_no += 1
+        self.waiting, self.cancelling = True, False
+        key = gen.wire(f"gen/{gen.number}/as/{self.node_id}")
+        conn.request(msg_keys(WAIT, [key]), (1, self._assigned))
+        gen.loop.at(conn.sent_at + WAIT_SLICE_S, self._end_due, conn, self.wait_no)
+
+    def _assigned(self, conn: StoreConn, answer: int) -> None:
+        self.waiting = False
+        if answer != STOP_WAITING:  # a slice without it: wait again (the rendezvous loop)
+            self.cancelling = False
+            if time.time() > self.gen.deadline:
+                self.joined = "timed out waiting for the assignment"
+                return
+            self.wait_assignment()
+            return
+        if self.cancelling:
+            conn.want.append((1, lambda c, a: None))
+            self.cancelling = False
+        key = self.gen.wire(f"gen/{self.gen.number}/as/{self.node_id}")
+        conn.request(msg_get(key), (0, self._assignment))
+
+    def _assignment(self, conn: StoreConn, raw: bytes) -> None:
+        gen = self.gen
+        name = f"gen/{gen.number}/as/{self.node_id}"
+        try:
+            own = Assignment.from_json(gen.signer.unwrap(gen.prefix + name, json.loads(raw)))
+        except ValueError as error:  # AuthError, StoreValueError, JSONDecodeError
+            self.joined = f"{name}: {error}"[:200]
+            return
+        if own.number != gen.number or own.node.node_id != self.node_id:
+            self.joined = f"{name} names generation {own.number}, node {own.node.node_id}"
+            return
+        self.joined = [self.offered, time.time(), own.node.node_rank, own.rank_offset,
+                       own.world_size, own.nnodes, own.worker_store_port]
+
+
+# --- one generator process --------------------------------------------------------------------
+
+
+class Generator:
+    """The agents of one process, their schedule, and what they counted."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.loop = Loop()
+        self.host: str = cfg.get("host", "127.0.0.1")
+        self.store_port: int = int(cfg["store_port"])
+        self.presence_port: int = int(cfg.get("presence_port") or 0)
+        self.signer = Signer(str(cfg["token"]).encode() if cfg.get("token") else None)
+        self.prefix = str(cfg["prefix"]).rstrip("/") + "/"
+        self.presence_key = presence_key(str(cfg.get("run_id", "")))
+        self.mode: str = cfg.get("mode", "load")
+        self.number: int = int(cfg.get("number", 0))
+        self.end_name = f"gen/{self.number}/end"
+        self.end_wire = self.wire(self.end_name)
+        self.id_prefix: str = cfg.get("id_prefix", "sim-")
+        self.interval = float(cfg.get("interval", 1.0))
+        self.op_timeout = float(cfg.get("op_timeout", 1.0))
+        self.slice_s = float(cfg.get("slice", 0.5))
+        self.ping_s = float(cfg.get("ping_s", 0.25))
+        self.heartbeats = bool(cfg.get("heartbeats", True))
+        self.end_watch = bool(cfg.get("end_watch", True))
+        self.setup_timeout = float(cfg.get("setup_timeout", 600.0))
+        self.deadline = float("inf")
+        self.window = (float("inf"), float("inf"))
+        self.calls: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.reconnects: dict[str, int] = {}
+        self.requests = 0
+        self.heartbeat_s: list[float] = []
+        self.wait_overrun_s: list[float] = []
+        self._queue: deque[_Conn] = deque()
+        self._in_flight = 0
+        self.connect_errors = 0
+        self.agents = [Agent(self, i) for i in cfg["ids"]]
+        self.stdin_buf = b""
+        self.commands: deque[dict[str, Any]] = deque()
+
+    def wire(self, name: str) -> bytes:
+        return ("/" + self.prefix + name).encode()
+
+    def in_window(self, t: float) -> bool:
+        return self.window[0] <= t < self.window[1]
+
+    def count(self, name: str, wire_requests: int) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.requests += wire_requests
+
+    def count_error(self, name: str) -> None:
+        self.errors[name] = self.errors.get(name, 0) + 1
+
+    # connects, a bounded number in flight
+    def connect_later(self, conn: _Conn) -> None:
+        self._queue.append(conn)
+        self._pump()
+
+    def connect_done(self, conn: _Conn, error: str) -> None:
+        self._in_flight -= 1
+        if error:
+            self.connect_errors += 1
+            self.loop.at(time.time() + 0.2, self.connect_later, conn)  # again, later
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._queue and self._in_flight < CONNECTS_IN_FLIGHT:
+            conn = self._queue.popleft()
+            self._in_flight += 1
+            conn.reset()
+            conn.start_connect()
+
+    def all_live(self) -> bool:
+        return all(c.live for a in self.agents for c in a.conns())
+
+    # the harness's commands
+    def _on_stdin(self, mask: int) -> None:
+        data = os.read(sys.stdin.fileno(), 65536)
+        if not data:
+            os._exit(0)  # the harness is gone
+        self.stdin_buf += data
+        self._take_lines()
+
+    def _take_lines(self) -> None:
+        while b"\n" in self.stdin_buf:
+            line, _, self.stdin_buf = self.stdin_buf.partition(b"\n")
+            if line.strip():
+                self.commands.append(json.loads(line))
+
+    def run(self) -> None:
+        loop = self.loop
+        os.set_blocking(sys.stdin.fileno(), False)
+        loop.sel.register(sys.stdin.fileno(), selectors.EVENT_READ, self._on_stdin)
+        self._take_lines()
+        began = time.time()
+        for agent in self.agents:
+            for conn in agent.conns():
+                conn.open()
+        while not self.all_live():
+            loop.run_once()
+            if time.time() - began > self.setup_timeout:
+                raise RuntimeError(f"connections not made within {self.setup_timeout:.0f} s "
+                                   f"({self.connect_errors} failed connects)")
+        say({"event": "connected", "setup_s": round(time.time() - began, 2),
+             "connect_errors": self.connect_errors})
+        if self.heartbeats:
+            buckets = max(1, min(len(self.agents), int(self.interval / 0.01)))
+            self._schedule(self.interval, buckets, Agent.beat)
+        if self.presence_port:
+            buckets = max(1, min(len(self.agents), int(self.ping_s / 0.01)))
+            self._schedule(self.ping_s, buckets, lambda a: a.pres.ping() if a.pres and
+                           not a.frozen else None)
+        if self.mode == "load" and self.heartbeats:
+            while not all(a.beats for a in self.agents):
+                loop.run_once()
+                if time.time() - began > self.setup_timeout:
+                    raise RuntimeError("not every agent beat within the set-up time")
+        say({"event": "ready", "setup_s": round(time.time() - began, 2)})
+        while True:
+            while self.commands:
+                if self._command(self.commands.popleft()):
+                    return
+            loop.run_once()
+            if self.mode == "rdzv" and self.deadline < float("inf") and all(
+                    a.joined is not None for a in self.agents):
+                self._report()
+                return
+
+    def _schedule(self, period: float, buckets: int, fn: Callable[[Agent], None]) -> None:
+        groups = [self.agents[b::buckets] for b in range(buckets)]
+
+        def tick(bucket: int) -> None:
+            for agent in groups[bucket]:
+                fn(agent)
+
+        self.loop.every(period, buckets, tick)
+
+    def _command(self, cmd: dict[str, Any]) -> bool:
+        """Carry out one command; True when this process is done."""
+        what = cmd.get("cmd")
+        chosen = set(cmd.get("agents", []))
+        if what == "window":
+            self.window = (float(cmd["start"]), float(cmd["stop"]))
+            self._cpu_at_start = resource.getrusage(resource.RUSAGE_SELF)
+            self._beats_before: list[int] = []
+            self.loop.at(self.window[0], self._mark_beats)
+            self.loop.at(self.window[1], self._mark_beats)
+        elif what == "freeze":  # as SIGSTOP: nothing more is sent, the sockets stay open
+            for agent in self.agents:
+                agent.frozen = agent.frozen or agent.index in chosen
+        elif what == "kill":  # as SIGKILL: the kernel closes every socket, no goodbye
+            for agent in self.agents:
+                if agent.index in chosen:
+                    agent.frozen = True
+                    for conn in agent.conns():
+                        conn.close()
+        elif what == "join":
+            self.deadline = time.time() + float(cmd.get("timeout", 120.0))
+            for agent in self.agents:
+                agent.join()
+        elif what == "finish":
+            end_by = float(cmd["end_by"])
+            watched = [a for a in self.agents if a.ew is not None and not a.frozen]
+            while time.time() < end_by and not all(a.end_seen for a in watched):
+                self.loop.run_once(0.01)
+            for agent in self.agents:
+                if agent.pres is not None and not agent.frozen:
+                    agent.pres.goodbye()
+            self._report()
+            return True
+        return False
+
+    def _mark_beats(self) -> None:
+        self._beats_before.append([a.beats for a in self.agents])  # type: ignore[arg-type]
+
+    def _report(self) -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        start = getattr(self, "_cpu_at_start", None)
+        marks: list[list[int]] = getattr(self, "_beats_before", [])
+        window = self.window[1] - self.window[0]
+        beats = [b - a for a, b in zip(marks[0], marks[1], strict=True)] if len(marks) == 2 \
+            else []
+        say({"event": "report", "ids": [a.index for a in self.agents][:1],
+             "calls": self.calls, "errors": self.errors, "requests": self.requests,
+             "reconnects": self.reconnects,
+             "heartbeat_s": [round(x, 6) for x in self.heartbeat_s],
+             "wait_overrun_s": [round(x, 6) for x in self.wait_overrun_s],
+             "beats_per_s": [round(b / window, 3) for b in beats] if window > 0 else [],
+             "fired": sorted(a.fired for a in self.agents if a.fired),
+             "end_seen": sorted(a.end_seen for a in self.agents if a.end_seen),
+             "watchers": sum(1 for a in self.agents if a.ew is not None and not a.frozen),
+             "joined": [a.joined for a in self.agents if isinstance(a.joined, list)],
+             "join_errors": sorted({a.joined for a in self.agents
+                                    if isinstance(a.joined, str)})[:3],
+             "join_failed": sum(1 for a in self.agents if not isinstance(a.joined, list)),
+             "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+             "cpu_s_in_window": round(usage.ru_utime + usage.ru_stime - (
+                 start.ru_utime + start.ru_stime), 3) if start is not None else None})
+
+
+def say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", default="", help="a label (for finding the process)")
+    parser.parse_args()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    for limit in (max(hard, 65536), hard):  # more than the hard limit only as root
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            break
+    fd, got = sys.stdin.fileno(), b""
+    while b"\n" not in got:  # the configuration, read unbuffered (commands follow)
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        got += chunk
+    line, _, rest = got.partition(b"\n")
+    try:
+        generator = Generator(json.loads(line))
+        generator.stdin_buf = rest
+        generator.run()
+    except Exception as error:  # reported to the harness in one line
+        say({"event": "error", "error": f"{type(error).__name__}: {error}"[:300]})
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
+
+
+# --- the harness's end ----------------------------------------------------------------------
+
+
+class Fleet:
+    """Generator processes for a share of agent ids each (round robin), started with
+    ``cfg`` (plus their ``ids``); commands go to all of them, events come back per process.
+
+    Errors: :meth:`wait_for` raises RuntimeError naming the first process that reported an
+    error, exited, or did not report by its deadline. :meth:`close` ends every process
+    (end of stdin, then SIGKILL after ``timeout_s``) and waits for each.
+    """
+
+    def __init__(self, cfg: dict[str, Any], ids: list[int], procs: int, tag: str = "") -> None:
+        import queue
+        import subprocess
+        import threading
+
+        procs = max(1, min(procs, len(ids)))
+        self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for k in range(procs):
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()),
+                                     "--tag", tag or "ftrun-loadgen"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.procs.append(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({**cfg, "ids": ids[k::procs]}).encode() + b"\n")
+            proc.stdin.flush()
+            threading.Thread(target=self._read, args=(k, proc), daemon=True).start()
+
+    def _read(self, k: int, proc: Any) -> None:
+        for line in proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.events.put((k, json.loads(line)))
+        self.events.put((k, {"event": "exited", "code": proc.wait()}))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):
+                proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+                proc.stdin.flush()
+
+    def wait_for(self, event: str, timeout_s: float) -> list[dict[str, Any]]:
+        """One ``event`` from every process, in process order."""
+        import queue
+
+        got: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(self.procs):
+            try:
+                k, obj = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"generator processes: {len(got)} of {len(self.procs)} "
+                                   f"said {event!r} within {timeout_s:.0f} s") from None
+            if obj.get("event") == event:
+                got[k] = obj
+            elif obj.get("event") in ("error", "exited"):
+                raise RuntimeError(f"generator process {k}: {obj.get('error') or obj}")
+        return [got[k] for k in range(len(self.procs))]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.01, deadline - time.monotonic()))
+            except Exception:  # subprocess.TimeoutExpired: it did not end by itself
+                proc.kill()
+                proc.wait()
