@@ -11,18 +11,27 @@ Timeouts and errors: every etcd request is bounded by its client's timeout; requ
 no endpoint answered raise ``RuntimeError`` (see :mod:`ftrun.control.etcd`), which the
 lease keeper and the watch retry at their next interval and :func:`join_etcd` turns into
 one :class:`~ftrun.control.errors.StoreError`.
+
+Every agent's liveness is a lease too (:class:`LeaseBeat`, :class:`LeaseView`; see their
+docstrings): a lost node is a lease that expired.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ftrun.control.errors import StoreError
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
+
+if TYPE_CHECKING:
+    from ftrun.control.store import JsonStore
 
 
 class Election:
@@ -162,3 +171,204 @@ class WriterWatch:
                     return
             except RuntimeError:
                 client = None  # another endpoint at the next interval
+
+
+# --- every agent's liveness: a lease ---------------------------------------------------------
+
+
+class LeaseBeat:
+    """An etcd-v3 agent's heartbeat (ftrun/control/heartbeat.py's sender calls it every
+    interval, on its own client): a lease of the heartbeat timeout and the agent's liveness
+    key bound to it, a record signed with the job's secret that names the lease
+    (``{"lease": id, "ttl": s}``); from then on one keepalive request per interval.
+
+    Why a lease: etcd deletes the key itself a TTL after the last renewal, so a lost node is
+    a lease that expired, and the writer learns it from a watch (:class:`LeaseView`) with
+    no per-scan read of N keys. A keepalive is not a raft proposal (etcd's leader renews
+    leases in memory), so it is cheaper for etcd than the signed put it replaces
+    (``scripts/bench_etcd.py`` measures both).
+
+    TTLs are whole seconds: the heartbeat timeout is rounded up (``math.ceil``), so a
+    silent node is found up to a second later than the timeout says (1.5 s -> 2 s), and
+    etcd grants at least its minimum TTL (2 s with its default election timeout); the
+    grant's TTL is what the record says. The lease expires a TTL after its last renewal,
+    and etcd's expiry check runs every half second: detection of a silent node is the TTL
+    plus up to 0.5 s after the last renewal, which came at most an interval before the
+    silence.
+
+    A renewal that finds the lease gone (this agent was paused, or cut off, for a whole
+    TTL: :attr:`expired` counts them) grants a new lease and puts the key again; it does
+    not fail. The agent learns what happened meanwhile from the store as after any pause
+    (the writer may have ended the generation: the agent then joins the next one).
+    Errors: the requests' ``RuntimeError`` (no endpoint answered), which the sender counts
+    as a failed beat; a put that failed is made again at the next beat."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.ttl_s = max(1, math.ceil(timeout_s))
+        self.lease: int | None = None
+        self.granted_s = self.ttl_s
+        self.placed = False  # the key is put, bound to the current lease
+        self.expired = 0
+
+    def __call__(self, store: JsonStore, name: str) -> None:
+        client = store.raw
+        if self.lease is not None and client.keep_alive(self.lease) < 0:
+            self.expired += 1
+            self.lease = None
+        if self.lease is None:
+            self.lease, self.granted_s = client.grant_ttl(self.ttl_s)
+            self.placed = False
+        if not self.placed:
+            body = {"lease": self.lease, "ttl": self.granted_s}
+            client.put_leased(store.key(name), store.signer.line(store.key(name), body),
+                              self.lease)
+            self.placed = True
+
+
+@dataclass
+class _Liveness:
+    lease: int  # from the node's last valid record
+    ttl_s: int
+    at: float  # alive: when last confirmed; expired: when its lease was found expired
+    state: str  # "live" (its key holds its record), "kept" (key gone, lease alive), "expired"
+
+
+class LeaseView:
+    """The writer's view of every agent's liveness lease: a watch on the liveness keys
+    (``prefix``, e.g. ``hb/``), renewed every ``slice_s`` from a thread with a client of
+    its own; :meth:`heard` answers from memory (no request per scan).
+
+    What it can tell apart: etcd's delete event does not say why a key went, so a key that
+    is deleted, or overwritten with anything but a record signed with the job's secret,
+    makes the view read its last valid lease's time to live (``/lease/timetolive``). A
+    lease that still lives means a foreign client deleted the key: the node stays alive
+    (state "kept", the lease read again every slice), never a lost node. A lease that is
+    gone expired (or its own agent revoked it: the two cannot be told apart, and only a
+    holder of the lease id can revoke). What it cannot tell: a foreign client that knows
+    the job's secret, or replays an old record of the same lease, is taken for the agent
+    (the threat model: etcd's TLS client certificates keep such clients out).
+
+    :meth:`heard` gives, per node id, when it was last heard on this channel (the view's
+    clock): a live key, as of the view's last confirmation by etcd (the watch created, or
+    events, at most a slice plus a request apart), so a view that stopped hearing from etcd
+    cannot hide a silence; an expired lease, a TTL before the expiry was seen (its last
+    renewal); no record seen, nothing (the monitor's full timeout from when it began
+    watching applies). Errors: a failed watch or read makes the thread read the whole
+    prefix again on another endpoint after a pause; it never raises."""
+
+    def __init__(self, connect: Callable[[], EtcdClient], store: JsonStore, prefix: str,
+                 slice_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._connect = connect
+        self._store = store
+        self._prefix = prefix
+        self.slice_s = slice_s
+        self.clock = clock
+        self.synced_at: float | None = None
+        self.requests = 0  # made by the thread (watches, reads, lease checks)
+        self._nodes: dict[str, _Liveness] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftrun-lease-view",
+                                        daemon=True)
+
+    def start(self) -> LeaseView:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def heard(self, node_ids: Iterable[str]) -> dict[str, float]:
+        """Node id -> when it was last heard (see the class docstring), for those known."""
+        with self._lock:
+            synced = self.synced_at
+            found: dict[str, float] = {}
+            for node_id in node_ids:
+                node = self._nodes.get(node_id)
+                if node is None:
+                    continue
+                if node.state == "expired":
+                    found[node_id] = node.at - node.ttl_s
+                elif node.state == "kept":
+                    found[node_id] = node.at
+                elif synced is not None:
+                    found[node_id] = synced
+            return found
+
+    def state(self, node_id: str) -> str | None:
+        with self._lock:
+            node = self._nodes.get(node_id)
+            return node.state if node is not None else None
+
+    # --- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        client: EtcdClient | None = None
+        revision = 0
+        while not self._stop.is_set():
+            try:
+                client = client or self._connect()
+                if revision == 0:
+                    revision = self._resync(client)
+                self.requests += 1
+                revision = client.watch_prefix(
+                    self._store.key(self._prefix), revision, self.slice_s,
+                    functools.partial(self._event, client), self._synced)
+                self._recheck(client)
+            except (RuntimeError, StoreError):
+                client, revision = None, 0  # read everything again, on the next endpoint
+                self._stop.wait(min(self.slice_s, 0.5))
+
+    def _synced(self) -> None:
+        with self._lock:
+            self.synced_at = self.clock()
+
+    def _resync(self, client: EtcdClient) -> int:
+        """Read every liveness key (a start, or after a failed watch); a node seen before
+        whose key is gone or replaced has its lease checked. The revision to watch from."""
+        self.requests += 1
+        found, revision = client.range_prefix(self._store.key(self._prefix))
+        seen = set()
+        for key, value, lease in found:
+            seen.add(key)
+            self._event(client, key, value, lease)
+        with self._lock:
+            gone = [k for k in self._nodes if self._store.key(self._prefix + k) not in seen]
+        for node_id in gone:
+            self._event(client, self._store.key(self._prefix + node_id), None, 0)
+        self._synced()
+        return revision + 1
+
+    def _event(self, client: EtcdClient, key: str, value: bytes | None, lease: int) -> None:
+        full = self._store.key(self._prefix)
+        if not key.startswith(full):
+            return
+        node_id = key[len(full):]
+        body = self._store.check_record(self._prefix + node_id, value) \
+            if value is not None else None
+        now = self.clock()
+        if body is not None and body.get("lease") == lease and lease and \
+                isinstance(body.get("ttl"), int) and 0 < body["ttl"] <= 3600:
+            with self._lock:
+                self._nodes[node_id] = _Liveness(lease, body["ttl"], now, "live")
+            return
+        with self._lock:  # deleted, or not the agent's record: its lease decides
+            node = self._nodes.get(node_id)
+        if node is not None and node.state != "expired":
+            self._check(client, node_id, node)
+
+    def _check(self, client: EtcdClient, node_id: str, node: _Liveness) -> None:
+        """Read the lease's time to live: alive (kept) or expired, as of now."""
+        self.requests += 1
+        left = client.time_to_live(node.lease)
+        with self._lock:
+            node.state = "kept" if left > 0 else "expired"
+            node.at = self.clock()
+
+    def _recheck(self, client: EtcdClient) -> None:
+        """Once a slice: the leases of keys that a foreign client deleted."""
+        with self._lock:
+            kept = [(i, n) for i, n in self._nodes.items() if n.state == "kept"]
+        for node_id, node in kept:
+            self._check(client, node_id, node)

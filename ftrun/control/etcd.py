@@ -186,6 +186,9 @@ class EtcdClient:
     module docstring). Like a ``TCPStore`` client it is used by one thread at a time: each
     thread that needs the store opens its own (:func:`connect_etcd`)."""
 
+    #: heartbeats on this store are leases (ftrun/control/heartbeat.py asks; TCPStore has none)
+    leases = True
+
     def __init__(self, options: EtcdOptions, timeout_s: float, *,
                  connect_timeout_s: float | None = None) -> None:
         self.options = options
@@ -336,8 +339,82 @@ class EtcdClient:
     # --- leases (the election and heartbeats) ---------------------------------------------
 
     def grant(self, ttl_s: int) -> int:
+        return self.grant_ttl(ttl_s)[0]
+
+    def grant_ttl(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: (its id, the TTL etcd granted: at least its minimum, 2 s with
+        etcd's default election timeout, whatever was asked)."""
         result = self._post("/lease/grant", {"TTL": int(ttl_s), "ID": 0})
-        return int(result["ID"])
+        return int(result["ID"]), int(result.get("TTL", ttl_s))
+
+    def time_to_live(self, lease: int) -> int:
+        """Seconds the lease has left, or -1 when it expired or was revoked (one request;
+        it reads the lease, it does not renew it)."""
+        result = self._post("/lease/timetolive", {"ID": lease})
+        return int(result.get("TTL", -1))
+
+    def put_leased(self, key: str, value: str | bytes, lease: int) -> None:
+        """Put ``value`` bound to ``lease``: etcd deletes the key when the lease ends."""
+        self._post("/kv/put", {"key": self._key(key), "value": _b64(value),
+                               "lease": str(lease)})
+
+    def range_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
+        """Every key that starts with ``prefix`` (without the job's root): [(key, value,
+        lease or 0)], and the store's revision at the read."""
+        start = self._root + prefix.encode()
+        result = self._post("/kv/range", {"key": _b64(start), "range_end": _b64(_next_key(start))})
+        found = [(_unb64(kv["key"])[len(self._root):].decode(errors="replace"),
+                  _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
+                 for kv in result.get("kvs") or []]
+        return found, int(result.get("header", {}).get("revision", 0))
+
+    def watch_prefix(self, prefix: str, start_revision: int, slice_s: float,
+                     on_event: Callable[[str, bytes | None, int], None],
+                     on_synced: Callable[[], None]) -> int:
+        """Stream the changes of the keys under ``prefix`` from ``start_revision`` for
+        ``slice_s``: ``on_event(key, value or None for a delete, lease)`` for each,
+        ``on_synced()`` when etcd confirmed the watch (its "created" answer) and after each
+        batch of events. Returns the revision to watch from next. One request (one stream)
+        per slice. RuntimeError when the endpoint failed (the next request goes to the next
+        endpoint) or the start revision was compacted: the caller reads the prefix again."""
+        client = self._clients[self._current]
+        start = self._root + prefix.encode()
+        request = {"create_request": {"key": _b64(start), "range_end": _b64(_next_key(start)),
+                                      "start_revision": start_revision}}
+        deadline = time.monotonic() + slice_s
+        following = start_revision
+        try:
+            with client.session.post(client.get_url("/watch"), json=request, stream=True,
+                                     timeout=(self._connect_s, min(slice_s, self._timeout_s))
+                                     ) as response:
+                if response.status_code != requests.codes["ok"]:
+                    raise RuntimeError(f"HTTP {response.status_code} {response.reason}")
+                for line in response.iter_lines():
+                    result = (json.loads(line).get("result") or {}) if line.strip() else {}
+                    if result.get("canceled"):
+                        raise RuntimeError(f"watch canceled (compacted to revision "
+                                           f"{result.get('compact_revision', '?')})")
+                    for event in result.get("events") or []:
+                        kv = event.get("kv") or {}
+                        key = _unb64(kv.get("key", ""))[len(self._root):].decode(
+                            errors="replace")
+                        value = None if event.get("type") == "DELETE" else \
+                            _unb64(kv.get("value", ""))
+                        on_event(key, value, int(kv.get("lease", 0)))
+                        following = max(following, int(kv.get("mod_revision", 0)) + 1)
+                    if result.get("created") or result.get("events"):
+                        on_synced()
+                    if time.monotonic() >= deadline:
+                        break
+        except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError,
+                RuntimeError) as error:
+            # an idle stream ends by the read timeout at the slice's end (requests raises
+            # it as a ConnectionError from inside a stream); anything sooner is a failure
+            if time.monotonic() < deadline - 0.05:
+                failed = self.endpoint
+                self._current = (self._current + 1) % len(self._clients)
+                raise RuntimeError(f"etcd watch at {failed}: {_short(error)}") from None
+        return following
 
     def keep_alive(self, lease: int) -> int:
         """Renew the lease; its TTL left, or -1 when it has already expired."""
