@@ -55,6 +55,8 @@ from ftrun.control.store import JsonStore
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
+    from ftrun.control.election import LeaseBeat, LeaseView
+
 
 def heartbeat_key(node_id: str) -> str:
     return f"hb/{node_id}"
@@ -85,6 +87,11 @@ class HeartbeatSender:
         self.last_error = ""
         self.failing_since: float | None = None  # start of the first failed attempt in a row
         self.seq = 0
+        # etcd-v3 (a client with leases): the beat is a lease kept alive (control/election.py)
+        self.lease: LeaseBeat | None = None
+        if getattr(template.raw, "leases", False):
+            from ftrun.control.election import LeaseBeat
+            self.lease = LeaseBeat(timeout_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-heartbeat", daemon=True)
 
@@ -121,8 +128,11 @@ class HeartbeatSender:
                 if store is None:
                     store = self._template.with_client(self._connect())
                 self.seq += 1
-                store.set_record(heartbeat_key(self.node_id), {"seq": self.seq})
-                store.exists(heartbeat_key(self.node_id))  # the reply proves the set arrived
+                if self.lease is not None:
+                    self.lease(store, heartbeat_key(self.node_id))  # a keepalive, replied
+                else:
+                    store.set_record(heartbeat_key(self.node_id), {"seq": self.seq})
+                    store.exists(heartbeat_key(self.node_id))  # the reply proves it arrived
                 self.last_ok = time.monotonic()
                 self.failing_since = None
                 self._hold_presence(store)
@@ -177,6 +187,12 @@ class HeartbeatMonitor:
         # without pings, a verdict on store heartbeats alone waits for three missed beats
         self.beats_timeout_s = max(timeout_s, 3 * interval_s)
         self.closed: set[str] = set()  # the last scan's agents lost by their connection
+        # etcd-v3 (a client with leases): heartbeats are leases, seen through a watch
+        self.leases: LeaseView | None = None
+        if getattr(store.raw, "leases", False) and store.reconnect is not None:
+            from ftrun.control.election import LeaseView
+            self.leases = LeaseView(store.reconnect, store, "hb/", min(1.0, timeout_s / 4),
+                                    clock).start()
         self._seq: dict[str, int] = {}
         self._changed: dict[str, float] = {}
         self._silent: dict[str, float] = {}  # the last scan's silence of each agent
@@ -192,6 +208,11 @@ class HeartbeatMonitor:
             del self._changed[node_id]
             self._seq.pop(node_id, None)
 
+    def close(self) -> None:
+        """Stop the lease watch's thread (etcd-v3); nothing else to stop."""
+        if self.leases is not None:
+            self.leases.stop()
+
     def silent_s(self, node_id: str) -> float:
         """Seconds the agent was silent at the last scan (neither its store heartbeat nor
         its pings heard)."""
@@ -205,13 +226,19 @@ class HeartbeatMonitor:
         connection ended without a goodbye (kept in :attr:`closed`); they stay watched
         until :meth:`watch` drops them."""
         ids = sorted(self._changed)
-        records = self.store.get_records([heartbeat_key(i) for i in ids])
-        now = self.clock()
-        for node_id, body in zip(ids, records, strict=True):
-            seq = body.get("seq") if body else None
-            if isinstance(seq, int) and not isinstance(seq, bool) and seq > self._seq[node_id]:
-                self._seq[node_id] = seq
-                self._changed[node_id] = now
+        if self.leases is not None:  # when each lease was last known alive (no request):
+            now = self.clock()  # an expiry moves it back by a TTL, to the last renewal
+            for node_id, heard in self.leases.heard(ids).items():
+                self._changed[node_id] = heard
+        else:
+            records = self.store.get_records([heartbeat_key(i) for i in ids])
+            now = self.clock()
+            for node_id, body in zip(ids, records, strict=True):
+                seq = body.get("seq") if body else None
+                if isinstance(seq, int) and not isinstance(seq, bool) and \
+                        seq > self._seq[node_id]:
+                    self._seq[node_id] = seq
+                    self._changed[node_id] = now
         gone = self.presence.gone() if self.presence is not None else {}
         quiet = self.presence.silent() if self.presence is not None else {}
         self.closed = {i for i in ids if i in gone}
