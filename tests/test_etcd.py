@@ -432,3 +432,73 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_regrants(
+        ) -> None:
+    """etcd-v3 heartbeats are leases (ftrun/control/election.py LeaseBeat, LeaseView), on a
+    real etcd, judged on the store channel alone (no presence pings):
+
+    * each sender grants a lease and puts its signed key bound to it, then only keeps the
+      lease alive; the writer's monitor hears every node through its watch;
+    * a silenced node is lost once its lease expires: not before its TTL (the verdict is
+      the lease's, not a missed put), well within 10x of it;
+    * a foreign client that deletes a liveness key, or overwrites it unsigned, makes no
+      lost node (the lease still lives: its TTL is read, the state is "kept");
+    * an agent paused for longer than its TTL finds its lease expired at its next beat: it
+      grants a new one and puts its key again (no error), and is heard again."""
+    from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender, heartbeat_key
+
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
+        connect = lambda: connect_etcd(options, 5, op_timeout_s=2)  # noqa: E731
+        signer = Signer(TOKEN.encode())
+        store = JsonStore(connect(), "ftrun/job", signer=signer, reconnect=connect, retry_s=2)
+        timeout = 2.0  # a TTL of 2 s, etcd's least
+        monitor = HeartbeatMonitor(store, timeout, None, 0.2)
+        assert monitor.leases is not None
+        senders = {n: HeartbeatSender(connect, store, n, 0.2, timeout) for n in ("b", "c")}
+        paused = HeartbeatSender(connect, store, "a", 0.2, timeout).lease
+        assert paused is not None and all(s.lease is not None for s in senders.values())
+        for sender in senders.values():
+            sender.start()
+        a_store = store.with_client(connect())
+        try:
+            paused(a_store, heartbeat_key("a"))
+            monitor.watch(["a", "b", "c"])
+            deadline = time.monotonic() + 20
+            while {monitor.leases.state(n) for n in "abc"} != {"live"}:
+                assert time.monotonic() < deadline, [monitor.leases.state(n) for n in "abc"]
+                time.sleep(0.05)
+            assert monitor.scan() == []
+            rogue = connect()  # no secret: deletes one key, overwrites another
+            assert rogue.delete_key(store.key(heartbeat_key("b")))
+            rogue.set(store.key(heartbeat_key("c")), '{"forged": true}')
+            paused(a_store, heartbeat_key("a"))  # a keepalive, the last before the pause
+            silenced = time.monotonic()
+            lost_at = None
+            while time.monotonic() - silenced < 20:
+                lost = monitor.scan()
+                assert "b" not in lost and "c" not in lost, (lost, monitor.leases.state("b"))
+                if "a" in lost and lost_at is None:
+                    lost_at = time.monotonic() - silenced
+                if lost_at is not None and time.monotonic() - silenced > lost_at + timeout:
+                    break  # b and c judged for a TTL past a's verdict too
+                time.sleep(0.1)
+            print(f"a silenced lease-holder lost after {lost_at} s (TTL {paused.granted_s} s)")
+            assert lost_at is not None and paused.granted_s - 0.3 <= lost_at < 10 * timeout
+            assert monitor.leases.state("b") == "kept" and monitor.leases.state("c") == "kept"
+            assert monitor.leases.state("a") == "expired"
+            first = paused.lease
+            paused(a_store, heartbeat_key("a"))  # the pause ends: the lease is gone
+            assert paused.expired == 1 and paused.lease != first
+            deadline = time.monotonic() + 20
+            while monitor.leases.state("a") != "live" or "a" in monitor.scan():
+                assert time.monotonic() < deadline, monitor.leases.state("a")
+                time.sleep(0.05)
+            assert all(s.last_error == "" and s.failing_since is None
+                       for s in senders.values())
+        finally:
+            for sender in senders.values():
+                sender.stop(2.0)
+            monitor.close()
