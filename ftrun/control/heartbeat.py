@@ -33,6 +33,13 @@ one slow request on a loaded machine must not make an agent give up on a live st
 
 Cost at N agents: N ``set`` per interval on the store plus one N-key ``multi_get`` per
 leader scan; ``scripts/bench_multinode.py --store-load`` measures it.
+
+On etcd-v3 (a store client with ``leases``) the same sender and monitor beat and judge
+through leases instead (ftrun/control/election.py): each agent's beat is one keepalive
+of a lease of the heartbeat timeout (whole seconds, rounded up) that holds its signed
+``hb/<node id>`` key, and the writer's monitor learns from a watch on ``hb/`` when a
+lease expired (the node's last sign on that channel is then a TTL back), with no
+per-scan read; the presence pings and the both-channels rule are the same.
 """
 
 from __future__ import annotations
