@@ -147,7 +147,7 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "Regroup: least seconds without a step before a lagging worker is declared stalled."),
     ("--hang-timeout", "hang_timeout", "FTRUN_HANG_TIMEOUT", "auto",
      "Restart: seconds every worker may sit idle before their stacks are read for a hang "
-     "(auto: at least 5 s, more after slow steps; 0: off)."),
+     "(auto: at least 2 s, more after slow steps; 0: off)."),
     ("--inject", "inject", "FTRUN_INJECT", "",
      "Inject faults on a schedule, e.g. 'kill rank=1 step=20; freeze rank=2 after=30; seed=7' "
      "(kinds: kill, freeze, hang, raise, kill-agent, cut-link; see ftrun/faultspec.py)."),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +51,10 @@ def parse_args() -> argparse.Namespace:
                         help="rank 0 writes to --write-dir for --write-s seconds before this "
                         "step (a long checkpoint write: busy in I/O, its peers wait)")
     parser.add_argument("--write-s", type=float, default=0.0)
+    parser.add_argument("--net-wait-at", type=int, default=-1,
+                        help="rank 0 awaits a reply over a socket for --net-wait-s seconds "
+                        "before this step (a slow remote read: idle, its peers wait)")
+    parser.add_argument("--net-wait-s", type=float, default=0.0)
     parser.add_argument("--pg-timeout", type=float, default=None,
                         help="seconds before a collective times out (torch's default if unset)")
     parser.add_argument("--write-dir", type=Path, default=None)
@@ -114,6 +120,13 @@ def main() -> None:
                     os.fsync(out.fileno())
                     if out.tell() > 2 << 30:  # keep the file under 2 GiB
                         out.seek(0)
+        if step == args.net_wait_at and rank == 0:
+            ours, theirs = socket.socketpair()
+            reply = threading.Timer(args.net_wait_s, theirs.sendall, (b"x",))
+            reply.start()
+            with ours, theirs, ours.makefile("rb") as stream:
+                stream.read(1)  # through socket.py, as a remote read from a library is
+            reply.join()
         inputs, target = batch_for(step, rank, args.batch)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(inputs), target)

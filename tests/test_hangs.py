@@ -156,11 +156,14 @@ def test_every_rank_inside_communication_is_a_hang_after_three_timeouts(job_dir:
 
 
 def test_a_slow_step_is_not_a_hang(job_dir: Path) -> None:
-    """Every rank sleeps three hang timeouts in one step: nobody waits for anybody."""
+    """Every rank sleeps three hang timeouts in one step: nobody waits for anybody. Later
+    rank 0 awaits a reply over a socket for two timeouts while rank 1 waits for it in the
+    all-reduce: a late remote read, given three timeouts, so not a hang either."""
     script = copy_train_script(job_dir)
     run = Launch(
         ["--nproc-per-node", "2", "--recovery", "restart", "--hang-timeout", "2",
-         str(script), "--steps", "20", "--slow-step-at", "10", "--slow-step-s", "6"],
+         str(script), "--steps", "45", "--slow-step-at", "10", "--slow-step-s", "6",
+         "--net-wait-at", "40", "--net-wait-s", "4"],  # 30 steps apart: two spells
         cwd=job_dir,
     )
     assert run.wait(120) == 0, run.output
@@ -247,6 +250,11 @@ def user_stack(pid: int) -> Stack:
     return Stack(pid, (Frame("main", "/job/train.py", "train.py", 95),))
 
 
+def network_stack(pid: int) -> Stack:
+    return Stack(pid, (Frame("readinto", "/usr/lib/python3.11/socket.py", "socket.py", 707),
+                       Frame("main", "/job/train.py", "train.py", 95)))
+
+
 def forming_stack(pid: int) -> Stack:
     return Stack(pid, (Frame("_store_based_barrier", f"{TORCH}/distributed/c10d.py", "c", 1),
                        Frame("init_process_group", f"{TORCH}/distributed/c10d.py", "c", 2),
@@ -273,6 +281,22 @@ def test_idle_ranks_waiting_on_one_elsewhere_name_it(procs: dict[str, Proc]) -> 
     assert [w.rank for w in hang.culprits] == [1]  # type: ignore[attr-defined]
     assert [w.rank for w in hang.waiting] == [0]  # type: ignore[attr-defined]
     assert "rank 1" in hang.describe() and "stuck in train.py:95 main" in hang.describe()
+
+
+def test_a_rank_awaiting_the_network_is_named_only_after_three_timeouts(
+    procs: dict[str, Proc]
+) -> None:
+    """A rank idle in Python's network I/O (a read from object storage) while its peer waits
+    for it: a late reply is likelier than none, so the culprit is named after three
+    timeouts, not one."""
+    stacks = {procs["idle0"].pid: waiting_stack, procs["idle1"].pid: network_stack}
+    watch = HangWatch(timeout_s=1.0, multi_node=False, stack_of=lambda pid: stacks[pid](pid))
+    hang = run_watch(watch, [procs["idle0"], procs["idle1"]], 15)
+    assert hang is not None
+    assert [w.rank for w in hang.culprits] == [1]  # type: ignore[attr-defined]
+    assert hang.idle_s >= 3.0  # type: ignore[attr-defined]
+    assert (f"rank 1 (pid {procs['idle1'].pid}) stuck awaiting the network in "
+            "socket.py:707 readinto (train.py:95 main)") in hang.describe(), hang.describe()
 
 
 def test_a_busy_rank_means_no_hang(procs: dict[str, Proc]) -> None:
@@ -489,8 +513,10 @@ def test_a_fault_handler_dump_gives_the_main_threads_stack(tmp_path: Path) -> No
 # --- the whole job's verdict from every node's view ----------------------------------------
 
 def _view(node_rank: int, idle_since: float, *workers: tuple[int, str]) -> dict:
+    """A node's view; the state "network" is "own", awaiting another host's reply."""
     return NodeView(node_rank, f"n{node_rank}", idle_since, 100.0, False, tuple(
-        WorkerView(rank, 1000 + rank, state, f"where {rank}", "stack" if state == "own" else "")
+        WorkerView(rank, 1000 + rank, "own" if state == "network" else state, f"where {rank}",
+                   "stack" if state in ("own", "network") else "", network=state == "network")
         for rank, state in workers)).to_json()
 
 
@@ -504,6 +530,10 @@ def test_job_verdict_from_node_views_follows_the_single_node_rules() -> None:
     assert judge(_view(0, 90.0, (0, "waiting"))) is None  # a node has no view yet
     assert judge(_view(0, 90.0, (0, "waiting")), _view(1, 97.0, (1, "own"))) is None  # 3 s
     assert judge(_view(0, 90.0, (0, "own")), _view(1, 90.0, (1, "own"))) is None  # slow step
+    remote = (_view(0, 90.0, (0, "waiting")), _view(1, 90.0, (1, "network")))
+    assert judge(*remote) is None  # a culprit awaiting the network: three timeouts
+    late_reply = judge(*remote, timeout=3.0)
+    assert late_reply is not None and [w.rank for w, _ in late_reply.culprits] == [1]
     waiting = (_view(0, 90.0, (0, "waiting")), _view(1, 90.0, (1, "waiting")))
     assert judge(*waiting) is None  # all waiting: only after three timeouts
     assert judge(*waiting, now=109.0) is None  # views older than 1.5 timeouts + 1 s: stale

@@ -25,7 +25,9 @@ supervisor asks a :class:`HangWatch` instead, every half second:
   - some wait in torch's communication (or inside an NCCL call: the NCCL shim counts the
     threads inside each communicator's calls, and knows the call and its sequence number),
     others are idle in their own code: those are the **culprits** the others wait for: a
-    hang;
+    hang; but when every culprit awaits a reply from another host (its innermost frame in
+    Python's network I/O: a read from object storage, a remote service), only after three
+    timeouts, named: such a reply is late more often than it never comes;
   - all wait in communication: on one node, a collective that never completes (a network
     fault): a hang after three timeouts (nobody to name, so no hurry to guess); on several
     nodes the culprit may be elsewhere: see below;
@@ -43,11 +45,14 @@ whole job (:func:`judge_job`): every node idle together for the timeout, ranks w
 communication and ranks idle in their own code -> those are the culprits, named with their
 node and stack; all waiting -> a hang after three timeouts.
 
-The timeout (``--hang-timeout``): ``auto`` is max(3 s, twice the longest all-idle spell the
-job recovered from by itself); a number fixes it; 0 turns the watch off. A worker whose main
-thread is on the run queue counts as busy, so a loaded host that starves a working rank of
-CPU does not make it look idle; the verdict's two looks straddle the timeout's end (the
-first a sample before it), so the floor is what a hang costs.
+The timeout (``--hang-timeout``): ``auto`` is max(2 s, twice the longest all-idle spell the
+job recovered from by itself); a number fixes it; 0 turns the watch off. The floor is what
+a hang costs before the restart, and what a healthy rank may block without CPU (not in
+communication, not in I/O, not awaiting the network) while its peers wait for it, before
+it is taken for a hang the first time; after such a spell ends by itself the timeout grows.
+A worker whose main thread is on the run queue counts as busy, so a loaded host that
+starves a working rank of CPU does not make it look idle; the verdict's two looks straddle
+the timeout's end (the first a sample before it).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ from ftrun.control.errors import StoreValueError, require
 from ftrun.control.rendezvous import Generation
 from ftrun.shim import ShimError
 
-HANG_FLOOR_S = 3.0
+HANG_FLOOR_S = 2.0
 SAMPLE_S = 0.5
 IDLE_CPU_FRACTION = 0.05  # less CPU than this share of one core over a sample: idle
 
@@ -135,6 +140,7 @@ class WorkerView:
     stack: str = ""  # the stack's text, for a worker idle in its own code
     collectives: dict[int, int] = field(default_factory=dict)  # NCCL: comm_id -> issued
     working: bool = False  # used CPU in the last sample (without calling NCCL)
+    network: bool = False  # idle in its own code awaiting another host's reply
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,7 @@ class NodeView:
                 "workers": [{"rank": w.rank, "pid": w.pid, "state": w.state,
                              "where": w.where[:300], "stack": w.stack[:4000],
                              "collectives": {f"{c:x}": n for c, n in w.collectives.items()},
-                             "working": w.working}
+                             "working": w.working, "network": w.network}
                             for w in self.workers]}
 
     @classmethod
@@ -175,7 +181,8 @@ class NodeView:
                                     state, require(item, "where", str),
                                     require(item, "stack", str),
                                     _collectives(require(item, "collectives", dict)),
-                                    require(item, "working", bool)))
+                                    require(item, "working", bool),
+                                    require(item, "network", bool)))
         return cls(require(data, "node_rank", int), require(data, "node", str),
                    float(require(data, "idle_since", (int, float))),
                    float(require(data, "at", (int, float))),
@@ -248,9 +255,10 @@ def judge_job(views: Sequence[NodeView], nnodes: int, timeout_s: float,
         return JobHang((), waiting, idle_s) if idle_s >= 3 * timeout_s else None
     if not waiting:
         return None  # a slow step everywhere
-    if culprits:
+    if culprits and not all(w.network for w, _ in culprits):
         return JobHang(culprits, waiting, idle_s)
-    return JobHang((), waiting, idle_s) if idle_s >= 3 * timeout_s else None
+    # culprits that await a reply from another host, or nobody to name: three timeouts
+    return JobHang(culprits, waiting, idle_s) if idle_s >= 3 * timeout_s else None
 
 
 @dataclass
@@ -393,14 +401,15 @@ class HangWatch:
         if not waiting or any(w.pid in stacks and stacks[w.pid].forming_group
                               for w in waiting):
             return None  # a slow step, or a group still forming: torch's own timeout
-        if culprits:
+        if culprits and not all(stacks[w.pid].awaits_network for w in culprits):
             return Hang("hung", culprits, waiting, idle_s, stacks, nccl)
-        if self.multi_node:
+        if self.multi_node and not culprits:
             return None  # the rank they wait for is on another node: its node names it
+        # culprits awaiting another host's reply, or nobody to name: three timeouts
         if idle_s < 3 * self.timeout_s:
             self.next_check = now + SAMPLE_S
             return None
-        return Hang("hung", (), waiting, idle_s, stacks, nccl)
+        return Hang("hung", culprits, waiting, idle_s, stacks, nccl)
 
     def _view(self, live: list[WorkerProcess], idle_s: float, stacks: dict[int, Stack],
               nccl: dict[int, str], progress: dict[int, NcclProgress],
@@ -416,7 +425,9 @@ class HangWatch:
             counts = progress[worker.pid].collectives if worker.pid in progress else {}
             workers.append(WorkerView(worker.rank, worker.pid, state, where,
                                       stack.text() if stack and state == "own" else "",
-                                      counts, worker.pid in working))
+                                      counts, worker.pid in working,
+                                      state == "own" and stack is not None
+                                      and stack.awaits_network))
         wall = self.wall()
         return NodeView(self.node_rank, self.node, wall - idle_s, wall,
                         any(s.forming_group for s in stacks.values()), tuple(workers))

@@ -9,7 +9,11 @@ kinds of idle rank apart:
   (a collective, a barrier, DDP's backward waiting for its gradient all-reduce): it waits
   for a peer;
 * **elsewhere**: its innermost frame is the script's own (a sleep, a lock, a read that never
-  returns): if its peers wait, it is the one they wait for.
+  returns): if its peers wait, it is the one they wait for. Among these, a rank whose
+  innermost frame is Python's own network I/O (``socket``, ``ssl``, ``selectors``,
+  ``asyncio``, ``http.client``: a read from object storage, a metrics server, a remote
+  data service) **awaits a reply from another host**: the hang rules give it longer, since
+  such a reply is late more often than it never comes.
 
 Where py-spy cannot attach (not installed; not root, without CAP_SYS_PTRACE, under Yama's
 ``ptrace_scope`` >= 1 as on Ubuntu, where a process may trace only its own descendants and
@@ -42,6 +46,9 @@ _CAP_SYS_PTRACE = 1 << 19
 
 # Frames in these parts of torch mean "waiting for a peer" when the process is idle.
 _WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "torch/cuda/")
+# Python's network I/O: an idle frame here waits for a reply from another host (C-level
+# reads such as ``socket.recv`` show the caller's frame instead: they count as its own code).
+_NETWORK_IO = ("/socket.py", "/ssl.py", "/selectors.py", "/http/client.py")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,10 @@ class Frame:
     @property
     def in_torch_wait(self) -> bool:
         return "/torch/" in self.filename and any(p in self.filename for p in _WAITING_IN)
+
+    @property
+    def in_network_io(self) -> bool:
+        return self.filename.endswith(_NETWORK_IO) or "/asyncio/" in self.filename
 
     def __str__(self) -> str:
         return f"{self.short}:{self.line} {self.function}"
@@ -70,6 +81,11 @@ class Stack:
     def waiting(self) -> bool:
         """Idle inside torch's communication: waiting for a peer."""
         return bool(self.frames) and self.frames[0].in_torch_wait
+
+    @property
+    def awaits_network(self) -> bool:
+        """Idle in Python's network I/O, outside torch: waiting for another host's reply."""
+        return bool(self.frames) and self.frames[0].in_network_io
 
     @property
     def forming_group(self) -> bool:
@@ -92,6 +108,10 @@ class Stack:
             inner = self.frames[0]
             what = "backward" if "torch/autograd/" in inner.filename else inner.function
             return f"waiting in {what}" + (f" ({caller})" if caller else "")
+        if self.awaits_network:
+            caller = next((f for f in self.frames if not f.in_network_io), None)
+            return f"awaiting the network in {self.frames[0]}" + (f" ({caller})" if caller
+                                                                  else "")
         return f"in {self.frames[0]}"
 
     def text(self, limit: int = 12) -> str:
