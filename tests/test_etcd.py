@@ -8,9 +8,12 @@ per host. Skipped only when etcd-server (or, for the job, iproute2/iptables) is 
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -434,47 +437,75 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
             node.kill()
 
 
+#: An agent's heartbeat thread (the real HeartbeatSender) in a process of its own, which
+#: the test stops and continues: it prints its lease, its expired count and its last error.
+_BEATER = """
+import sys, time
+from ftrun.control.auth import Signer
+from ftrun.control.etcd import EtcdOptions, connect_etcd
+from ftrun.control.heartbeat import HeartbeatSender
+from ftrun.control.store import JsonStore
+options = EtcdOptions.parse(sys.argv[1], {"etcd_prefix": "/ftrun"})
+connect = lambda: connect_etcd(options, 5, op_timeout_s=2)
+store = JsonStore(connect(), "ftrun/job", signer=Signer(sys.argv[2].encode()))
+sender = HeartbeatSender(connect, store, "a", 0.2, 2.0)
+sender.start()
+while True:
+    print(sender.lease.lease, sender.lease.expired, sender.last_error or "-", flush=True)
+    time.sleep(0.1)
+"""
+
+
 def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_regrants(
-        ) -> None:
+        job_dir: Path) -> None:
     """etcd-v3 heartbeats are leases (ftrun/control/election.py LeaseBeat, LeaseView), on a
     real etcd, judged on the store channel alone (no presence pings):
 
     * each sender grants a lease and puts its signed key bound to it, then only keeps the
       lease alive; the writer's monitor hears every node through its watch;
-    * a silenced node is lost once its lease expires: not before its TTL (the verdict is
-      the lease's, not a missed put), well within 10x of it;
+    * a node whose process is stopped (SIGSTOP) is lost once its lease expires: not before
+      its TTL (the verdict is the lease's), well within 10x of it;
     * a foreign client that deletes a liveness key, or overwrites it unsigned, makes no
       lost node (the lease still lives: its TTL is read, the state is "kept");
-    * an agent paused for longer than its TTL finds its lease expired at its next beat: it
-      grants a new one and puts its key again (no error), and is heard again."""
+    * continued after longer than its TTL, the stopped sender finds its lease expired at
+      its next beat: it grants a new one and puts its key again (no error), and is heard
+      again."""
     from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender, heartbeat_key
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
         connect = lambda: connect_etcd(options, 5, op_timeout_s=2)  # noqa: E731
-        signer = Signer(TOKEN.encode())
-        store = JsonStore(connect(), "ftrun/job", signer=signer, reconnect=connect, retry_s=2)
+        store = JsonStore(connect(), "ftrun/job", signer=Signer(TOKEN.encode()),
+                          reconnect=connect, retry_s=2)
         timeout = 2.0  # a TTL of 2 s, etcd's least
         monitor = HeartbeatMonitor(store, timeout, None, 0.2)
         assert monitor.leases is not None
         senders = {n: HeartbeatSender(connect, store, n, 0.2, timeout) for n in ("b", "c")}
-        paused = HeartbeatSender(connect, store, "a", 0.2, timeout).lease
-        assert paused is not None and all(s.lease is not None for s in senders.values())
+        assert all(s.lease is not None for s in senders.values())
         for sender in senders.values():
             sender.start()
-        a_store = store.with_client(connect())
+        script = job_dir / "beater.py"
+        script.write_text(_BEATER)
+        child = subprocess.Popen([sys.executable, str(script), endpoint, TOKEN],
+                                 stdout=subprocess.PIPE, text=True, cwd=job_dir,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+        said: list[list[str]] = []
+        reader = threading.Thread(target=lambda: said.extend(
+            line.split() for line in child.stdout), daemon=True)  # type: ignore[union-attr]
+        reader.start()
         try:
-            paused(a_store, heartbeat_key("a"))
             monitor.watch(["a", "b", "c"])
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60  # the child imports torch (store.py)
             while {monitor.leases.state(n) for n in "abc"} != {"live"}:
                 assert time.monotonic() < deadline, [monitor.leases.state(n) for n in "abc"]
+                assert child.poll() is None, said
                 time.sleep(0.05)
             assert monitor.scan() == []
             rogue = connect()  # no secret: deletes one key, overwrites another
             assert rogue.delete_key(store.key(heartbeat_key("b")))
             rogue.set(store.key(heartbeat_key("c")), '{"forged": true}')
-            paused(a_store, heartbeat_key("a"))  # a keepalive, the last before the pause
+            first = said[-1][0]
+            os.kill(child.pid, signal.SIGSTOP)
             silenced = time.monotonic()
             lost_at = None
             while time.monotonic() - silenced < 20:
@@ -484,20 +515,23 @@ def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_r
                     lost_at = time.monotonic() - silenced
                     break
                 time.sleep(0.1)
-            print(f"a silenced lease-holder lost after {lost_at} s (TTL {paused.granted_s} s)")
-            assert lost_at is not None and paused.granted_s - 0.3 <= lost_at < 10 * timeout
+            print(f"a stopped lease-holder lost after {lost_at} s (TTL 2 s)")
+            # its last keepalive came at most an interval (0.2 s) before the stop
+            assert lost_at is not None and 2.0 - 0.3 <= lost_at < 10 * timeout, lost_at
             assert monitor.leases.state("b") == "kept" and monitor.leases.state("c") == "kept"
             assert monitor.leases.state("a") == "expired"
-            first = paused.lease
-            paused(a_store, heartbeat_key("a"))  # the pause ends: the lease is gone
-            assert paused.expired == 1 and paused.lease != first
+            os.kill(child.pid, signal.SIGCONT)
             deadline = time.monotonic() + 20
-            while monitor.leases.state("a") != "live" or "a" in monitor.scan():
-                assert time.monotonic() < deadline, monitor.leases.state("a")
+            while not said or said[-1][1] != "1" or monitor.leases.state("a") != "live" \
+                    or "a" in monitor.scan():
+                assert time.monotonic() < deadline, (said[-3:], monitor.leases.state("a"))
                 time.sleep(0.05)
+            assert said[-1][0] != first and said[-1][2] == "-", said[-3:]  # a new lease
             assert all(s.last_error == "" and s.failing_since is None
                        for s in senders.values())
         finally:
+            child.kill()
+            child.wait(10)
             for sender in senders.values():
                 sender.stop(2.0)
             monitor.close()
