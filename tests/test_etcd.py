@@ -7,7 +7,9 @@ per host. Skipped only when etcd-server (or, for the job, iproute2/iptables) is 
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import os
 import re
 import shutil
@@ -285,6 +287,30 @@ def _etcd_job(net, cluster, job_dir: Path, steps: int) -> list[Launch]:  # type:
             for host in net]
 
 
+def _liveness_keys(host, port: int) -> dict[str, tuple[object, int]]:  # type: ignore[no-untyped-def]
+    """The job's liveness keys, read from ``host``'s etcd member (its v3 gateway, from the
+    host's namespace): key (as the job's store names it) -> (its record, its lease)."""
+    root, prefix = b"/ftrun/", b"ftrun/etcdjob/hb/"
+    span = root + prefix
+    payload = json.dumps({"key": base64.b64encode(span).decode(),
+                          "range_end": base64.b64encode(span[:-1] + b"0").decode()}).encode()
+    sock = host.socket()
+    try:
+        sock.settimeout(10)
+        sock.connect((host.addr, port))
+        sock.sendall(b"POST /v3/kv/range HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    finally:
+        sock.close()
+    reply = json.loads(data.partition(b"\r\n\r\n")[2])
+    return {base64.b64decode(kv["key"])[len(root):].decode():
+            (json.loads(base64.b64decode(kv["value"])), int(kv.get("lease", 0)))
+            for kv in reply.get("kvs") or []}
+
+
 def _steps_by_pid(node: Launch) -> dict[int, list[ElasticStep]]:
     by_pid: dict[int, list[ElasticStep]] = {}
     for step in find(node.lines, ElasticStep):
@@ -318,7 +344,9 @@ def _check_in_place(survivors: list[Launch], before: dict[int, int], world: int)
 def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
         job_dir: Path, etcd_net) -> None:  # type: ignore[no-untyped-def]
     """Four ftrun nodes on a 3-member etcd cluster (one member on each of h1..h3),
-    in-process regroup, one run, four faults:
+    in-process regroup, one run, four faults. First, every agent but the writer beats
+    through a lease: its liveness key in etcd is bound to the lease that its record (signed
+    with the job's token) names, with the heartbeat timeout as its TTL. Then:
 
     0. a node whose agent is not the writer is SIGKILLed (agent and worker): the writer
        declares it lost through its presence connection (ftrun/control/presence.py, served
@@ -349,6 +377,14 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
             node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
                           "steps everywhere")
         (first,) = [n for n in nodes if any("job's writer (elected" in x for x in n.lines)]
+        # every other agent's heartbeat is a lease: its liveness key is bound to the lease
+        # its record (verified with the job's token) names, of the heartbeat timeout
+        keys = _liveness_keys(first.host, cluster.client_port)
+        signer = Signer(TOKEN.encode())
+        assert len(keys) == 3, keys
+        for key, (record, lease) in keys.items():
+            body = signer.unwrap(key, record)
+            assert lease != 0 and body == {"lease": lease, "ttl": int(HB_TIMEOUT_S)}, keys
         victim = [n for n in nodes if n is not first][-1]
         victim.kill()
         killed = time.monotonic()
