@@ -13,6 +13,8 @@ For each repeat and launcher, one run of ``scripts/train_ddp.py`` on N workers m
   timeout of ``--hang-pg-timeout`` seconds (torch's default is 10 minutes or more): torchrun
   learns of the hang only when that timeout fails the collective; ftrun sees every worker
   idle, reads their stacks and restarts (``--hang-timeout`` auto). ``--no-hang`` skips it.
+  ``hang_verdict_s`` (ftrun only): the part of it until ftrun's hang verdict (the failure
+  record's ``detected`` in its ``--events-file``); the rest is the restart.
 
 ``ftrun_preload`` is ftrun with ``--preload torch,torch._dynamo`` (``--preload``): a per-node
 fork server imports them once, and every worker of every generation is forked from it.
@@ -28,7 +30,8 @@ counts as a failure to recover and gives no figure.
     python scripts/bench_launch.py --repeats 5 --json     # one JSON object
 
 JSON: {"torchrun": {"first_step_s": [...], "restart_s": [...], "hang_s": [...],
-"failed_to_recover": n, "hang_failed_to_recover": n, "false_alarms": n}, "ftrun": {...},
+"hang_verdict_s": [...], "failed_to_recover": n, "hang_failed_to_recover": n,
+"false_alarms": n}, "ftrun": {...},
 "ftrun_preload":
 {...}, "config": {...}}.
 Note: on this sandbox about 3-8% of TCPStore connects stall exactly 5 s in a reverse-DNS
@@ -173,10 +176,22 @@ def measure(name: str, nproc: int, kill_after: int, timeout: float,
             run.stop()
 
 
+def hang_detected(events: Path) -> float | None:
+    """The wall-clock time of ftrun's first hang verdict in an events file, if any."""
+    if not events.exists():
+        return None
+    for event in read_events(events):
+        if event.get("event") == "failure" and str(event.get("cause", "")).startswith("hung") \
+                and isinstance(event.get("detected"), float):
+            return float(event["detected"])
+    return None
+
+
 def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
-                 timeout: float, preload: str) -> tuple[float | None, int]:
-    """Seconds from a rank's hang to the restarted job's first step (or None), and the
-    hang verdicts beyond the one hang (false alarms)."""
+                 timeout: float, preload: str) -> tuple[float | None, int, float | None]:
+    """Seconds from a rank's hang to the restarted job's first step (or None), the hang
+    verdicts beyond the one hang (false alarms), and seconds from the hang to ftrun's
+    verdict (None for torchrun)."""
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="bench_hang_") as scratch:
@@ -190,6 +205,7 @@ def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
         if name != "torchrun":
             argv[1:1] = ["--events-file", str(events)]
         run = Run(argv, env)
+        wall_offset = time.time() - time.monotonic()  # the lines' times are monotonic
         try:
             deadline = time.monotonic() + timeout
             hung_at = None
@@ -200,13 +216,15 @@ def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
                     if hung_at is None:
                         run.cond.wait(0.2)
             if hung_at is None:
-                return None, hang_verdicts(events)
+                return None, hang_verdicts(events), None
             with run.cond:
                 old_pids = frozenset(int(m[3]) for _, line in run.lines
                                      if (m := STEP.search(line)))
             after = run.wait_step(hung_at, timeout + pg_timeout, exclude_pids=old_pids)
             extra = max(0, hang_verdicts(events) - 1)
-            return (None if after is None else after[0] - hung_at), extra
+            detected = hang_detected(events)
+            verdict = None if detected is None else detected - wall_offset - hung_at
+            return (None if after is None else after[0] - hung_at), extra, verdict
         finally:
             run.stop()
 
@@ -243,8 +261,9 @@ def main() -> int:
         parser.error(f"--launchers: unknown {', '.join(sorted(unknown))}")
 
     results: dict[str, dict[str, list[float] | int]] = {
-        name: {"first_step_s": [], "restart_s": [], "hang_s": [], "failed_to_recover": 0,
-               "hang_failed_to_recover": 0, "false_alarms": 0} for name in LAUNCHERS
+        name: {"first_step_s": [], "restart_s": [], "hang_s": [], "hang_verdict_s": [],
+               "failed_to_recover": 0, "hang_failed_to_recover": 0, "false_alarms": 0}
+        for name in LAUNCHERS
     }
     for repeat in range(args.repeats):
         shift = repeat % len(LAUNCHERS)
@@ -265,14 +284,18 @@ def main() -> int:
             print(f"# repeat {repeat + 1}/{args.repeats} {name}: {figures}", file=sys.stderr)
             if args.no_hang:
                 continue
-            hang, extra = measure_hang(name, args.nproc, args.hang_at_step,
-                                       args.hang_pg_timeout, args.timeout, args.preload)
+            hang, extra, verdict = measure_hang(name, args.nproc, args.hang_at_step,
+                                                args.hang_pg_timeout, args.timeout,
+                                                args.preload)
+            if verdict is not None:
+                entry["hang_verdict_s"].append(round(verdict, 3))  # type: ignore[union-attr]
             entry["false_alarms"] += extra  # type: ignore[operator]
             if hang is None:
                 entry["hang_failed_to_recover"] += 1  # type: ignore[operator]
             else:
                 entry["hang_s"].append(round(hang, 3))  # type: ignore[union-attr]
-            print(f"# repeat {repeat + 1}/{args.repeats} {name}: hang_s={hang}", file=sys.stderr)
+            print(f"# repeat {repeat + 1}/{args.repeats} {name}: hang_s={hang} "
+                  f"verdict_s={verdict}", file=sys.stderr)
 
     results["config"] = {  # type: ignore[assignment]
         "nproc": args.nproc, "repeats": args.repeats, "kill_after_step": args.kill_after_step,
@@ -290,7 +313,8 @@ def main() -> int:
 
     table = Table(title=f"launch and restart latency, {args.nproc} gloo workers, seconds")
     for column in ("launcher", "first step: median (min, max)", "restart: median (min, max)",
-                   "hang to training: median (min, max)", "failed to recover",
+                   "hang to training: median (min, max)", "of which to the verdict",
+                   "failed to recover",
                    "false alarms"):
         table.add_column(column)
     for name in LAUNCHERS:
@@ -298,6 +322,7 @@ def main() -> int:
         table.add_row(name, summarize(entry["first_step_s"]),  # type: ignore[arg-type]
                       summarize(entry["restart_s"]),  # type: ignore[arg-type]
                       summarize(entry["hang_s"]),  # type: ignore[arg-type]
+                      summarize(entry["hang_verdict_s"]),  # type: ignore[arg-type]
                       f"{entry['failed_to_recover']}/{args.repeats} "
                       f"(hang {entry['hang_failed_to_recover']}/{args.repeats})",
                       str(entry["false_alarms"]))
