@@ -1207,8 +1207,23 @@ def _scan_period(interval: float, heartbeat_timeout: float) -> float:
     return min(interval / 2, max(SCAN_S, heartbeat_timeout / 8))
 
 
+#: A process that only serves the store (when the leader's descriptors do not fit in one
+#: process): it prints its port and serves until its stdin ends.
+_STORE_HOST = """
+import resource, sys
+limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+sys.path.insert(0, sys.argv[1])
+from ftrun.control.store import serve_store
+server = serve_store(0, 60)
+print(server.port, flush=True)
+sys.stdin.read()
+"""
+
+
 def store_load_events(n: int, interval: float, heartbeat_timeout: float,
-                      seconds: float = 20.0, procs: int = 0) -> dict[str, Any]:
+                      seconds: float = 20.0, procs: int = 0,
+                      end_watches: int | None = None) -> dict[str, Any]:
     """``n`` simulated agents of scripts/loadgen.py (event-driven, ``procs`` processes; 0:
     enough for 7,500 descriptors each) against the real leader in this process: ftrun's
     ``serve_store`` (torch's TCPStore), ``serve_presence`` (the PresenceServer, with its
@@ -1216,13 +1231,18 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
     NodeWatch cadence together with the newcomer check, and the end read every monitor
     interval. Each agent holds a heartbeat, an end-watch and a presence connection and
     uses the agent's defaults for ``interval``/``heartbeat_timeout``: its request timeout,
-    wait slice and ping period. Raises RuntimeError when the agents cannot be set up."""
+    wait slice and ping period. When the leader's 3 descriptors per agent do not fit one
+    process's limit here (``ulimit -Hn``, which only CAP_SYS_RESOURCE raises), the store
+    is served by a process of its own (``layout``) and the leader reads it over a client
+    connection, as it does in process (the master TCPStore is a client of itself); then
+    only ``end_watches`` agents (at most what the store host's limit leaves) hold an end
+    watch. Raises RuntimeError when the agents cannot be set up."""
     import resource
 
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
     from ftrun.control.presence import PING_S
-    from ftrun.control.store import JsonStore, serve_store
+    from ftrun.control.store import JsonStore, connect_store, serve_store
 
     loadgen = _loadgen()
     procs = procs or max(2, -(-3 * n // 7500))
@@ -1230,19 +1250,43 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
     slice_s = _end_wait_slice(heartbeat_timeout)
     ping_s = min(PING_S, heartbeat_timeout / 8)
     scan_every = _scan_period(interval, heartbeat_timeout)
-    wanted = 3 * n + 1024  # every connection the store and presence server accept
+    wanted = 3 * n + 512  # every connection the store and presence server accept
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < wanted:  # above the hard limit only as root
+    if soft < wanted:  # above the hard limit only with CAP_SYS_RESOURCE
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, max(hard, wanted)))
         except (ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    watches = min(n, n if end_watches is None else end_watches)
+    host_proc: subprocess.Popen[str] | None = None
+    if wanted <= limit:
+        layout = "one process: store, presence server and leader loop"
+        leader_client: Any = serve_store(0, 60)
+        store_pid = os.getpid()
+    else:
+        watches = min(watches, limit - n - 1024)  # a margin for replaced connections
+        layout = (f"two processes: {2 * n} descriptors for the store and {n} for the "
+                  f"presence server do not fit one process's limit of {limit} here "
+                  "(ulimit -Hn; raising it needs CAP_SYS_RESOURCE): the store is served by "
+                  "a process of its own and the leader reads it over a client connection; "
+                  f"{watches} of {n} agents hold an end watch")
+        host_proc = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(REPO)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        assert host_proc.stdout is not None
+        line = host_proc.stdout.readline().strip()
+        if not line.isdigit():
+            host_proc.kill()
+            raise RuntimeError("the store host process did not start")
+        leader_client = connect_store("127.0.0.1", int(line), 30)
+        store_pid = host_proc.pid
+    port = int(leader_client.port)
     token, run_id = "bench-token", f"load-{time.time_ns()}"
     signer = Signer(token.encode())
-    server = serve_store(0, 60)
     tally = _Tally(slice_s)
-    store = JsonStore(_CountedClient(server, "leader", tally), f"ftrun/{run_id}",  # type: ignore[arg-type]
-                      signer=signer)
+    store = JsonStore(_CountedClient(leader_client, "leader", tally),  # type: ignore[arg-type]
+                      f"ftrun/{run_id}", signer=signer)
     rejected: list[str] = []
     presence = serve_presence(store, signer, run_id, "127.0.0.1", "127.0.0.1",
                               rejected.append)
@@ -1258,19 +1302,22 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
             store_part.append(time.perf_counter() - t0)
 
     store.get_records = timed_read  # type: ignore[method-assign]
-    cfg = {"store_port": server.port, "presence_port": presence.port, "token": token,
+    cfg = {"store_port": port, "presence_port": presence.port, "token": token,
            "prefix": f"ftrun/{run_id}", "run_id": run_id, "interval": interval,
-           "op_timeout": op_timeout, "slice": slice_s, "ping_s": ping_s, "mode": "load"}
+           "op_timeout": op_timeout, "slice": slice_s, "ping_s": ping_s, "mode": "load",
+           "end_watch_below": watches}
     load_before = _load_average()
     began = time.monotonic()
     fleet = loadgen.Fleet(cfg, list(range(n)), procs)
+    reports: list[dict[str, Any]] = []
     try:
         connected = fleet.wait_for("connected", 900)
-        fleet.wait_for("ready", 300)
+        ready = fleet.wait_for("ready", 300)
         setup_s = time.monotonic() - began
-        print(f"  store load (events): {n} agents ready in {setup_s:.0f} s "
-              f"({sum(c['connect_errors'] for c in connected)} connects retried), load "
-              f"average {_load_average()}", file=sys.stderr, flush=True)
+        beaten = sum(r["beaten"] for r in ready)
+        print(f"  store load (events): {n} agents connected, {beaten} beat once, in "
+              f"{setup_s:.0f} s ({sum(c['connect_errors'] for c in connected)} connects "
+              f"retried), load average {_load_average()}", file=sys.stderr, flush=True)
         ids = [f"sim-{i}" for i in range(n)]
         monitor.watch(ids)
         start = time.time() + 2 * max(interval, slice_s)
@@ -1287,6 +1334,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
             if not cpu and time.time() >= start:
                 store_part.clear()
                 cpu = {"host": _cpu_s(os.getpid()), "main": _thread_cpu_s(main_tid),
+                       "store": _cpu_s(store_pid),
                        "presence": _thread_cpu_s(presence_tid or 0),
                        "machine": _machine_busy_s(),
                        "agents": sum(_cpu_s(pid) for pid in fleet.pids)}
@@ -1303,6 +1351,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
             time.sleep(_MONITOR_INTERVAL_S)
         window = max(0.001, time.time() - start)
         host = _cpu_s(os.getpid()) - cpu.get("host", 0.0)
+        store_cpu = _cpu_s(store_pid) - cpu.get("store", 0.0)
         main_cpu = _thread_cpu_s(main_tid) - cpu.get("main", 0.0)
         presence_cpu = _thread_cpu_s(presence_tid or 0) - cpu.get("presence", 0.0)
         agents_cpu = sum(_cpu_s(pid) for pid in fleet.pids) - cpu.get("agents", 0.0)
@@ -1317,6 +1366,13 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
     finally:
         fleet.close()
         presence.close()
+        if host_proc is not None:
+            host_proc.kill()
+            host_proc.wait()
+    if host_proc is None:  # one process: the store's thread is what the others leave
+        store_cpu = host - main_cpu - presence_cpu
+    else:
+        host += store_cpu
     calls: dict[str, int] = dict(tally.calls)
     errors: dict[str, int] = dict(tally.errors)
     reconnects: dict[str, int] = {}
@@ -1341,18 +1397,20 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
                     f"{scan_every:g} s with the newcomer check, the end read every "
                     f"{_MONITOR_INTERVAL_S:g} s"),
         "processes": procs,
-        "connections": 2 * n,
+        "layout": layout,
+        "connections": n + watches,
         "presence_connections": n,
-        "end_watchers": n,
+        "end_watchers": watches,
         "interval_s": interval,
         "heartbeat_timeout_s": heartbeat_timeout,
         "request_timeout_s": op_timeout,
         "resolver_options": os.environ.get("RES_OPTIONS"),
         "window_s": round(window, 2),
         "setup_s": round(setup_s, 1),
+        "agents_beat_before_window": beaten,
         # computed from the schedule, not measured: beats (set + check), end-wait renewals
         # (a wait and its cancel), without the leader's own requests and the pings
-        "offered_req_per_s": round(2 * n / interval + 2 * n / slice_s, 1),
+        "offered_req_per_s": round(2 * n / interval + 2 * watches / slice_s, 1),
         "achieved_req_per_s": round(requests / window, 1),
         "requests_per_s_by_kind": {k: round(v / window, 1) for k, v in sorted(calls.items())},
         "pings_offered_per_s": round(n / ping_s, 1),
@@ -1382,7 +1440,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
         "store_host_cores": round(host / window, 3),
         "leader_loop_cores": round(main_cpu / window, 3),
         "presence_thread_cores": round(presence_cpu / window, 3),
-        "store_thread_cores": round(max(0.0, host - main_cpu - presence_cpu) / window, 3),
+        "store_thread_cores": round(max(0.0, store_cpu) / window, 3),
         "agents_cores": round(agents_cpu / window, 3),
         "other_work_cores": round(max(0.0, busy - host - agents_cpu) / window, 2),
         "load_average": {"before": load_before, "end_of_window": load_window,
@@ -1859,7 +1917,8 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
             if args.store_load_harness == "events" and not args.end_poll:
                 measured = store_load_events(n, args.interval, args.heartbeat_timeout,
                                              args.store_load_seconds,
-                                             args.store_load_procs or 0)
+                                             args.store_load_procs or 0,
+                                             args.store_load_end_watches)
             else:
                 measured = store_load(n, args.interval, args.heartbeat_timeout,
                                       args.store_load_seconds, args.store_load_procs or 8,

@@ -403,8 +403,8 @@ class Agent:
         self.hb_wire = gen.wire(self.hb_name)
         self.hb: StoreConn | None = StoreConn(gen, self, "heartbeat") if gen.heartbeats \
             else None
-        self.ew: StoreConn | None = StoreConn(gen, self, "endwatch") if gen.end_watch or \
-            gen.mode == "rdzv" else None
+        self.ew: StoreConn | None = StoreConn(gen, self, "endwatch") if (
+            gen.end_watch and index < gen.end_watch_below) or gen.mode == "rdzv" else None
         self.pres: PresenceConn | None = PresenceConn(gen, self) if gen.presence_port \
             else None
         self.seq = 0
@@ -608,7 +608,12 @@ class Generator:
         self.ping_s = float(cfg.get("ping_s", 0.25))
         self.heartbeats = bool(cfg.get("heartbeats", True))
         self.end_watch = bool(cfg.get("end_watch", True))
+        # only the agents below this index hold an end watch (the store host's descriptors)
+        self.end_watch_below = int(cfg.get("end_watch_below") or 1 << 62)
         self.setup_timeout = float(cfg.get("setup_timeout", 600.0))
+        # how long, once connected, the agents may take to beat once before "ready" (an
+        # overloaded store may never let every one through; "beaten" says how many did)
+        self.cfg_ready_s = float(cfg.get("ready_s", 60.0))
         self.deadline = float("inf")
         self.window = (float("inf"), float("inf"))
         self.calls: dict[str, int] = {}
@@ -682,8 +687,15 @@ class Generator:
         for agent in self.agents:
             for conn in agent.conns():
                 conn.open()
+        said = began
         while not self.all_live():
             loop.run_once()
+            if time.time() - said > 10:  # progress, on the harness's stderr
+                said = time.time()
+                live = sum(c.live for a in self.agents for c in a.conns())
+                total = sum(len(a.conns()) for a in self.agents)
+                print(f"  loadgen {os.getpid()}: {live} of {total} connections made "
+                      f"({self.connect_errors} connects retried)", file=sys.stderr, flush=True)
             if time.time() - began > self.setup_timeout:
                 raise RuntimeError(f"connections not made within {self.setup_timeout:.0f} s "
                                    f"({self.connect_errors} failed connects)")
@@ -696,12 +708,17 @@ class Generator:
             buckets = max(1, min(len(self.agents), int(self.ping_s / 0.01)))
             self._schedule(self.ping_s, buckets, lambda a: a.pres.ping() if a.pres and
                            not a.frozen else None)
-        if self.mode == "load" and self.heartbeats:
-            while not all(a.beats for a in self.agents):
-                loop.run_once()
-                if time.time() - began > self.setup_timeout:
-                    raise RuntimeError("not every agent beat within the set-up time")
-        say({"event": "ready", "setup_s": round(time.time() - began, 2)})
+        beat_by = time.time() + float(self.cfg_ready_s)
+        while self.mode == "load" and self.heartbeats and time.time() < beat_by and \
+                not all(a.beats for a in self.agents):  # an overloaded store may not let all
+            loop.run_once()
+            if time.time() - said > 10:
+                said = time.time()
+                print(f"  loadgen {os.getpid()}: {sum(1 for a in self.agents if a.beats)} of "
+                      f"{len(self.agents)} agents beat once; errors {self.errors}",
+                      file=sys.stderr, flush=True)
+        say({"event": "ready", "setup_s": round(time.time() - began, 2),
+             "beaten": sum(1 for a in self.agents if a.beats), "agents": len(self.agents)})
         while True:
             while self.commands:
                 if self._command(self.commands.popleft()):
@@ -879,6 +896,8 @@ class Fleet:
                                    f"said {event!r} within {timeout_s:.0f} s") from None
             if obj.get("event") == event:
                 got[k] = obj
+            elif obj.get("event") == "exited" and k in got:
+                continue  # it said what was asked, then ended (after its report)
             elif obj.get("event") in ("error", "exited"):
                 raise RuntimeError(f"generator process {k}: {obj.get('error') or obj}")
         return [got[k] for k in range(len(self.procs))]
