@@ -35,7 +35,9 @@ JSON: {"torchrun": {"first_step_s": [...], "restart_s": [...], "hang_s": [...],
 "ftrun_preload":
 {...}, "config": {...}}.
 Note: on this sandbox about 3-8% of TCPStore connects stall exactly 5 s in a reverse-DNS
-lookup inside torch; an outlier of ~5 s is that quirk.
+lookup inside torch (of ``::ffff:127.0.0.1``); an outlier of ~5 s is that quirk. The test
+set-up (scripts/install_test_services.sh) adds that name to ``/etc/hosts``, which removes
+it; ``config.hosts_v4_mapped_loopback`` says whether the line was there.
 """
 
 from __future__ import annotations
@@ -229,6 +231,15 @@ def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
             run.stop()
 
 
+def hosts_v4_mapped_loopback() -> bool:
+    """Whether /etc/hosts names ::ffff:127.0.0.1 (the sandbox's DNS-stall workaround)."""
+    try:
+        lines = Path("/etc/hosts").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split()[:1] == ["::ffff:127.0.0.1"] for line in lines)
+
+
 def summarize(values: list[float]) -> str:
     if not values:
         return "-"
@@ -303,7 +314,7 @@ def main() -> int:
         "hang_at_step": None if args.no_hang else args.hang_at_step,
         "hang_pg_timeout_s": None if args.no_hang else args.hang_pg_timeout,
         "cpus": os.cpu_count(), "preload": args.preload, "launchers": launchers,
-        "soak_s": args.soak_s,
+        "soak_s": args.soak_s, "hosts_v4_mapped_loopback": hosts_v4_mapped_loopback(),
     }
     if args.json:
         print(json.dumps(results))
