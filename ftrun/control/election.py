@@ -316,7 +316,7 @@ class LeaseView:
                     self._store.key(self._prefix), revision, self.slice_s,
                     functools.partial(self._event, client), self._synced)
                 self._recheck(client)
-            except (RuntimeError, StoreError):
+            except Exception:  # RuntimeError, StoreError, a malformed answer: never unseen
                 client, revision = None, 0  # read everything again, on the next endpoint
                 self._stop.wait(min(self.slice_s, 0.5))
 
