@@ -133,7 +133,10 @@ class Loop:
 
         def tick(bucket: int, due: float) -> None:
             fn(bucket)
-            self.at(due + period, tick, bucket, due + period)
+            # behind by more than a period (an overloaded machine): the missed ticks are
+            # skipped, as a blocked client's beats are
+            later = max(due + period, self.now)
+            self.at(later, tick, bucket, later)
 
         for b in range(buckets):
             due = start + period * b / buckets
@@ -142,7 +145,9 @@ class Loop:
     def run_once(self, max_wait: float = 0.05) -> None:
         self.now = now = time.time()
         heap = self._heap
-        while heap and heap[0][0] <= now:
+        due = len(heap)  # only what was due at the start: sockets are read every pass
+        while due and heap and heap[0][0] <= now:
+            due -= 1
             _, _, fn, args = heapq.heappop(heap)
             fn(*args)
         wait = min(max_wait, heap[0][0] - time.time()) if heap else max_wait
