@@ -250,11 +250,14 @@ class LeaseView:
 
     :meth:`heard` gives, per node id, when it was last heard on this channel (the view's
     clock): a live key, as of the view's last confirmation by etcd (the watch created, or
-    events, at most a slice plus a request apart), so a view that stopped hearing from etcd
-    cannot hide a silence; an expired lease, a TTL before the expiry was seen (its last
-    renewal); no record seen, nothing (the monitor's full timeout from when it began
-    watching applies). Errors: a failed watch or read makes the thread read the whole
-    prefix again on another endpoint after a pause; it never raises."""
+    events, at most a slice plus a request apart), counted at the thread's own last look
+    (as the presence server counts silence at its last ``select``): a view that runs but
+    stopped hearing from etcd cannot hide a silence, and a thread that could not run adds
+    none of its own; an expired lease, a TTL before the expiry was seen (its last renewal);
+    no record seen, nothing (the monitor's full timeout from when it began watching
+    applies). Errors: a failed watch or read makes the thread read the whole prefix again
+    on another endpoint after a pause; it never raises. Every request is bounded (the
+    client's timeouts), so the thread looks at least every slice plus a request."""
 
     def __init__(self, connect: Callable[[], EtcdClient], store: JsonStore, prefix: str,
                  slice_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -264,6 +267,7 @@ class LeaseView:
         self.slice_s = slice_s
         self.clock = clock
         self.synced_at: float | None = None
+        self.looked_at: float | None = None  # the thread's last look (a slice's end, a sync)
         self.requests = 0  # made by the thread (watches, reads, lease checks)
         self._nodes: dict[str, _Liveness] = {}
         self._lock = threading.Lock()
@@ -283,6 +287,8 @@ class LeaseView:
         """Node id -> when it was last heard (see the class docstring), for those known."""
         with self._lock:
             synced = self.synced_at
+            if synced is not None and self.looked_at is not None:
+                synced = self.clock() - max(0.0, self.looked_at - synced)
             found: dict[str, float] = {}
             for node_id in node_ids:
                 node = self._nodes.get(node_id)
@@ -315,14 +321,20 @@ class LeaseView:
                 revision = client.watch_prefix(
                     self._store.key(self._prefix), revision, self.slice_s,
                     functools.partial(self._event, client), self._synced)
+                self._looked()
                 self._recheck(client)
             except Exception:  # RuntimeError, StoreError, a malformed answer: never unseen
                 client, revision = None, 0  # read everything again, on the next endpoint
+                self._looked()
                 self._stop.wait(min(self.slice_s, 0.5))
 
     def _synced(self) -> None:
         with self._lock:
-            self.synced_at = self.clock()
+            self.synced_at = self.looked_at = self.clock()
+
+    def _looked(self) -> None:
+        with self._lock:
+            self.looked_at = self.clock()
 
     def _resync(self, client: EtcdClient) -> int:
         """Read every liveness key (a start, or after a failed watch); a node seen before
