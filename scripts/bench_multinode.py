@@ -1555,7 +1555,7 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
 
 def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                      heartbeats: bool = True, switch_interval: float = 0.005,
-                     etcd: str | None = None) -> dict[str, Any]:
+                     etcd: str | None = None, harness: str = "threads") -> dict[str, Any]:
     """One rendezvous of ``n`` agents: the leader in this process (it serves the store, as
     the store host's agent does, and opens the generation's worker store), ``n - 1`` light
     agents in ``procs`` processes (see :func:`_light_rdzv_agents`). The figure ``s`` is
@@ -1564,7 +1564,12 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
     None when not all returned within ``timeout_s``. ``etcd``: an etcd endpoint
     (``host:port``): the control store is etcd (the etcd-v3 backend's client,
     ftrun/control/etcd.py: each agent's client its own HTTP connection, waits are watches),
-    the leader still opens the worker store (as the elected writer does)."""
+    the leader still opens the worker store (as the elected writer does). ``harness``
+    "events": the ``n - 1`` agents are scripts/loadgen.py's event-driven ones instead (the
+    TCPStore only; ``procs`` of them, default 2): the same protocol on the wire (the signed
+    slot appended, torch's ``get`` of the agent's own assignment, verified as the agent
+    does; a heartbeat connection beating unless ``heartbeats`` is off), without a Python
+    thread per agent to wake."""
     import resource
 
     from ftrun.control.auth import Signer
@@ -1575,6 +1580,7 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
     wanted = 3 * n + 256
     if soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, wanted), hard))
+    asked_procs = procs
     procs = max(1, min(procs or max(_LIGHT_PROCS, n // _LIGHT_PER_PROC), n - 1))
     server = serve_store(0, timeout_s + 60)
     run_id = f"light-{n}-{time.time_ns()}"
@@ -1585,11 +1591,27 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
     cfg = {"interval": _HB_INTERVAL_S, "heartbeat_timeout": _HB_TIMEOUT_S,
            "timeout": timeout_s, "heartbeats": heartbeats, "switch_interval": switch_interval,
            "etcd": etcd}
-    workers = [ctx.Process(target=_light_rdzv_agents, daemon=True,
-                           args=(server.port, list(range(1 + k, n, procs)), n, run_id, cfg,
-                                 out, go, leave))
-               for k in range(procs)]
+    fleet: Any = None
+    if harness == "events" and etcd is None:
+        procs = max(1, min(asked_procs or 2, n - 1))
+        workers: list[Any] = []
+        fleet = _loadgen().Fleet(
+            {"store_port": server.port, "token": "bench-token", "prefix": f"ftrun/{run_id}",
+             "mode": "rdzv", "number": 0, "id_prefix": "light-", "heartbeats": heartbeats,
+             "interval": _HB_INTERVAL_S, "op_timeout": _agent_op_timeout(_HB_TIMEOUT_S)},
+            list(range(1, n)), procs)
+    else:
+        workers = [ctx.Process(target=_light_rdzv_agents, daemon=True,
+                               args=(server.port, list(range(1 + k, n, procs)), n, run_id,
+                                     cfg, out, go, leave))
+                   for k in range(procs)]
+
+    def agent_pids() -> list[int]:
+        return [w.pid for w in workers if w.pid] + (fleet.pids if fleet else [])
+
     info: dict[str, Any] = {"agents": n, "s": None, "processes": procs,
+                            "harness": "events (scripts/loadgen.py)" if fleet else
+                            "threads (DynamicRendezvous.join per agent)",
                             "switch_interval_s": switch_interval,
                             "connections": (2 if heartbeats else 1) * (n - 1),
                             "heartbeats": heartbeats,
@@ -1598,7 +1620,9 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         began = time.monotonic()
         for w in workers:
             _start_agent(w)
-        ready = 0
+        if fleet is not None:
+            fleet.wait_for("ready", 600)
+        ready = procs if fleet is not None else 0
         while ready < procs:
             try:
                 kind, first, value = out.get(timeout=600)
@@ -1639,8 +1663,10 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
             return "127.0.0.1", int(worker_stores[-1].port)
 
         busy, host_cpu = _machine_busy_s(), _cpu_s(os.getpid())
-        agents_cpu = sum(_cpu_s(w.pid) for w in workers if w.pid)
+        agents_cpu = sum(_cpu_s(pid) for pid in agent_pids())
         started = time.time()
+        if fleet is not None:
+            fleet.send({"cmd": "join", "timeout": timeout_s})
         go.set()
         leader_cpu = time.thread_time()  # the leader's own work (not the store's thread)
         generation = leader.join(0, NodeSlot(-1, 1, "127.0.0.1", "leader", os.getpid(),
@@ -1649,8 +1675,10 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         info["leader_cpu_s"] = round(time.thread_time() - leader_cpu, 3)
         # CPU from here on is the agents' wake-up (their assignments are in the store) and
         # the store thread serving it: read per process from /proc (10 ms ticks each)
-        at_write = (sum(_cpu_s(w.pid) for w in workers if w.pid), _cpu_s(os.getpid()))
-        reports = []
+        at_write = (sum(_cpu_s(pid) for pid in agent_pids()), _cpu_s(os.getpid()))
+        reports = [] if fleet is None else [
+            {"joined": r["joined"], "errors": r["join_errors"], "failed": r["join_failed"]}
+            for r in fleet.wait_for("report", timeout_s + 60)]
         while len(reports) < procs:
             try:
                 kind, first, value = out.get(timeout=timeout_s + 60)
@@ -1661,10 +1689,10 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
             reports.append(value)
         window = max(0.001, time.time() - started)
         info["agents_cpu_s_after_record"] = round(
-            sum(_cpu_s(w.pid) for w in workers if w.pid) - at_write[0], 2)
+            sum(_cpu_s(pid) for pid in agent_pids()) - at_write[0], 2)
         info["store_host_cpu_s_after_record"] = round(_cpu_s(os.getpid()) - at_write[1], 2)
         info["store_host_cores"] = round((_cpu_s(os.getpid()) - host_cpu) / window, 2)
-        info["agents_cores"] = round((sum(_cpu_s(w.pid) for w in workers if w.pid)
+        info["agents_cores"] = round((sum(_cpu_s(pid) for pid in agent_pids())
                                       - agents_cpu) / window, 2)
         info["other_work_cores"] = round(max(0.0, _machine_busy_s() - busy) / window
                                          - info["store_host_cores"] - info["agents_cores"], 2)
@@ -1672,6 +1700,8 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         leave.set()
         _reap_agent_processes(workers)
         out.close()
+        if fleet is not None:
+            fleet.close()
     joined = [r for report in reports for r in report["joined"]]
     failed = sum(report["failed"] for report in reports)
     info["errors"] = [e for report in reports for e in report["errors"]][:3]
@@ -1707,7 +1737,8 @@ def measure_rendezvous_light(args: argparse.Namespace, result: dict[str, object]
             try:
                 info = rendezvous_light(n, procs=args.light_procs, timeout_s=args.rdzv_timeout,
                                         heartbeats=not args.light_no_heartbeats,
-                                        switch_interval=args.light_switch_interval, etcd=etcd)
+                                        switch_interval=args.light_switch_interval, etcd=etcd,
+                                        harness=args.light_harness)
             except RuntimeError as error:
                 info = {"agents": n, "s": None, "failed": str(error)}
             runs.setdefault(str(n), []).append(info)
@@ -2064,6 +2095,10 @@ def main() -> None:
                              f"(0: N / {_LIGHT_PER_PROC}, at least {_LIGHT_PROCS})")
     parser.add_argument("--light-switch-interval", type=float, default=0.005,
                         help="rendezvous-light: sys.setswitchinterval in agent processes")
+    parser.add_argument("--light-harness", choices=["events", "threads"], default="threads",
+                        help="rendezvous-light (TCPStore): the agents as scripts/loadgen.py's "
+                             "event-driven ones (the same protocol on the wire), or a thread "
+                             "per agent running DynamicRendezvous.join")
     parser.add_argument("--light-no-heartbeats", action="store_true",
                         help="rendezvous-light: agents send no heartbeats while joining")
     parser.add_argument("--etcd-share-only", action="store_true",

@@ -133,9 +133,12 @@ class Loop:
 
         def tick(bucket: int, due: float) -> None:
             fn(bucket)
-            # behind by more than a period (an overloaded machine): the missed ticks are
-            # skipped, as a blocked client's beats are
-            later = max(due + period, self.now)
+            # behind (an overloaded machine): the missed ticks are skipped, as a blocked
+            # client's beats are, and the phase is kept; never a tick again at once, which
+            # would send every bucket on every pass and feed the overload
+            later = due + period
+            if later <= self.now:
+                later += period * (int((self.now - later) / period) + 1)
             self.at(later, tick, bucket, later)
 
         for b in range(buckets):
@@ -579,7 +582,13 @@ class Agent:
         try:
             own = Assignment.from_json(gen.signer.unwrap(gen.prefix + name, json.loads(raw)))
         except ValueError as error:  # AuthError, StoreValueError, JSONDecodeError
-            self.joined = f"{name}: {error}"[:200]
+            # as the agent: only a forged record so far; read again a poll later (the
+            # leader's multi_set overwrites it)
+            gen.count_error(f"rdzv.ignored an assignment: {str(error)[:80]}")
+            if time.time() > gen.deadline:
+                self.joined = f"{name}: {error}"[:200]
+            else:
+                gen.loop.at(gen.loop.now + 0.05, self.wait_assignment)
             return
         if own.number != gen.number or own.node.node_id != self.node_id:
             self.joined = f"{name} names generation {own.number}, node {own.node.node_id}"

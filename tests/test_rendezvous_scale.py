@@ -202,3 +202,42 @@ def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: P
     finally:
         fleet.close()
         presence.close()
+
+
+def test_simulated_agents_join_through_the_real_rendezvous(job_dir: Path) -> None:
+    """The light-rendezvous benchmark's event-driven agents (scripts/loadgen.py, ``--light-
+    harness events``), 15 in two processes, join a generation of 16 that ftrun's own leader
+    forms: each appends its signed slot and waits for its own assignment in torch's
+    protocol, verifies it and holds the rank the leader gave it. One agent's assignment is
+    forged beforehand (written without the token): it ignores it and takes the leader's."""
+    loadgen = _loadgen()
+    server = serve_store(0, 30)
+    port = int(server.port)  # type: ignore[attr-defined]
+    forger = JsonStore(connect_store("127.0.0.1", port, 10), "ftrun/rz",
+                       signer=Signer(b"not-the-token"))
+    forged = {"number": 0, "restart_count": 0, "node": asdict(_slot(3, 1).with_rank(0)),
+              "rank_offset": 0, "nnodes": 1, "world_size": 1,
+              "worker_store_host": "6.6.6.6", "worker_store_port": 666, "digest": "0" * 64}
+    forger.set_record(assignment_key(0, "node-3"), forged)
+    n = 16
+    fleet = loadgen.Fleet({"store_port": port, "token": TOKEN.decode(), "prefix": "ftrun/rz",
+                           "mode": "rdzv", "number": 0, "id_prefix": "node-", "interval": 0.25,
+                           "op_timeout": 5.0}, list(range(1, n)), 2, tag=str(job_dir))
+    try:
+        fleet.wait_for("ready", 30)
+        fleet.send({"cmd": "join", "timeout": 20})
+        leader = _rdzv(port, "rz", leader=True, n=n).join(
+            0, _slot(0, 1), 20, lambda: ("10.9.9.9", 4242))
+        reports = fleet.wait_for("report", 30)
+    finally:
+        fleet.close()
+    joined = [j for r in reports for j in r["joined"]]
+    assert len(joined) == n - 1 and not any(r["join_failed"] for r in reports), reports
+    ranks = {node.node_id: node.node_rank for node in leader.nodes}
+    assert sorted(ranks.values()) == list(range(n)) and ranks["node-0"] == 0
+    for offered, held, rank, offset, world, nnodes, store_port in joined:
+        assert offered <= held and rank == offset and world == nnodes == n, joined
+        assert store_port == 4242
+    assert sorted(j[2] for j in joined) == list(range(1, n))
+    errors = [e for r in reports for e in r["errors"]]
+    assert any("ignored an assignment" in e for e in errors), reports  # node-3's forgery
