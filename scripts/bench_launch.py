@@ -183,8 +183,8 @@ def hang_detected(events: Path) -> float | None:
     if not events.exists():
         return None
     for event in read_events(events):
-        if event.get("event") == "failure" and str(event.get("cause", "")).startswith("hung") \
-                and isinstance(event.get("detected"), float):
+        hung = event.get("kind") == "hung" or str(event.get("cause", "")).startswith("hung")
+        if event.get("event") == "failure" and hung and isinstance(event.get("detected"), float):
             return float(event["detected"])
     return None
 

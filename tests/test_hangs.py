@@ -33,7 +33,7 @@ from ftrun.agent.hangs import (
     judge_job,
 )
 from ftrun.agent.ncclprogress import NcclProgress
-from ftrun.agent.stacks import Frame, Stack, stack_from_fault_dump
+from ftrun.agent.stacks import Frame, Stack, read_stack, stack_from_fault_dump, stack_source
 from ftrun.control.errors import StoreValueError
 from tests.launch import REPO, Launch, copy_train_script
 from tests.lines import Start, find
@@ -299,6 +299,71 @@ def test_a_rank_awaiting_the_network_is_named_only_after_three_timeouts(
             "socket.py:707 readinto (train.py:95 main)") in hang.describe(), hang.describe()
 
 
+def test_a_late_reply_neither_grows_the_timeout_nor_skips_the_rule_under_nccl(
+    procs: dict[str, Proc]
+) -> None:
+    """The three timeouts hold when the NCCL counts name the late rank too (a rank reading
+    from object storage is behind its peers by a collective); and a spell given them does
+    not grow the auto timeout when it ends (the allowance already covers late replies)."""
+    late, ahead = procs["idle1"], procs["idle0"]
+    stacks = {late.pid: network_stack, ahead.pid: user_stack}
+    counts = {late.pid: issued(5), ahead.pid: issued(6)}
+    watch = HangWatch(timeout_s=1.0, multi_node=False, stack_of=lambda pid: stacks[pid](pid),
+                      progress_of=lambda w: counts[w.pid])
+    hang = run_watch(watch, [ahead, late], 15)
+    assert hang is not None
+    assert [w.rank for w in hang.culprits] == [1]  # type: ignore[attr-defined]
+    assert hang.idle_s >= 3.0  # type: ignore[attr-defined]
+    auto = HangWatch(timeout_s=None, multi_node=False, stack_of=lambda pid: stacks[pid](pid),
+                     progress_of=lambda w: counts[w.pid])
+    group = [ahead, late]
+    deadline = time.monotonic() + 15
+    while not auto.spell_awaited_network:  # the rule deferred a verdict once
+        assert time.monotonic() < deadline, "no deferral for a late reply"
+        assert auto.sample(group) is None  # type: ignore[arg-type]
+        time.sleep(auto.due_in() + 0.01)
+    auto.spell_s, auto.activity[late.pid].busy_at = 10.0, time.monotonic()  # the reply came
+    auto.next_sample = 0.0
+    auto.sample(group)  # type: ignore[arg-type]
+    assert auto.timeout_s == HANG_FLOOR_S and not auto.spell_awaited_network
+
+
+def test_py_spy_tells_a_remote_read_from_a_local_pipe() -> None:
+    """Real stacks: a read through socket.py awaits the network; a data loader's queue
+    (multiprocessing selects on a pipe) and a child's output (subprocess) do not."""
+    if stack_source() != "py-spy":
+        pytest.skip("py-spy cannot attach to a sibling process here (no ptrace)")
+    waits = {
+        "socket": "import socket; a, b = socket.socketpair(); print('ready', flush=True); "
+                  "a.makefile('rb').read(1)",
+        "queue": "import multiprocessing as mp; q = mp.Queue(); print('ready', flush=True); "
+                 "q.get(timeout=600)",
+        "child": "import subprocess, sys; print('ready', flush=True); subprocess.Popen("
+                 "[sys.executable, '-c', 'import time; time.sleep(600)'], stdout=subprocess."
+                 "PIPE, stderr=subprocess.PIPE).communicate(timeout=600)",
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+             for name, code in waits.items()}
+    try:
+        found = {}
+        for name, proc in procs.items():
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            deadline = time.monotonic() + 20
+            while (stack := read_stack(proc.pid)) is None or \
+                    stack.frames[0].function == "<module>":
+                assert time.monotonic() < deadline, f"{name}: never seen waiting: {stack}"
+                time.sleep(0.1)
+            found[name] = stack
+        assert found["socket"].awaits_network, found["socket"].text()
+        assert not found["queue"].awaits_network, found["queue"].text()
+        assert not found["child"].awaits_network, found["child"].text()
+    finally:
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def test_a_busy_rank_means_no_hang(procs: dict[str, Proc]) -> None:
     watch = HangWatch(timeout_s=1.0, multi_node=False, stack_of=waiting_stack)
     assert run_watch(watch, [procs["idle0"], procs["busy"]], 4) is None
@@ -534,6 +599,13 @@ def test_job_verdict_from_node_views_follows_the_single_node_rules() -> None:
     assert judge(*remote) is None  # a culprit awaiting the network: three timeouts
     late_reply = judge(*remote, timeout=3.0)
     assert late_reply is not None and [w.rank for w, _ in late_reply.culprits] == [1]
+    older = _view(1, 90.0, (1, "own"))
+    del older["workers"][0]["network"]  # an agent from before the flag: not a network wait
+    assert judge(_view(0, 90.0, (0, "waiting")), older) is not None
+    forged = _view(1, 90.0, (1, "network"))
+    forged["workers"][0]["network"] = "yes"
+    with pytest.raises(StoreValueError):
+        NodeView.from_json(forged)
     waiting = (_view(0, 90.0, (0, "waiting")), _view(1, 90.0, (1, "waiting")))
     assert judge(*waiting) is None  # all waiting: only after three timeouts
     assert judge(*waiting, now=109.0) is None  # views older than 1.5 timeouts + 1 s: stale

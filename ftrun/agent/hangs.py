@@ -26,8 +26,10 @@ supervisor asks a :class:`HangWatch` instead, every half second:
     threads inside each communicator's calls, and knows the call and its sequence number),
     others are idle in their own code: those are the **culprits** the others wait for: a
     hang; but when every culprit awaits a reply from another host (its innermost frame in
-    Python's network I/O: a read from object storage, a remote service), only after three
-    timeouts, named: such a reply is late more often than it never comes;
+    Python's network I/O, not a pipe to a local process: a read from object storage, a
+    remote service), only after three timeouts, named: such a reply is late more often
+    than it never comes (the same holds for culprits named by the NCCL counts, and a spell
+    given that allowance does not grow the timeout when it ends);
   - all wait in communication: on one node, a collective that never completes (a network
     fault): a hang after three timeouts (nobody to name, so no hurry to guess); on several
     nodes the culprit may be elsewhere: see below;
@@ -181,12 +183,19 @@ class NodeView:
                                     state, require(item, "where", str),
                                     require(item, "stack", str),
                                     _collectives(require(item, "collectives", dict)),
-                                    require(item, "working", bool),
-                                    require(item, "network", bool)))
+                                    require(item, "working", bool), _network(item)))
         return cls(require(data, "node_rank", int), require(data, "node", str),
                    float(require(data, "idle_since", (int, float))),
                    float(require(data, "at", (int, float))),
                    require(data, "forming", bool), tuple(views))
+
+
+def _network(item: dict[str, Any]) -> bool:
+    """A worker view's ``network`` flag: absent (an agent older than the flag) is False."""
+    network = item.get("network", False)
+    if not isinstance(network, bool):
+        raise StoreValueError("hang view: 'network' is not a boolean")
+    return network
 
 
 def _collectives(data: dict[str, Any]) -> dict[int, int]:
@@ -244,6 +253,8 @@ def judge_job(views: Sequence[NodeView], nnodes: int, timeout_s: float,
         if any(w.working for w, node in workers if (node, w.pid) in late):
             return None  # a late rank still computes
         culprits = tuple((w, node) for w, node in workers if (node, w.pid) in late)
+        if all(w.network for w, _ in culprits) and idle_s < 3 * timeout_s:
+            return None  # late replies from other hosts: three timeouts
         ahead = tuple(w for w, node in workers if (node, w.pid) not in late)
         first, node = culprits[0]
         return JobHang(culprits, ahead, idle_s, late[(node, first.pid)])
@@ -292,6 +303,7 @@ class HangWatch:
         self.activity: dict[int, _Activity] = {}
         self.longest_spell_s = 0.0  # the longest all-idle spell that ended by itself
         self.spell_s = 0.0
+        self.spell_awaited_network = False  # this spell's culprits were given three timeouts
         self.next_sample = clock()
         self.next_check = 0.0  # when a spell's stacks may be read (again)
         self.last_look: tuple[tuple[int, str], ...] = ()  # this spell's last states read
@@ -344,7 +356,9 @@ class HangWatch:
         idle_s = now - max(self.activity[w.pid].busy_at for w in live
                            if w.pid in self.activity)
         if idle_s < self.spell_s:  # someone worked again: the spell ended by itself
-            self.longest_spell_s = max(self.longest_spell_s, self.spell_s)
+            if not self.spell_awaited_network:  # a late reply has its own allowance
+                self.longest_spell_s = max(self.longest_spell_s, self.spell_s)
+            self.spell_awaited_network = False
             self.next_check = 0.0
             self.last_look = ()
             self.view = None
@@ -381,6 +395,8 @@ class HangWatch:
             if working & late.keys():
                 return None  # a late rank still computes: a slow step of its own
             culprits = tuple(w for w in live if w.pid in late)
+            if self._awaiting_network(culprits, stacks, idle_s, now):
+                return None
             ahead = tuple(w for w in live if w.pid not in late)
             first = late[culprits[0].pid]
             where = {w.pid: waiting_where(progress[w.pid], first) for w in ahead
@@ -401,15 +417,28 @@ class HangWatch:
         if not waiting or any(w.pid in stacks and stacks[w.pid].forming_group
                               for w in waiting):
             return None  # a slow step, or a group still forming: torch's own timeout
-        if culprits and not all(stacks[w.pid].awaits_network for w in culprits):
+        if culprits:
+            if self._awaiting_network(culprits, stacks, idle_s, now):
+                return None
             return Hang("hung", culprits, waiting, idle_s, stacks, nccl)
-        if self.multi_node and not culprits:
+        if self.multi_node:
             return None  # the rank they wait for is on another node: its node names it
-        # culprits awaiting another host's reply, or nobody to name: three timeouts
-        if idle_s < 3 * self.timeout_s:
+        if idle_s < 3 * self.timeout_s:  # nobody to name: three timeouts
             self.next_check = now + SAMPLE_S
             return None
-        return Hang("hung", culprits, waiting, idle_s, stacks, nccl)
+        return Hang("hung", (), waiting, idle_s, stacks, nccl)
+
+    def _awaiting_network(self, culprits: Sequence[WorkerProcess], stacks: dict[int, Stack],
+                          idle_s: float, now: float) -> bool:
+        """Whether to wait longer for culprits that all await another host's reply (their
+        stacks in Python's network I/O): until three timeouts, looking every sample."""
+        if not all(w.pid in stacks and stacks[w.pid].awaits_network for w in culprits):
+            return False
+        self.spell_awaited_network = True
+        if idle_s >= 3 * self.timeout_s:
+            return False
+        self.next_check = now + SAMPLE_S
+        return True
 
     def _view(self, live: list[WorkerProcess], idle_s: float, stacks: dict[int, Stack],
               nccl: dict[int, str], progress: dict[int, NcclProgress],

@@ -49,6 +49,9 @@ _WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "t
 # Python's network I/O: an idle frame here waits for a reply from another host (C-level
 # reads such as ``socket.recv`` show the caller's frame instead: they count as its own code).
 _NETWORK_IO = ("/socket.py", "/ssl.py", "/selectors.py", "/http/client.py")
+# ... unless it is a local wait that multiplexes pipes the same way: a data loader's worker
+# queue (multiprocessing's connection.wait selects), a child process (subprocess), a pool.
+_LOCAL_WAIT = ("/multiprocessing/", "/subprocess.py", "/concurrent/futures/")
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,10 @@ class Stack:
 
     @property
     def awaits_network(self) -> bool:
-        """Idle in Python's network I/O, outside torch: waiting for another host's reply."""
-        return bool(self.frames) and self.frames[0].in_network_io
+        """Idle in Python's network I/O, outside torch: waiting for another host's reply
+        (not a pipe to a local process: a data loader's queue, a child's output)."""
+        return bool(self.frames) and self.frames[0].in_network_io and not any(
+            part in f.filename for f in self.frames for part in _LOCAL_WAIT)
 
     @property
     def forming_group(self) -> bool:
