@@ -574,4 +574,6 @@ def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_r
             child.wait(10)
             for sender in senders.values():
                 sender.stop(2.0)
-            monitor.close()
+            stuck = monitor.close()  # its lease view's thread is joined (a slice, a request)
+        assert stuck == "" and not monitor.leases._thread.is_alive(), stuck
+        assert monitor.leases._thread.name == "ftrun-lease-view"

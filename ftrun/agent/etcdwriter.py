@@ -56,6 +56,25 @@ def watch_writer(agent: Agent, rdzv: Rendezvous) -> None:
         on_won=lambda election: promote(agent, rdzv, election)).start()
 
 
+def stop_watches(agent: Agent) -> None:
+    """The agent stops (Agent.run's end): the writer watch's thread, and the lease view's
+    thread of its heartbeat monitor (etcd-v3; waited for a slice and a request, not at all
+    when the store is lost), said when still alive. Nothing else of the agent's is stopped."""
+    if agent._writer_watch is not None:
+        agent._writer_watch.stop(0.0)
+    close_monitor(agent, 0.0 if agent.store_lost else None)
+
+
+def close_monitor(agent: Agent, timeout_s: float | None = None) -> None:
+    """Stop the agent's heartbeat monitor's lease view (HeartbeatMonitor.close: waited up
+    to ``timeout_s``, default a slice and a request) and say so when its thread is still
+    alive then; nothing when the agent has no monitor."""
+    if agent.nodes is not None:
+        stuck = agent.nodes.monitor.close(timeout_s)
+        if stuck:
+            agent.say(f"node {agent.node_id}: {stuck}", style="yellow")
+
+
 def promote(agent: Agent, rdzv: Rendezvous, election: Election) -> None:
     """This agent became the job's writer (called from the writer watch's thread): it
     serves the presence connections (ftrun/control/presence.py: a killed agent is lost at
@@ -71,6 +90,7 @@ def promote(agent: Agent, rdzv: Rendezvous, election: Election) -> None:
     agent.presence = serve_presence(rdzv.store, Signer(load_secret()), agent.run_id,
                                     agent.store_bind, agent.store_host,
                                     agent._rejected_record)
+    close_monitor(agent)  # a monitor replaced (none yet, as a rule): its lease view ends
     monitor = HeartbeatMonitor(rdzv.store, agent.config.heartbeat_timeout_s, agent.presence,
                                agent.config.heartbeat_interval_s)
     agent.nodes = NodeWatch(monitor, node_id=agent.node_id,

@@ -93,6 +93,7 @@ class Election:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 client = client or self._connect()
+                self.request_s = client.timeout.total_seconds()
                 if client.keep_alive(lease) < 0:
                     self.lost_at = time.monotonic()
                     return
@@ -150,9 +151,13 @@ class WriterWatch:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop the thread; wait up to ``timeout_s`` (default: a slice plus one request to
+        one endpoint, what the thread may be inside). False when it is still alive then
+        (stuck in a longer request: a daemon thread, it ends with the process)."""
         self._stop.set()
-        self._thread.join(timeout_s)
+        self._thread.join(self.slice_s + self.request_s if timeout_s is None else timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         client: EtcdClient | None = None
@@ -160,6 +165,7 @@ class WriterWatch:
         while not self._stop.wait(self.interval_s):
             try:
                 client = client or self._connect()
+                self.request_s = client.timeout.total_seconds()
                 held, _ = client._range(self.key)
                 if held is not None:
                     held_at = time.time()
@@ -269,6 +275,7 @@ class LeaseView:
         self.synced_at: float | None = None
         self.looked_at: float | None = None  # the thread's last look (a slice's end, a sync)
         self.requests = 0  # made by the thread (watches, reads, lease checks)
+        self.request_s = 5.0  # one request's bound on one endpoint (its client's timeout)
         self._nodes: dict[str, _Liveness] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -279,9 +286,13 @@ class LeaseView:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop the thread; wait up to ``timeout_s`` (default: a slice plus one request to
+        one endpoint, what the thread may be inside). False when it is still alive then
+        (stuck in a longer request: a daemon thread, it ends with the process)."""
         self._stop.set()
-        self._thread.join(timeout_s)
+        self._thread.join(self.slice_s + self.request_s if timeout_s is None else timeout_s)
+        return not self._thread.is_alive()
 
     def heard(self, node_ids: Iterable[str]) -> dict[str, float]:
         """Node id -> when it was last heard (see the class docstring), for those known."""
@@ -315,6 +326,7 @@ class LeaseView:
         while not self._stop.is_set():
             try:
                 client = client or self._connect()
+                self.request_s = client.timeout.total_seconds()
                 if revision == 0:
                     revision = self._resync(client)
                 self.requests += 1
