@@ -215,10 +215,13 @@ class HeartbeatMonitor:
             del self._changed[node_id]
             self._seq.pop(node_id, None)
 
-    def close(self) -> None:
-        """Stop the lease watch's thread (etcd-v3); nothing else to stop."""
-        if self.leases is not None:
-            self.leases.stop()
+    def close(self, timeout_s: float | None = None) -> str:
+        """Stop the lease watch's thread (etcd-v3; nothing else to stop), waiting up to
+        ``timeout_s`` (default: a slice and a request); what to say when it is still alive
+        then (a daemon thread stuck in a request: it ends with the process), else ""."""
+        if self.leases is None or self.leases.stop(timeout_s):
+            return ""
+        return "the etcd lease view's thread is still in a request (left to end by itself)"
 
     def silent_s(self, node_id: str) -> float:
         """Seconds the agent was silent at the last scan (neither its store heartbeat nor
