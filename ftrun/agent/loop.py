@@ -185,8 +185,7 @@ class Agent:
             return ExitCode.RENDEZVOUS_FAILED
         finally:
             self.snapshots.close()
-            if self._writer_watch is not None:
-                self._writer_watch.stop(0.0)
+            etcdwriter.stop_watches(self)  # the writer watch; the heartbeats' lease view
             if self.election is not None:
                 self.election.resign(0.0 if self.store_lost else 2.0 * self._op_timeout)
             if self.heartbeat is not None:
