@@ -577,3 +577,28 @@ def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_r
             stuck = monitor.close()  # its lease view's thread is joined (a slice, a request)
         assert stuck == "" and not monitor.leases._thread.is_alive(), stuck
         assert monitor.leases._thread.name == "ftrun-lease-view"
+
+
+def test_lease_view_on_loopback_etcd() -> None:
+    """The writer's lease view (ftrun/control/election.py LeaseView) and the lease reads
+    under it, on one loopback etcd with no job:
+
+    * a lease in its last second reads as alive (etcd truncates the TTL left to whole
+      seconds and its gateway omits a 0), a revoked or unknown one as gone (-1)."""
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
+        client = connect_etcd(options, 5, op_timeout_s=2)
+        before = time.monotonic()  # the lease ends a TTL (2 s) after its grant, or later
+        lease, ttl = client.grant_ttl(2)
+        assert ttl == 2
+        left: list[tuple[float, int]] = []
+        while time.monotonic() - before < 1.9:
+            value = client.time_to_live(lease)
+            left.append((time.monotonic() - before, value))
+            time.sleep(0.05)
+        read_alive = [v for t, v in left if t < 2.0]
+        assert read_alive and all(v >= 0 for v in read_alive), left
+        assert any(v == 0 for t, v in left), left  # its last second was read
+        client.revoke(lease)
+        assert client.time_to_live(lease) == -1
+        assert client.time_to_live(12345) == -1

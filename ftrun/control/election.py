@@ -387,7 +387,7 @@ class LeaseView:
         self.requests += 1
         left = client.time_to_live(node.lease)
         with self._lock:
-            node.state = "kept" if left > 0 else "expired"
+            node.state = "kept" if left >= 0 else "expired"
             node.at = self.clock()
 
     def _recheck(self, client: EtcdClient) -> None:

@@ -348,10 +348,11 @@ class EtcdClient:
         return int(result["ID"]), int(result.get("TTL", ttl_s))
 
     def time_to_live(self, lease: int) -> int:
-        """Seconds the lease has left, or -1 when it expired or was revoked (one request;
-        it reads the lease, it does not renew it)."""
+        """Whole seconds the lease has left (0: under one, alive), or -1 when etcd does not
+        hold it (expired or revoked: the answer lacks ``grantedTTL``; the gateway omits a
+        TTL of 0). One request; it reads the lease, it does not renew it."""
         result = self._post("/lease/timetolive", {"ID": lease})
-        return int(result.get("TTL", -1))
+        return max(0, int(result.get("TTL", 0))) if "grantedTTL" in result else -1
 
     def put_leased(self, key: str, value: str | bytes, lease: int) -> None:
         """Put ``value`` bound to ``lease``: etcd deletes the key when the lease ends."""
