@@ -869,6 +869,7 @@ class Fleet:
         procs = max(1, min(procs, len(ids)))
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._early: list[tuple[int, dict[str, Any]]] = []
         for k in range(procs):
             proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()),
                                      "--tag", tag or "ftrun-loadgen"],
@@ -902,18 +903,28 @@ class Fleet:
 
         got: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout_s
+        early, self._early = self._early, []  # what came while waiting for something else
         while len(got) < len(self.procs):
-            try:
-                k, obj = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"generator processes: {len(got)} of {len(self.procs)} "
-                                   f"said {event!r} within {timeout_s:.0f} s") from None
-            if obj.get("event") == event:
+            if early:
+                k, obj = early.pop(0)
+            else:
+                try:
+                    k, obj = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise RuntimeError(f"generator processes: {len(got)} of "
+                                       f"{len(self.procs)} said {event!r} within "
+                                       f"{timeout_s:.0f} s") from None
+            if obj.get("event") == event and k in got:
+                self._early.append((k, obj))  # a process's next one: for a later wait
+            elif obj.get("event") == event:
                 got[k] = obj
             elif obj.get("event") == "exited" and k in got:
                 continue  # it said what was asked, then ended (after its report)
             elif obj.get("event") in ("error", "exited"):
                 raise RuntimeError(f"generator process {k}: {obj.get('error') or obj}")
+            else:
+                self._early.append((k, obj))
+        self._early.extend(early)
         return [got[k] for k in range(len(self.procs))]
 
     def close(self, timeout_s: float = 5.0) -> None:
