@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -579,12 +580,66 @@ def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_r
         assert monitor.leases._thread.name == "ftrun-lease-view"
 
 
+class _FreezableRelay:
+    """A TCP relay to a loopback etcd; after :meth:`freeze` it neither relays nor answers,
+    its connections stay open (an etcd member stopped by SIGSTOP, as its clients see it:
+    the kernel still accepts)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.frozen = threading.Event()
+        self.socks: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.socks.append(conn)
+            if self.frozen.is_set():
+                continue  # held open, never answered
+            up = socket.create_connection(("127.0.0.1", self.target))
+            self.socks.append(up)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        while True:
+            try:
+                data = a.recv(65536)
+                if not data or self.frozen.is_set():
+                    return
+                b.sendall(data)
+            except OSError:
+                return
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
 def test_lease_view_on_loopback_etcd() -> None:
     """The writer's lease view (ftrun/control/election.py LeaseView) and the lease reads
     under it, on one loopback etcd with no job:
 
     * a lease in its last second reads as alive (etcd truncates the TTL left to whole
-      seconds and its gateway omits a 0), a revoked or unknown one as gone (-1)."""
+      seconds and its gateway omits a 0), a revoked or unknown one as gone (-1);
+    * while ``hb/`` is quiet (keepalives make no revision) and the store moves on, the
+      view's watch start revision still advances (no ever longer history scan per slice);
+    * a member that stops answering (a frozen relay to it, first of the endpoints) does
+      not stop the view from hearing a live node: its watch fails over to the next one;
+    * a view stuck in requests to frozen members (three, each up to its 1 s timeout)
+      never reports a node heard later than its last confirmation by etcd plus a slice and
+      one request (silence is not hidden while the thread is blocked)."""
+    from ftrun.control.election import LeaseBeat, LeaseView
+
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
         client = connect_etcd(options, 5, op_timeout_s=2)
@@ -602,3 +657,56 @@ def test_lease_view_on_loopback_etcd() -> None:
         client.revoke(lease)
         assert client.time_to_live(lease) == -1
         assert client.time_to_live(12345) == -1
+
+        store = JsonStore(client, "ftrun/job", signer=Signer(TOKEN.encode()))
+        LeaseBeat(30.0)(store, "hb/a")  # a live node, its lease long enough for the test
+        relay = _FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        slice_s = 0.25
+
+        def view(endpoints: str) -> LeaseView:
+            opts = EtcdOptions.parse(endpoints, {"etcd_prefix": "/ftrun"})
+            found = LeaseView(lambda: EtcdClient(opts, 1.0), store, "hb/", slice_s)
+            found.max_lag = 50
+            return found.start()
+
+        direct, failover, stuck = view(endpoint), view(f"{relay.endpoint},{endpoint}"), \
+            view(",".join([relay.endpoint] * 3))
+        views = (direct, failover, stuck)
+        try:
+            deadline = time.monotonic() + 20
+            while not all(v.state("a") == "live" and v.revision for v in views):
+                assert time.monotonic() < deadline, [(v.state("a"), v.revision) for v in views]
+                time.sleep(0.05)
+            start = direct.revision
+            for i in range(100):  # unrelated writes: the store's revision moves, hb/ not
+                client.set(f"ftrun/job/other/{i}", "x")
+            moved_to = client._range("ftrun/job/other/0")[1]
+            while direct.revision <= moved_to:
+                assert time.monotonic() < deadline, (start, direct.revision, moved_to)
+                time.sleep(0.05)
+            print(f"watch start revision {start} -> {direct.revision} (store at {moved_to})")
+
+            relay.freeze()
+            frozen = time.monotonic()
+            latest = 0.0  # the stuck view: how far past its last confirmation it said
+            while time.monotonic() - frozen < 2.5:
+                with stuck._lock:
+                    synced = stuck.synced_at
+                heard = stuck.heard(["a"])["a"]
+                assert synced is not None
+                latest = max(latest, heard - synced)
+                assert heard <= synced + slice_s + stuck.request_s + 0.05, \
+                    (heard - synced, time.monotonic() - frozen)
+                time.sleep(0.05)
+            assert stuck.synced_at is not None and stuck.synced_at < frozen + 0.1
+            assert failover.synced_at is not None and failover.synced_at > frozen + 1.0, \
+                (failover.synced_at - frozen, failover.requests)
+            assert time.monotonic() - failover.heard(["a"])["a"] < 1.5
+            print(f"failover view synced {failover.synced_at - frozen:.2f} s after the "
+                  f"freeze; stuck view heard at most {latest:.2f} s past its last sync")
+        finally:
+            for v in views:
+                v.stop(0.0)
+            relay.close()
+            for v in views:
+                assert v.stop(), "a lease view's thread outlived its stop"

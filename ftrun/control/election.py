@@ -259,11 +259,20 @@ class LeaseView:
     events, at most a slice plus a request apart), counted at the thread's own last look
     (as the presence server counts silence at its last ``select``): a view that runs but
     stopped hearing from etcd cannot hide a silence, and a thread that could not run adds
-    none of its own; an expired lease, a TTL before the expiry was seen (its last renewal);
-    no record seen, nothing (the monitor's full timeout from when it began watching
-    applies). Errors: a failed watch or read makes the thread read the whole prefix again
-    on another endpoint after a pause; it never raises. Every request is bounded (the
-    client's timeouts), so the thread looks at least every slice plus a request."""
+    none of its own up to a slice and one request (``request_s``) past its last look, what
+    a request may take: time beyond that counts as silence (a thread stuck in requests to
+    frozen endpoints hides none); an expired lease, a TTL before the expiry was seen (its
+    last renewal); no record seen, nothing (the monitor's full timeout from when it began watching
+    applies). Errors: a failed watch or read (a watch whose "created" answer never came
+    included: a frozen or cut-off member) makes the thread read the whole prefix again on
+    the next endpoint after a pause; it never raises. Every request is bounded (the
+    client's timeouts), so the thread looks at least every slice plus a request.
+
+    Keepalives make no store revision, so while ``hb/`` is quiet the watch's start revision
+    would stay where the last read left it, and etcd would scan all history since for each
+    slice's new watch: once the store's revision (the watch's created answer) is more than
+    ``max_lag`` (or twice the nodes known) ahead, the thread reads the prefix again (one
+    range of N keys instead of scans of ever more revisions)."""
 
     def __init__(self, connect: Callable[[], EtcdClient], store: JsonStore, prefix: str,
                  slice_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -276,6 +285,8 @@ class LeaseView:
         self.looked_at: float | None = None  # the thread's last look (a slice's end, a sync)
         self.requests = 0  # made by the thread (watches, reads, lease checks)
         self.request_s = 5.0  # one request's bound on one endpoint (its client's timeout)
+        self.revision = 0  # the watch's start revision (0: read the prefix again first)
+        self.max_lag = 1000
         self._nodes: dict[str, _Liveness] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -297,9 +308,10 @@ class LeaseView:
     def heard(self, node_ids: Iterable[str]) -> dict[str, float]:
         """Node id -> when it was last heard (see the class docstring), for those known."""
         with self._lock:
-            synced = self.synced_at
-            if synced is not None and self.looked_at is not None:
-                synced = self.clock() - max(0.0, self.looked_at - synced)
+            synced, now = self.synced_at, self.clock()
+            if synced is not None and self.looked_at is not None:  # silence seen, stuck
+                stuck = max(0.0, now - self.looked_at - self.slice_s - self.request_s)
+                synced = now - max(0.0, self.looked_at - synced) - stuck
             found: dict[str, float] = {}
             for node_id in node_ids:
                 node = self._nodes.get(node_id)
@@ -313,6 +325,15 @@ class LeaseView:
                     found[node_id] = synced
             return found
 
+    def prune(self, watched: Iterable[str]) -> None:
+        """Forget expired nodes not in ``watched`` (a live one stays known: its key, which
+        only a new put would announce again, still holds its lease)."""
+        keep = set(watched)
+        with self._lock:
+            for node_id in [i for i, n in self._nodes.items()
+                            if n.state == "expired" and i not in keep]:
+                del self._nodes[node_id]
+
     def state(self, node_id: str) -> str | None:
         with self._lock:
             node = self._nodes.get(node_id)
@@ -322,22 +343,23 @@ class LeaseView:
 
     def _run(self) -> None:
         client: EtcdClient | None = None
-        revision = 0
         while not self._stop.is_set():
             try:
                 client = client or self._connect()
                 self.request_s = client.timeout.total_seconds()
-                if revision == 0:
-                    revision = self._resync(client)
+                if self.revision == 0:
+                    self.revision = self._resync(client)
                 self.requests += 1
-                revision = client.watch_prefix(
-                    self._store.key(self._prefix), revision, self.slice_s,
+                self.revision, current = client.watch_prefix(
+                    self._store.key(self._prefix), self.revision, self.slice_s,
                     functools.partial(self._event, client), self._synced)
                 self._looked()
+                if current - self.revision >= max(self.max_lag, 2 * len(self._nodes)):
+                    self.revision = 0  # read again (see the class docstring)
                 self._recheck(client)
             except Exception:  # RuntimeError, StoreError, a malformed answer: never unseen
-                client, revision = None, 0  # read everything again, on the next endpoint
-                self._looked()
+                self.revision = 0  # read everything again (the client moved to the next
+                self._looked()  # endpoint on a failed watch, as a failed read does)
                 self._stop.wait(min(self.slice_s, 0.5))
 
     def _synced(self) -> None:
@@ -372,8 +394,8 @@ class LeaseView:
         body = self._store.check_record(self._prefix + node_id, value) \
             if value is not None else None
         now = self.clock()
-        if body is not None and body.get("lease") == lease and lease and \
-                isinstance(body.get("ttl"), int) and 0 < body["ttl"] <= 3600:
+        if body is not None and type(body.get("lease")) is int and body["lease"] == lease \
+                and lease and type(body.get("ttl")) is int and 0 < body["ttl"] <= 3600:
             with self._lock:
                 self._nodes[node_id] = _Liveness(lease, body["ttl"], now, "live")
             return
@@ -388,7 +410,7 @@ class LeaseView:
         left = client.time_to_live(node.lease)
         with self._lock:
             node.state = "kept" if left >= 0 else "expired"
-            node.at = self.clock()
+            node.at = self.looked_at = self.clock()  # a look too (see heard())
 
     def _recheck(self, client: EtcdClient) -> None:
         """Once a slice: the leases of keys that a foreign client deleted."""

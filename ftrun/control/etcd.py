@@ -371,19 +371,21 @@ class EtcdClient:
 
     def watch_prefix(self, prefix: str, start_revision: int, slice_s: float,
                      on_event: Callable[[str, bytes | None, int], None],
-                     on_synced: Callable[[], None]) -> int:
+                     on_synced: Callable[[], None]) -> tuple[int, int]:
         """Stream the changes of the keys under ``prefix`` from ``start_revision`` for
         ``slice_s``: ``on_event(key, value or None for a delete, lease)`` for each,
         ``on_synced()`` when etcd confirmed the watch (its "created" answer) and after each
-        batch of events. Returns the revision to watch from next. One request (one stream)
-        per slice. RuntimeError when the endpoint failed (the next request goes to the next
-        endpoint) or the start revision was compacted: the caller reads the prefix again."""
+        batch of events. Returns the revision to watch from next and the store's revision
+        when the watch was created. One request (one stream) per slice. RuntimeError when
+        the endpoint failed (the next request goes to the next endpoint), its "created"
+        answer never came (a frozen or cut-off member: its timeouts would otherwise pass
+        for an idle slice), or the start revision was compacted: the caller reads again."""
         client = self._clients[self._current]
         start = self._root + prefix.encode()
         request = {"create_request": {"key": _b64(start), "range_end": _b64(_next_key(start)),
                                       "start_revision": start_revision}}
         deadline = time.monotonic() + slice_s
-        following = start_revision
+        following, created = start_revision, 0
         try:
             with client.session.post(client.get_url("/watch"), json=request, stream=True,
                                      timeout=(self._connect_s, min(slice_s, self._timeout_s))
@@ -403,19 +405,23 @@ class EtcdClient:
                             _unb64(kv.get("value", ""))
                         on_event(key, value, int(kv.get("lease", 0)))
                         following = max(following, int(kv.get("mod_revision", 0)) + 1)
-                    if result.get("created") or result.get("events"):
+                    if result.get("created"):
+                        created = int((result.get("header") or {}).get("revision", 0)) or 1
+                    if created and (result.get("created") or result.get("events")):
                         on_synced()
                     if time.monotonic() >= deadline:
                         break
+                if not created:
+                    raise RuntimeError("the stream ended before etcd said it was created")
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError,
                 RuntimeError) as error:
             # an idle stream ends by the read timeout at the slice's end (requests raises
-            # it as a ConnectionError from inside a stream); anything sooner is a failure
-            if time.monotonic() < deadline - 0.05:
+            # it as a ConnectionError from inside a stream); sooner, or uncreated: failed
+            if time.monotonic() < deadline - 0.05 or not created:
                 failed = self.endpoint
                 self._current = (self._current + 1) % len(self._clients)
                 raise RuntimeError(f"etcd watch at {failed}: {_short(error)}") from None
-        return following
+        return following, created
 
     def keep_alive(self, lease: int) -> int:
         """Renew the lease; its TTL left, or -1 when it has already expired."""
