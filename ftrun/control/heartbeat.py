@@ -214,6 +214,8 @@ class HeartbeatMonitor:
         for node_id in set(self._changed) - wanted:
             del self._changed[node_id]
             self._seq.pop(node_id, None)
+        if self.leases is not None:  # expired nodes no longer watched are forgotten
+            self.leases.prune(wanted)
 
     def close(self, timeout_s: float | None = None) -> str:
         """Stop the lease watch's thread (etcd-v3; nothing else to stop), waiting up to
