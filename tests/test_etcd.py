@@ -635,6 +635,7 @@ def test_lease_view_on_loopback_etcd() -> None:
       view's watch start revision still advances (no ever longer history scan per slice);
     * a member that stops answering (a frozen relay to it, first of the endpoints) does
       not stop the view from hearing a live node: its watch fails over to the next one;
+    * a revoked lease's node is expired, and forgotten once no longer watched (prune);
     * a view stuck in requests to frozen members (three, each up to its 1 s timeout)
       never reports a node heard later than its last confirmation by etcd plus a slice and
       one request (silence is not hidden while the thread is blocked)."""
@@ -685,6 +686,17 @@ def test_lease_view_on_loopback_etcd() -> None:
                 assert time.monotonic() < deadline, (start, direct.revision, moved_to)
                 time.sleep(0.05)
             print(f"watch start revision {start} -> {direct.revision} (store at {moved_to})")
+            gone = LeaseBeat(30.0)
+            gone(store, "hb/z")
+            while direct.state("z") != "live":
+                assert time.monotonic() < deadline, direct.state("z")
+                time.sleep(0.05)
+            client.revoke(gone.lease)  # its key goes with it: the view reads the lease, gone
+            while direct.state("z") != "expired":
+                assert time.monotonic() < deadline, direct.state("z")
+                time.sleep(0.05)
+            direct.prune(["a"])  # the monitor no longer watches z: forgotten, a kept
+            assert direct.state("z") is None and direct.state("a") == "live"
 
             relay.freeze()
             frozen = time.monotonic()
