@@ -251,8 +251,13 @@ def user_stack(pid: int) -> Stack:
 
 
 def network_stack(pid: int) -> Stack:
+    """A remote read in a script whose main is under torch's elastic ``record`` decorator
+    (its file is in torch/distributed/elastic/multiprocessing/: not a local pipe)."""
     return Stack(pid, (Frame("readinto", "/usr/lib/python3.11/socket.py", "socket.py", 707),
-                       Frame("main", "/job/train.py", "train.py", 95)))
+                       Frame("main", "/job/train.py", "train.py", 95),
+                       Frame("wrapper", f"{TORCH}/distributed/elastic/multiprocessing/errors/"
+                             "__init__.py", "torch/distributed/elastic/multiprocessing/"
+                             "errors/__init__.py", 367)))
 
 
 def forming_stack(pid: int) -> Stack:

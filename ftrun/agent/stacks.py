@@ -50,7 +50,9 @@ _WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "t
 # reads such as ``socket.recv`` show the caller's frame instead: they count as its own code).
 _NETWORK_IO = ("/socket.py", "/ssl.py", "/selectors.py", "/http/client.py")
 # ... unless it is a local wait that multiplexes pipes the same way: a data loader's worker
-# queue (multiprocessing's connection.wait selects), a child process (subprocess), a pool.
+# queue (multiprocessing's connection.wait selects), a child process (subprocess), a pool;
+# looked for only in the chain of such library frames around the innermost one (a script's
+# main under torch's elastic ``record`` decorator has torch/.../multiprocessing/ outside it).
 _LOCAL_WAIT = ("/multiprocessing/", "/subprocess.py", "/concurrent/futures/")
 
 
@@ -89,8 +91,14 @@ class Stack:
     def awaits_network(self) -> bool:
         """Idle in Python's network I/O, outside torch: waiting for another host's reply
         (not a pipe to a local process: a data loader's queue, a child's output)."""
-        return bool(self.frames) and self.frames[0].in_network_io and not any(
-            part in f.filename for f in self.frames for part in _LOCAL_WAIT)
+        if not self.frames or not self.frames[0].in_network_io:
+            return False
+        for frame in self.frames:
+            if any(part in frame.filename for part in _LOCAL_WAIT):
+                return False
+            if not frame.in_network_io:
+                return True  # the caller of the I/O library: no local pipe underneath
+        return True
 
     @property
     def forming_group(self) -> bool:
