@@ -93,7 +93,6 @@ class Election:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 client = client or self._connect()
-                self.request_s = client.timeout.total_seconds()
                 if client.keep_alive(lease) < 0:
                     self.lost_at = time.monotonic()
                     return
@@ -151,13 +150,9 @@ class WriterWatch:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float | None = None) -> bool:
-        """Stop the thread; wait up to ``timeout_s`` (default: a slice plus one request to
-        one endpoint, what the thread may be inside). False when it is still alive then
-        (stuck in a longer request: a daemon thread, it ends with the process)."""
+    def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
-        self._thread.join(self.slice_s + self.request_s if timeout_s is None else timeout_s)
-        return not self._thread.is_alive()
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         client: EtcdClient | None = None
@@ -165,7 +160,6 @@ class WriterWatch:
         while not self._stop.wait(self.interval_s):
             try:
                 client = client or self._connect()
-                self.request_s = client.timeout.total_seconds()
                 held, _ = client._range(self.key)
                 if held is not None:
                     held_at = time.time()
@@ -262,8 +256,8 @@ class LeaseView:
     none of its own up to a slice and one request (``request_s``) past its last look, what
     a request may take: time beyond that counts as silence (a thread stuck in requests to
     frozen endpoints hides none); an expired lease, a TTL before the expiry was seen (its
-    last renewal); no record seen, nothing (the monitor's full timeout from when it began watching
-    applies). Errors: a failed watch or read (a watch whose "created" answer never came
+    last renewal); no record seen, nothing (the monitor's full timeout from when it began
+    watching applies). Errors: a failed watch or read (a watch whose "created" answer never came
     included: a frozen or cut-off member) makes the thread read the whole prefix again on
     the next endpoint after a pause; it never raises. Every request is bounded (the
     client's timeouts), so the thread looks at least every slice plus a request.
