@@ -1676,9 +1676,9 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         # CPU from here on is the agents' wake-up (their assignments are in the store) and
         # the store thread serving it: read per process from /proc (10 ms ticks each)
         at_write = (sum(_cpu_s(pid) for pid in agent_pids()), _cpu_s(os.getpid()))
-        reports = [] if fleet is None else [
-            {"joined": r["joined"], "errors": r["join_errors"], "failed": r["join_failed"]}
-            for r in fleet.wait_for("report", timeout_s + 60)]
+        done = [] if fleet is None else fleet.wait_for("report", timeout_s + 60)
+        reports = [{"joined": r["joined"], "errors": r["join_errors"],
+                    "failed": r["join_failed"]} for r in done]
         while len(reports) < procs:
             try:
                 kind, first, value = out.get(timeout=timeout_s + 60)
@@ -1688,12 +1688,13 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                 raise RuntimeError(f"agents from {first} failed: {value}")
             reports.append(value)
         window = max(0.001, time.time() - started)
-        info["agents_cpu_s_after_record"] = round(
-            sum(_cpu_s(pid) for pid in agent_pids()) - at_write[0], 2)
+        # a generator process reports its own CPU as it ends (it may be gone by now)
+        agents_now = sum(r["cpu_s"] for r in done) if fleet is not None else \
+            sum(_cpu_s(pid) for pid in agent_pids())
+        info["agents_cpu_s_after_record"] = round(agents_now - at_write[0], 2)
         info["store_host_cpu_s_after_record"] = round(_cpu_s(os.getpid()) - at_write[1], 2)
         info["store_host_cores"] = round((_cpu_s(os.getpid()) - host_cpu) / window, 2)
-        info["agents_cores"] = round((sum(_cpu_s(pid) for pid in agent_pids())
-                                      - agents_cpu) / window, 2)
+        info["agents_cores"] = round((agents_now - agents_cpu) / window, 2)
         info["other_work_cores"] = round(max(0.0, _machine_busy_s() - busy) / window
                                          - info["store_host_cores"] - info["agents_cores"], 2)
     finally:
