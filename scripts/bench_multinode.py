@@ -5,6 +5,7 @@
     python scripts/bench_multinode.py --only rendezvous --agents 64,256,512
     python scripts/bench_multinode.py --only rendezvous --agents 64,128 --torchrun-rendezvous
     python scripts/bench_multinode.py --only rendezvous-light --agents 512,4096
+    python scripts/bench_multinode.py --only rendezvous-light --agents 4096 --light-harness events
     python scripts/bench_multinode.py --only store-load --store-load 1000
     python scripts/bench_multinode.py --only rendezvous-light-etcd --agents 512
     python scripts/bench_multinode.py --only leader-loss --runs 2
@@ -99,7 +100,15 @@
   agents their CPU after the record was 0.44-0.92 s with it, 0.15-0.20 s without).
   The process-per-agent figures of ``--only rendezvous`` are under
   ``rendezvous_s["ftrun_process"]``.
-* ``store_load``: the real load N agents put on one control store, measured: N light
+* ``store_load`` (default ``--store-load-harness events``): N event-driven simulated agents
+  of scripts/loadgen.py (thousands per process, one ``selectors`` loop each; its module
+  docstring says what each agent sends: heartbeat, end-watch and presence connections in
+  torch's wire protocol and ftrun's, signed records) against the real leader in this
+  process (serve_store, serve_presence, HeartbeatMonitor at NodeWatch's cadence, the end
+  read every 0.1 s); keys as below, plus ``layout``, ``presence_connections``,
+  ``pings_offered_per_s``, ``leader_scan_store_read_median_ms``, the cores of the store
+  thread, presence thread and leader loop, and ``load_average``. With ``--store-load-harness
+  threads``, the light agents before it: N light
   agents (default 1,000), spread over ``--store-load-procs`` processes (many per process),
   each running ftrun's own HeartbeatSender (a signed ``set`` of ``hb/<id>`` and a ``check``
   every ``--interval``) and EndWatcher (a server-side ``wait`` on ``gen/0/end`` held for the
