@@ -638,12 +638,13 @@ def test_lease_view_on_loopback_etcd() -> None:
     * a revoked lease's node is expired, and forgotten once no longer watched (prune);
     * a view stuck in requests to frozen members (three, each up to its 1 s timeout)
       never reports a node heard later than its last confirmation by etcd plus a slice and
-      one request (silence is not hidden while the thread is blocked)."""
+      one request (silence is not hidden while the thread is blocked);
+    * stop() ends a watch's wait at once (a 30 s slice), not after it."""
     from ftrun.control.election import LeaseBeat, LeaseView
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
-        client = connect_etcd(options, 5, op_timeout_s=2)
+        client = connect_etcd(options, 10, op_timeout_s=10)  # a loaded host
         before = time.monotonic()  # the lease ends a TTL (2 s) after its grant, or later
         lease, ttl = client.grant_ttl(2)
         assert ttl == 2
@@ -664,15 +665,16 @@ def test_lease_view_on_loopback_etcd() -> None:
         relay = _FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
         slice_s = 0.25
 
-        def view(endpoints: str) -> LeaseView:
+        def view(endpoints: str, slice_s: float = slice_s, op_s: float = 1.0) -> LeaseView:
             opts = EtcdOptions.parse(endpoints, {"etcd_prefix": "/ftrun"})
-            found = LeaseView(lambda: EtcdClient(opts, 1.0), store, "hb/", slice_s)
+            found = LeaseView(lambda: EtcdClient(opts, op_s), store, "hb/", slice_s)
             found.max_lag = 50
             return found.start()
 
         direct, failover, stuck = view(endpoint), view(f"{relay.endpoint},{endpoint}"), \
             view(",".join([relay.endpoint] * 3))
-        views = (direct, failover, stuck)
+        idle = view(endpoint, 30.0, 60.0)  # its watch waits 30 s unless stop() ends it
+        views = (direct, failover, stuck, idle)
         try:
             deadline = time.monotonic() + 20
             while not all(v.state("a") == "live" and v.revision for v in views):
@@ -716,6 +718,10 @@ def test_lease_view_on_loopback_etcd() -> None:
             assert time.monotonic() - failover.heard(["a"])["a"] < 1.5
             print(f"failover view synced {failover.synced_at - frozen:.2f} s after the "
                   f"freeze; stuck view heard at most {latest:.2f} s past its last sync")
+            asked = time.monotonic()
+            assert idle.state("a") == "live" and idle.stop(), "stop() waited out the watch"
+            print(f"stop() of a view in a 30 s watch took {time.monotonic() - asked:.3f} s")
+            assert time.monotonic() - asked < 5.0, time.monotonic() - asked
         finally:
             for v in views:
                 v.stop(0.0)

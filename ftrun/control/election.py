@@ -281,6 +281,7 @@ class LeaseView:
         self.request_s = 5.0  # one request's bound on one endpoint (its client's timeout)
         self.revision = 0  # the watch's start revision (0: read the prefix again first)
         self.max_lag = 1000
+        self._client: EtcdClient | None = None  # the thread's (stop() ends its watch)
         self._nodes: dict[str, _Liveness] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -296,6 +297,9 @@ class LeaseView:
         one endpoint, what the thread may be inside). False when it is still alive then
         (stuck in a longer request: a daemon thread, it ends with the process)."""
         self._stop.set()
+        stream = getattr(self._client, "stream", None)  # a watch's wait ends at once
+        with contextlib.suppress(Exception):  # none, or over (its connection released)
+            stream.raw.shutdown()  # type: ignore[union-attr]
         self._thread.join(self.slice_s + self.request_s if timeout_s is None else timeout_s)
         return not self._thread.is_alive()
 
@@ -339,7 +343,7 @@ class LeaseView:
         client: EtcdClient | None = None
         while not self._stop.is_set():
             try:
-                client = client or self._connect()
+                client = self._client = client or self._connect()
                 self.request_s = client.timeout.total_seconds()
                 if self.revision == 0:
                     self.revision = self._resync(client)

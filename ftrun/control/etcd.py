@@ -390,6 +390,7 @@ class EtcdClient:
             with client.session.post(client.get_url("/watch"), json=request, stream=True,
                                      timeout=(self._connect_s, min(slice_s, self._timeout_s))
                                      ) as response:
+                self.stream = response  # LeaseView.stop ends its wait (urllib3's shutdown)
                 if response.status_code != requests.codes["ok"]:
                     raise RuntimeError(f"HTTP {response.status_code} {response.reason}")
                 for line in response.iter_lines():
