@@ -1208,6 +1208,18 @@ def _load_average() -> float:
     return round(os.getloadavg()[0], 1)
 
 
+def _timed_scan(monitor: Any, ids: list[str], start: float, scans: list[float],
+                lost: set[str]) -> None:
+    """The leader's scan (its watch of ``ids``, then ``scan``), timed into ``scans`` and
+    its verdicts into ``lost`` once the window has started (``start``, time.time())."""
+    t0 = time.perf_counter()
+    monitor.watch(ids)
+    found = monitor.scan()
+    if time.time() >= start:
+        scans.append(time.perf_counter() - t0)
+        lost.update(found)
+
+
 def _scan_period(interval: float, heartbeat_timeout: float) -> float:
     """How often the leader scans (ftrun/agent/nodes.py NodeWatch.scan): every half interval
     and every eighth of the heartbeat timeout down to 0.25 s."""
@@ -1350,12 +1362,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
             store.first_record("gen/0/end")  # the leader's loop reads the end every tick
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + scan_every
-                t0 = time.perf_counter()
-                monitor.watch(ids)
-                found = monitor.scan()
-                if time.time() >= start:
-                    scans.append(time.perf_counter() - t0)
-                    lost.update(found)
+                _timed_scan(monitor, ids, start, scans, lost)
                 store.records_after("gen/1/slots", 0)  # the newcomer check
             time.sleep(_MONITOR_INTERVAL_S)
         window = max(0.001, time.time() - start)
@@ -1452,6 +1459,142 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
         "store_thread_cores": round(max(0.0, store_cpu) / window, 3),
         "agents_cores": round(agents_cpu / window, 3),
         "other_work_cores": round(max(0.0, busy - host - agents_cpu) / window, 2),
+        "load_average": {"before": load_before, "end_of_window": load_window,
+                         "after": _load_average()},
+    }
+
+
+def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
+                    procs: int = 0) -> dict[str, Any]:
+    """The etcd-v3 backend's store load: ``n`` simulated agents of scripts/loadgen.py
+    (mode ``etcd``) on a one-member loopback etcd (tests/infra/etcd_cluster.py), each doing
+    what an etcd-v3 agent's heartbeat does (ftrun.control.election.LeaseBeat: a lease of the
+    heartbeat timeout, 5 s, granted once, the signed liveness key put bound to it, then one
+    keepalive every ``interval``) over an HTTP/1.1 keep-alive connection of its own to
+    etcd's v3 JSON gateway, and holding a presence connection with its pings. The writer
+    is ftrun's own code in this process: a HeartbeatMonitor on the etcd-v3 client (its
+    LeaseView watches the liveness keys) with the PresenceServer, scanned every
+    NodeWatch period. Not simulated: the agents' watches of the generation's end (a
+    stream per agent). Raises RuntimeError when the agents cannot be set up."""
+    import resource
+
+    import psutil
+
+    from ftrun.control.auth import Signer
+    from ftrun.control.etcd import EtcdOptions, connect_etcd
+    from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
+    from ftrun.control.presence import PING_S
+    from ftrun.control.store import JsonStore
+    from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
+
+    reason = etcd_missing_reason()
+    if reason:
+        raise RuntimeError(f"etcd: {reason}")
+    timeout_s = 5.0  # the etcd-v3 default (ftrun/cli.py): the lease's TTL
+    op_timeout = _agent_op_timeout(timeout_s)
+    scan_every = _scan_period(interval, timeout_s)
+    procs = procs or max(2, -(-2 * n // 7500))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    token, run_id = "bench-token", f"etcdload-{time.time_ns()}"
+    signer = Signer(token.encode())
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {})
+        etcd_pid = next((c.pid for c in psutil.net_connections("tcp")
+                         if c.status == "LISTEN" and c.pid and
+                         f"127.0.0.1:{c.laddr.port}" == endpoint), None)
+        store = JsonStore(connect_etcd(options, 30, op_timeout_s=op_timeout),
+                          f"ftrun/{run_id}", signer=signer,
+                          reconnect=lambda: connect_etcd(options, op_timeout,
+                                                         op_timeout_s=op_timeout),
+                          retry_s=3 * timeout_s)
+        rejected: list[str] = []
+        presence = serve_presence(store, signer, run_id, "127.0.0.1", "127.0.0.1",
+                                  rejected.append)
+        monitor = HeartbeatMonitor(store, timeout_s, presence, interval)
+        cfg = {"mode": "etcd", "store_port": 0, "etcd_port": int(endpoint.split(":")[1]),
+               "etcd_root": options.prefix.rstrip("/") + "/", "ttl_s": int(timeout_s),
+               "presence_port": presence.port, "token": token, "prefix": f"ftrun/{run_id}",
+               "run_id": run_id, "interval": interval, "op_timeout": op_timeout,
+               "ping_s": min(PING_S, timeout_s / 8)}
+        load_before = _load_average()
+        began = time.monotonic()
+        fleet = _loadgen().Fleet(cfg, list(range(n)), procs)
+        try:
+            fleet.wait_for("connected", 600)
+            ready = fleet.wait_for("ready", 300)
+            setup_s = time.monotonic() - began
+            beaten = sum(r["beaten"] for r in ready)
+            print(f"  store load (etcd-v3): {n} agents connected, {beaten} kept their lease "
+                  f"once, in {setup_s:.0f} s, load average {_load_average()}",
+                  file=sys.stderr, flush=True)
+            ids = [f"sim-{i}" for i in range(n)]
+            start = time.time() + 2 * interval
+            stop = start + seconds
+            fleet.send({"cmd": "window", "start": start, "stop": stop})
+            scans: list[float] = []
+            lost: set[str] = set()
+            cpu: dict[str, float] = {}
+            while time.time() < stop:
+                if not cpu and time.time() >= start:
+                    cpu = {"etcd": _cpu_s(etcd_pid or 0), "host": _cpu_s(os.getpid()),
+                           "agents": sum(_cpu_s(pid) for pid in fleet.pids),
+                           "machine": _machine_busy_s()}
+                _timed_scan(monitor, ids, start, scans, lost)
+                time.sleep(scan_every)
+            window = max(0.001, time.time() - start)
+            etcd_cpu = _cpu_s(etcd_pid or 0) - cpu.get("etcd", 0.0)
+            host = _cpu_s(os.getpid()) - cpu.get("host", 0.0)
+            agents_cpu = sum(_cpu_s(pid) for pid in fleet.pids) - cpu.get("agents", 0.0)
+            busy = _machine_busy_s() - cpu.get("machine", 0.0)
+            load_window = _load_average()
+            fleet.send({"cmd": "finish", "end_by": time.time()})
+            reports = fleet.wait_for("report", 60)
+        finally:
+            fleet.close()
+            monitor.close()
+            presence.close()
+    calls: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for report in reports:
+        for into, part in ((calls, "calls"), (errors, "errors")):
+            for key, value in report[part].items():
+                into[key] = into.get(key, 0) + value
+    rtt = [x for r in reports for x in r["heartbeat_s"]]
+    beats_per_s = sorted(b for r in reports for b in r["beats_per_s"])
+    return {
+        "agents": n, "backend": "etcd-v3", "processes": procs,
+        "harness": (f"{n} event-driven simulated agents (scripts/loadgen.py, mode etcd) in "
+                    f"{procs} processes: each a lease of {timeout_s:g} s and its signed "
+                    "liveness key, then a keepalive every interval, over an HTTP/1.1 "
+                    "keep-alive connection of its own to a one-member loopback etcd's v3 "
+                    "gateway, and a presence connection with its pings; this process is the "
+                    "writer: ftrun's HeartbeatMonitor (LeaseView) with the PresenceServer; "
+                    "the agents' end watches are not simulated"),
+        "connections": n, "presence_connections": n, "interval_s": interval,
+        "heartbeat_timeout_s": timeout_s, "window_s": round(window, 2),
+        "setup_s": round(setup_s, 1), "agents_kept_a_lease_before_window": beaten,
+        "offered_req_per_s": round(n / interval, 1),
+        "achieved_req_per_s": round(sum(calls.values()) / window, 1),
+        "pings_offered_per_s": round(n / min(PING_S, timeout_s / 8), 1),
+        "errors": errors,
+        "keepalive_p50_ms": _ms(_quantile(rtt, 0.5)),
+        "keepalive_p99_ms": _ms(_quantile(rtt, 0.99)),
+        "keepalive_max_ms": _ms(max(rtt, default=None)),
+        "beats_per_agent_per_s": {"min": beats_per_s[0] if beats_per_s else None,
+                                  "median": statistics.median(beats_per_s)
+                                  if beats_per_s else None},
+        "writer_scan_every_s": scan_every,
+        "writer_scan_median_ms": _ms(statistics.median(scans)) if scans else None,
+        "writer_scan_max_ms": _ms(max(scans, default=None)),
+        "writer_scans": len(scans),
+        "agents_lost_by_monitor": len(lost),
+        "agents_lost_sample": sorted(lost)[:5],
+        "presence_rejections": rejected[:3],
+        "etcd_cores": round(etcd_cpu / window, 3),
+        "writer_process_cores": round(host / window, 3),
+        "agents_cores": round(agents_cpu / window, 3),
+        "other_work_cores": round(max(0.0, busy - etcd_cpu - host - agents_cpu) / window, 2),
         "load_average": {"before": load_before, "end_of_window": load_window,
                          "after": _load_average()},
     }
@@ -1937,7 +2080,8 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
                  "--store-load-seconds", str(args.store_load_seconds),
                  "--interval", str(args.interval),
                  "--heartbeat-timeout", str(args.heartbeat_timeout),
-                 "--store-load-harness", args.store_load_harness]
+                 "--store-load-harness", args.store_load_harness,
+                 "--store-load-backend", args.store_load_backend]
         if args.store_load_procs is not None:
             flags += ["--store-load-procs", str(args.store_load_procs)]
         flags += ["--end-poll"] if args.end_poll else []
@@ -1951,7 +2095,16 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
             print(f"  store load: its run exited {done.returncode} without a result",
                   file=sys.stderr, flush=True)
             return
-        result.update({k: sub[k] for k in ("store_load", "store_load_model") if k in sub})
+        result.update({k: sub[k] for k in ("store_load", "store_load_model",
+                                           "store_load_etcd") if k in sub})
+        return
+    if args.store_load_backend == "etcd-v3":
+        try:
+            result["store_load_etcd"] = store_load_etcd(
+                n, args.interval, args.store_load_seconds, args.store_load_procs or 0)
+        except RuntimeError as error:
+            print(f"  store load (etcd-v3) at {n} agents could not run: {error}",
+                  file=sys.stderr, flush=True)
         return
     while True:
         try:
@@ -2121,6 +2274,11 @@ def main() -> None:
     parser.add_argument("--store-load-procs", type=int, default=None,
                         help="processes the agents are spread over (threads: 8; events: "
                              "enough for 7,500 descriptors each, at least 2)")
+    parser.add_argument("--store-load-backend", choices=["tcpstore", "etcd-v3"],
+                        default="tcpstore",
+                        help="store-load: the embedded TCPStore (JSON key store_load) or "
+                             "a loopback etcd with etcd-v3 agents' lease keepalives "
+                             "(store_load_etcd; event-driven agents)")
     parser.add_argument("--store-load-harness", choices=["events", "threads"],
                         default="events",
                         help="store-load: event-driven simulated agents (scripts/loadgen.py: "
@@ -2237,6 +2395,10 @@ def main() -> None:
     if "store_load_model" in result:
         print("store load, a MODEL (arithmetic, not measured):")
         for key, value in result["store_load_model"].items():  # type: ignore[union-attr]
+            print(f"  {key:28} {value}")
+    if "store_load_etcd" in result:
+        print("store load, etcd-v3, measured:")
+        for key, value in result["store_load_etcd"].items():  # type: ignore[union-attr]
             print(f"  {key:28} {value}")
     if "store_load" in result:
         load = result["store_load"]

@@ -195,6 +195,16 @@ class _Conn:
     def reset(self) -> None:
         raise NotImplementedError
 
+    def receive(self, size: int) -> bytes | None:
+        """What arrived (b"": the peer closed or reset; None: nothing yet)."""
+        assert self.sock is not None
+        try:
+            return self.sock.recv(size)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return b""
+
     def close(self) -> None:
         self.closed, self.live = True, False
         if self.sock is not None:
@@ -346,13 +356,9 @@ class PresenceConn(_Conn):
         self.gen.loop.sel.register(sock, selectors.EVENT_READ, self._on_read)
 
     def _on_read(self, mask: int) -> None:
-        assert self.sock is not None
-        try:
-            data = self.sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
+        data = self.receive(4096)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self.gen.count_error("presence.closed by the server")
             if not self.live:
@@ -398,6 +404,93 @@ class PresenceConn(_Conn):
         self.close()
 
 
+# --- one HTTP/1.1 connection to etcd's v3 JSON gateway -----------------------------------------
+
+
+class HttpConn(_Conn):
+    """A keep-alive HTTP/1.1 connection to etcd's v3 gateway, one request in flight; the
+    answer's body (``Content-Length`` or chunked, as the gateway sends a stream's single
+    message) is parsed as JSON for the callback."""
+
+    def __init__(self, gen: Generator, agent: Agent) -> None:
+        super().__init__(gen, gen.etcd_port)
+        self.agent = agent
+        self.buf = b""
+        self.callback: Callable[[dict[str, Any]], None] | None = None
+        self.sent_at = 0.0
+
+    def connecting(self, sock: socket.socket) -> None:
+        self.gen.loop.sel.register(sock, selectors.EVENT_WRITE, self._on_connect)
+
+    def _on_connect(self, mask: int) -> None:
+        assert self.sock is not None
+        if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self.close()
+            self.gen.connect_done(self, "etcd connect failed")
+            return
+        self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
+        self.live = True
+        self.gen.connect_done(self, "")
+        self.agent.http_live()
+
+    def reset(self) -> None:
+        self.buf, self.callback, self.sock, self.closed, self.live = b"", None, None, \
+            False, False
+
+    def post(self, path: str, body: dict[str, Any],
+             callback: Callable[[dict[str, Any]], None]) -> None:
+        data = json.dumps(body).encode()
+        self.callback, self.sent_at = callback, self.gen.loop.now
+        head = (f"POST /v3{path} HTTP/1.1\r\nHost: {self.gen.host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        assert self.sock is not None
+        try:
+            self.sock.sendall(head.encode() + data)
+        except OSError as error:
+            self.gen.count_error(f"etcd.send: {error}")
+            self.close()
+
+    def _on_read(self, mask: int) -> None:
+        data = self.receive(65536)
+        if data is None:
+            return
+        if not data:
+            self.gen.count_error("etcd.closed the connection")
+            self.close()
+            return
+        self.buf += data
+        head, sep, rest = self.buf.partition(b"\r\n\r\n")
+        if not sep:
+            return
+        headers = head.decode("latin-1").lower()
+        if "transfer-encoding: chunked" in headers:
+            if not rest.endswith(b"0\r\n\r\n"):
+                return
+            body, pos = b"", 0
+            while True:
+                line_end = rest.index(b"\r\n", pos)
+                size = int(rest[pos:line_end], 16)
+                if size == 0:
+                    break
+                body += rest[line_end + 2:line_end + 2 + size]
+                pos = line_end + 2 + size + 2
+        else:
+            length = next((int(h.split(":")[1]) for h in headers.split("\r\n")
+                           if h.startswith("content-length:")), 0)
+            if len(rest) < length:
+                return
+            body = rest[:length]
+        self.buf = b""
+        callback, self.callback = self.callback, None
+        status = head.split(b"\r\n", 1)[0].decode("latin-1")
+        if not status.startswith("HTTP/1.1 200"):
+            self.gen.count_error(f"etcd.{status[:60]}")
+            return
+        if callback is not None:
+            answer = json.loads(body)
+            callback(answer.get("result", answer) if isinstance(answer, dict) else {})
+
+
 # --- one simulated agent --------------------------------------------------------------------
 
 
@@ -415,6 +508,11 @@ class Agent:
             gen.end_watch and index < gen.end_watch_below) or gen.mode == "rdzv" else None
         self.pres: PresenceConn | None = PresenceConn(gen, self) if gen.presence_port \
             else None
+        self.http: HttpConn | None = HttpConn(gen, self) if gen.mode == "etcd" else None
+        self.lease = 0
+        self.placed = False
+        if self.http is not None:
+            self.hb = self.ew = None
         self.seq = 0
         self.beats = 0  # beats acknowledged
         self.frozen = False
@@ -426,8 +524,49 @@ class Agent:
         self.offered = 0.0
         self.joined: list[Any] | str | None = None
 
-    def conns(self) -> list[StoreConn | PresenceConn]:
-        return [c for c in (self.hb, self.ew, self.pres) if c is not None]
+    def conns(self) -> list[_Conn]:
+        return [c for c in (self.hb, self.ew, self.pres, self.http) if c is not None]
+
+    # etcd-v3: the beat is a lease kept alive (ftrun.control.election.LeaseBeat)
+    def http_live(self) -> None:
+        """Grant the lease, then put the signed liveness key bound to it."""
+        assert self.http is not None
+        self.http.post("/lease/grant", {"TTL": self.gen.ttl_s, "ID": 0}, self._granted)
+
+    def _granted(self, answer: dict[str, Any]) -> None:
+        gen = self.gen
+        self.lease = int(answer.get("ID", 0))
+        key = gen.prefix + self.hb_name
+        line = gen.signer.line(key, {"lease": self.lease, "ttl": int(answer.get("TTL", 0))})
+        assert self.http is not None
+        self.http.post("/kv/put", {"key": _b64(gen.etcd_root + key.encode()),
+                                   "value": _b64(line.encode()), "lease": str(self.lease)},
+                       self._placed)
+
+    def _placed(self, answer: dict[str, Any]) -> None:
+        self.placed = True
+
+    def beat_etcd(self) -> None:
+        conn, gen = self.http, self.gen
+        if conn is None or not conn.live or self.frozen or not self.placed:
+            return
+        if conn.callback is not None:  # the last keepalive is unanswered
+            if gen.loop.now - conn.sent_at > gen.op_timeout:
+                gen.count_error("etcd.keepalive unanswered past the request timeout")
+            return
+        conn.post("/lease/keepalive", {"ID": self.lease}, self._kept)
+
+    def _kept(self, answer: dict[str, Any]) -> None:
+        gen, conn = self.gen, self.http
+        assert conn is not None
+        self.beats += 1
+        if gen.in_window(gen.loop.now):
+            gen.count("etcd.keepalive", 1)
+            gen.heartbeat_s.append(gen.loop.now - conn.sent_at)
+        if int(answer.get("TTL", 0) or 0) <= 0:  # expired: grant and put again
+            gen.count_error("etcd.lease expired")
+            self.placed = False
+            self.http_live()
 
     # connections
     def conn_live(self, conn: StoreConn) -> None:
@@ -451,6 +590,9 @@ class Agent:
 
     # heartbeats
     def beat(self) -> None:
+        if self.http is not None:
+            self.beat_etcd()
+            return
         conn, gen = self.hb, self.gen
         if conn is None or not conn.live or self.frozen:
             return
@@ -608,6 +750,9 @@ class Generator:
         self.host: str = cfg.get("host", "127.0.0.1")
         self.store_port: int = int(cfg["store_port"])
         self.presence_port: int = int(cfg.get("presence_port") or 0)
+        self.etcd_port: int = int(cfg.get("etcd_port") or 0)  # mode "etcd"
+        self.etcd_root: bytes = str(cfg.get("etcd_root", "")).encode()
+        self.ttl_s: int = int(cfg.get("ttl_s", 5))
         self.signer = Signer(str(cfg["token"]).encode() if cfg.get("token") else None)
         self.prefix = str(cfg["prefix"]).rstrip("/") + "/"
         self.presence_key = presence_key(str(cfg.get("run_id", "")))
@@ -620,7 +765,7 @@ class Generator:
         self.op_timeout = float(cfg.get("op_timeout", 1.0))
         self.slice_s = float(cfg.get("slice", 0.5))
         self.ping_s = float(cfg.get("ping_s", 0.25))
-        self.heartbeats = bool(cfg.get("heartbeats", True))
+        self.heartbeats = bool(cfg.get("heartbeats", True)) or self.mode == "etcd"
         self.end_watch = bool(cfg.get("end_watch", True))
         # only the agents below this index hold an end watch (the store host's descriptors)
         self.end_watch_below = int(cfg.get("end_watch_below") or 1 << 62)
@@ -723,7 +868,7 @@ class Generator:
             self._schedule(self.ping_s, buckets, lambda a: a.pres.ping() if a.pres and
                            not a.frozen else None)
         beat_by = time.time() + float(self.cfg_ready_s)
-        while self.mode == "load" and self.heartbeats and time.time() < beat_by and \
+        while self.mode in ("load", "etcd") and self.heartbeats and time.time() < beat_by and \
                 not all(a.beats for a in self.agents):  # an overloaded store may not let all
             loop.run_once()
             if time.time() - said > 10:
@@ -813,6 +958,12 @@ class Generator:
              "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
              "cpu_s_in_window": round(usage.ru_utime + usage.ru_stime - (
                  start.ru_utime + start.ru_stime), 3) if start is not None else None})
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
 
 
 def say(obj: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from ftrun.control.auth import Signer
+from ftrun.control.etcd import EtcdOptions, connect_etcd
 from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
@@ -31,6 +32,7 @@ from ftrun.control.rendezvous import (
     assignment_key,
 )
 from ftrun.control.store import JsonStore, connect_store, serve_store
+from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
 
 TOKEN = b"scale-test-token"
 
@@ -241,3 +243,44 @@ def test_simulated_agents_join_through_the_real_rendezvous(job_dir: Path) -> Non
     assert sorted(j[2] for j in joined) == list(range(1, n))
     errors = [e for r in reports for e in r["errors"]]
     assert any("ignored an assignment" in e for e in errors), reports  # node-3's forgery
+
+
+@pytest.mark.skipif(etcd_missing_reason() is not None, reason=etcd_missing_reason() or "")
+def test_simulated_etcd_agents_keep_leases_the_real_writer_sees(job_dir: Path) -> None:
+    """The etcd-v3 store load's event-driven agents (scripts/loadgen.py, mode ``etcd``), 12
+    in two processes, on a loopback etcd: each grants a lease, puts its signed liveness key
+    bound to it and keeps it alive over its own HTTP connection, and pings on its presence
+    connection. ftrun's own writer (a HeartbeatMonitor whose LeaseView watches the
+    liveness keys) knows every one of them from its verified record and loses none."""
+    loadgen = _loadgen()
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {})
+        store = JsonStore(connect_etcd(options, 10, op_timeout_s=2), "ftrun/el",
+                          signer=Signer(TOKEN),
+                          reconnect=lambda: connect_etcd(options, 2, op_timeout_s=2))
+        presence = serve_presence(store, store.signer, "el", "127.0.0.1", "127.0.0.1",
+                                  lambda line: None)
+        monitor = HeartbeatMonitor(store, 5.0, presence, 1.0)
+        assert monitor.leases is not None  # the etcd-v3 writer's path
+        ids = [f"sim-{i}" for i in range(12)]
+        fleet = loadgen.Fleet({"mode": "etcd", "store_port": 0,
+                               "etcd_port": int(endpoint.split(":")[1]),
+                               "etcd_root": options.prefix.rstrip("/") + "/", "ttl_s": 5,
+                               "presence_port": presence.port, "token": TOKEN.decode(),
+                               "prefix": "ftrun/el", "run_id": "el", "interval": 0.5,
+                               "op_timeout": 2.0, "ping_s": 0.25},
+                              list(range(12)), 2, tag=str(job_dir))
+        try:
+            ready = fleet.wait_for("ready", 30)
+            assert sum(r["beaten"] for r in ready) == 12, ready  # a keepalive answered each
+            monitor.watch(ids)
+            assert _until(lambda: set(monitor.leases.heard(ids)) == set(ids), 10), \
+                monitor.leases.heard(ids)  # type: ignore[union-attr]
+            assert monitor.scan() == [] and presence.connected() == set(ids)
+            fleet.send({"cmd": "finish", "end_by": time.time()})
+            reports = fleet.wait_for("report", 10)
+            assert not any(r["errors"] for r in reports), reports
+        finally:
+            fleet.close()
+            monitor.close()
+            presence.close()
