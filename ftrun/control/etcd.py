@@ -188,6 +188,7 @@ class EtcdClient:
 
     #: heartbeats on this store are leases (ftrun/control/heartbeat.py asks; TCPStore has none)
     leases = True
+    stream: requests.Response | None = None  # watch_prefix's last (LeaseView.stop ends it)
 
     def __init__(self, options: EtcdOptions, timeout_s: float, *,
                  connect_timeout_s: float | None = None) -> None:
