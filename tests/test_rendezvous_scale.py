@@ -53,15 +53,18 @@ def _slot(i: int, workers: int = 2) -> NodeSlot:
     return NodeSlot(-1, workers, f"10.0.{i // 250}.{i % 250}", f"h{i}", 1000 + i, f"node-{i}")
 
 
-def _join_all(port: int, run: str, n: int, *, extra: int = 0, timeout_s: float = 20.0
+def _join_all(port: int, run: str, n: int, *, extra: int = 0, timeout_s: float = 20.0,
+              extra_timeout_s: float | None = None
               ) -> tuple[Generation, dict[int, Generation | BaseException]]:
-    """The leader (node-0) and ``n - 1 + extra`` agents join a generation of ``n``."""
+    """The leader (node-0) and ``n - 1 + extra`` agents join a generation of ``n``; the
+    last ``extra`` of them give up after ``extra_timeout_s`` (default ``timeout_s``)."""
     results: dict[int, Generation | BaseException] = {}
 
     def agent(i: int) -> None:
+        limit = timeout_s if i < n or extra_timeout_s is None else extra_timeout_s
         try:
             results[i] = _rdzv(port, run, leader=False, n=n).join(
-                0, _slot(i), timeout_s, lambda: ("unused", 1))
+                0, _slot(i), limit, lambda: ("unused", 1))
         except BaseException as error:  # reported by the test
             results[i] = error
 
@@ -82,7 +85,7 @@ def test_agents_hold_their_assignment_and_read_the_membership_only_when_asked(
     its assignment alone; the full membership, read on demand, equals the leader's."""
     port = int(server.port)  # type: ignore[attr-defined]
     n = 32
-    leader, results = _join_all(port, "scale", n, extra=1, timeout_s=8.0)
+    leader, results = _join_all(port, "scale", n, extra=1, timeout_s=8.0, extra_timeout_s=3.0)
     assert leader.nnodes == n and leader.world_size == 2 * n
     joined = {i: g for i, g in results.items() if isinstance(g, Generation)}
     assert len(joined) == n - 1, results  # the leader is the 32nd
