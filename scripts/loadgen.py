@@ -25,6 +25,12 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
 * **presence connection** (:mod:`ftrun.control.presence`): the authenticated hello (the
   server's nonce, a signed ``{"node_id", "nonce", "ping_s"}``), then an empty line every
   ``ping_s``, and a signed goodbye when the run ends.
+* **etcd-v3** (mode ``etcd``, :class:`ftrun.control.election.LeaseBeat`): over an HTTP/1.1
+  keep-alive connection of its own to etcd's v3 JSON gateway, a lease of the heartbeat
+  timeout (``/v3/lease/grant``), the signed liveness record naming it put bound to it
+  (``/v3/kv/put``), then a ``/v3/lease/keepalive`` every ``interval`` (one in flight; a
+  lease found expired is granted and put again); plus the presence connection. The end
+  watch (an etcd watch stream) is not simulated in this mode.
 * **rendezvous** (``join`` command, :class:`ftrun.control.rendezvous.DynamicRendezvous`):
   the signed slot appended to ``gen/<N>/slots`` (one ``append``), then torch's ``get`` of
   the node's own assignment ``gen/<N>/as/<node id>`` (a ``wait`` in slices of
