@@ -1315,10 +1315,10 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
     store_part: list[float] = []
     read_heartbeats = store.get_records
 
-    def timed_read(names: list[str]) -> list[dict[str, Any] | None]:  # the scan's store part
-        t0 = time.perf_counter()
+    def timed_read(names: list[str], *seen: Any) -> list[dict[str, Any] | None]:
+        t0 = time.perf_counter()  # the scan's store part
         try:
-            return read_heartbeats(names)
+            return read_heartbeats(names, *seen)
         finally:
             store_part.append(time.perf_counter() - t0)
 
