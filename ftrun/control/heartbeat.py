@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ftrun.control.auth import Signer
 from ftrun.control.presence import (
@@ -201,6 +201,7 @@ class HeartbeatMonitor:
             self.leases = LeaseView(store.reconnect, store, "hb/", min(1.0, timeout_s / 4),
                                     clock).start()
         self._seq: dict[str, int] = {}
+        self._read: dict[str, tuple[bytes, dict[str, Any] | None]] = {}  # see get_records
         self._changed: dict[str, float] = {}
         self._silent: dict[str, float] = {}  # the last scan's silence of each agent
 
@@ -214,6 +215,7 @@ class HeartbeatMonitor:
         for node_id in set(self._changed) - wanted:
             del self._changed[node_id]
             self._seq.pop(node_id, None)
+            self._read.pop(heartbeat_key(node_id), None)
         if self.leases is not None:  # expired nodes no longer watched are forgotten
             self.leases.prune(wanted)
 
@@ -243,7 +245,7 @@ class HeartbeatMonitor:
             for node_id, heard in self.leases.heard(ids).items():
                 self._changed[node_id] = heard
         else:
-            records = self.store.get_records([heartbeat_key(i) for i in ids])
+            records = self.store.get_records([heartbeat_key(i) for i in ids], self._read)
             now = self.clock()
             for node_id, body in zip(ids, records, strict=True):
                 seq = body.get("seq") if body else None
