@@ -166,7 +166,7 @@ def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: P
     rejected: list[str] = []
     presence = serve_presence(store, signer, "gen", "127.0.0.1", "127.0.0.1",
                               rejected.append)
-    monitor = HeartbeatMonitor(store, 1.0, presence, 0.25)
+    monitor = HeartbeatMonitor(store, 2.0, presence, 0.25)  # the TCPStore default timeout
     n, ids = 20, [f"sim-{i}" for i in range(20)]
     cfg = {"store_port": server.port, "presence_port": presence.port,  # type: ignore[attr-defined]
            "token": TOKEN.decode(), "prefix": "ftrun/gen", "run_id": "gen", "interval": 0.25,
@@ -178,7 +178,7 @@ def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: P
         assert _until(lambda: presence.connected() == set(ids), 5), presence.connected()
         first = store.get_records([f"hb/{i}" for i in ids])
         assert all(b is not None and b["seq"] >= 1 for b in first), first  # signed, verified
-        quiet_until = time.monotonic() + 1.5  # longer than the timeout
+        quiet_until = time.monotonic() + 2.2  # longer than the timeout
         while time.monotonic() < quiet_until:
             assert monitor.scan() == []
             time.sleep(0.05)
@@ -188,7 +188,7 @@ def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: P
         fleet.send({"cmd": "freeze", "agents": [3]})  # as SIGSTOP: silent, sockets open
         fleet.send({"cmd": "kill", "agents": [5]})  # as SIGKILL: its sockets close
         began, lost = time.monotonic(), {}
-        while len(lost) < 2 and time.monotonic() - began < 5:
+        while len(lost) < 2 and time.monotonic() - began < 10:
             for node_id in monitor.scan():
                 lost.setdefault(node_id, time.monotonic() - began)
             time.sleep(0.02)
@@ -197,7 +197,7 @@ def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: P
         # sim-5 through its closed connection, sim-3 only once silent past the timeout
         # (less its ping period: never sooner, whatever the load)
         assert "sim-5" in monitor.closed and "sim-3" not in monitor.closed, lost
-        assert lost["sim-3"] >= 0.5, lost
+        assert lost["sim-3"] >= 1.5, lost
         written = time.time()
         store.put_record("gen/0/end", {"kind": "test"})
         fleet.send({"cmd": "finish", "end_by": time.time() + 5})
