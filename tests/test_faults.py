@@ -64,7 +64,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     return found
 
 
-ENDED = r"(exit code 1|killed by SIGABRT)"
+# a raising rank stopped by ftrun in its teardown (its peer's exit seen first) may end by
+# the SIGTERM: the record still names it, with its own error
+ENDED = r"(exit code 1|killed by SIGABRT|killed by SIGTERM)"
 ERROR = r"RuntimeError: injected failure at step 4 on rank 1"
 
 
@@ -213,6 +215,32 @@ def test_replay_builds_records_from_events_and_ignores_malformed_ones() -> None:
     assert summary.wall_s == 20.0 and summary.succeeded is True
     assert summary.productive_s == 19.0 - 1.0  # from the first step, less the downtime
     assert summary.first_cause == "rank 2 killed by SIGKILL"
+
+
+def test_a_restart_names_the_root_cause_not_the_exit_seen_first() -> None:
+    """Rank 1 raised, but rank 0, whose collective that broke, exited first: the agent's
+    root cause (the restart event) is rank 1, and so is the record, with rank 1's error."""
+    lines: list[str] = []
+    book = FaultBook(on_line=lines.append).replay([
+        {"ts": 0.0, "event": "started"},
+        {"ts": 5.0, "event": "failure", "member": "0.0", "rank": 0, "pid": 10,
+         "returncode": 1, "detected": 5.0},
+        {"ts": 5.0, "event": "error", "rank": 0, "pid": 10,
+         "message": "RuntimeError: Connection closed by peer [127.0.0.1]:1"},
+        {"ts": 5.1, "event": "restart", "generation": 0, "restart_count": 1,
+         "cause": "rank 1 (exit code 1 (stopped by ftrun): RuntimeError: boom)", "rank": 1,
+         "pid": 11, "returncode": 1, "message": "RuntimeError: boom\nmore"},
+        {"ts": 5.2, "event": "generation", "generation": 1, "world_size": 2},
+    ])
+    (record,) = book.summary().faults
+    assert (record.rank, record.pid, record.cause) == (1, 11, "exit code 1: RuntimeError: boom")
+    assert lines and lines[0].startswith("rank 1 exit code 1: RuntimeError: boom"), lines
+    same = FaultBook().replay([  # the root is the exit seen first: nothing changes
+        {"ts": 5.0, "event": "failure", "rank": 1, "pid": 11, "returncode": 1, "detected": 5.0},
+        {"ts": 5.1, "event": "restart", "generation": 0, "rank": 1, "pid": 11, "returncode": 1,
+         "message": "RuntimeError: boom"},
+    ])
+    assert [(f.rank, f.cause) for f in same.summary().faults] == [(1, "exit code 1")]
 
 
 def test_overlapping_faults_count_their_downtime_once() -> None:

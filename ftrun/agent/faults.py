@@ -425,6 +425,16 @@ class FaultBook:
                                   node=_str(ev.get("node")))]
         for record in pending:
             record.path = "restart"
+        root_pid, code = _int(ev.get("pid")), _int(ev.get("returncode"))
+        if len(pending) == 1 and root_pid is not None and code is not None \
+                and pending[0].pid not in (None, root_pid):
+            # The agent's root cause is another rank than the exit it saw first (a rank that
+            # raised can exit after the peer its exception broke: outcome.mark_root_cause):
+            # the record names the root, with its own error.
+            record, message = pending[0], _str(ev.get("message"))
+            record.rank, record.pid, record.member = _int(ev.get("rank")), root_pid, None
+            record.cause = describe_returncode(code) + (
+                f": {message.splitlines()[0][:300]}" if message else "")
 
     def _generation(self, ts: float, ev: dict[str, Any]) -> None:
         number = _int(ev.get("generation"))

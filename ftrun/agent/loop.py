@@ -42,7 +42,7 @@ from ftrun.agent.inject import Injector
 from ftrun.agent.launcher import Launcher, WorkerStartError
 from ftrun.agent.metrics import Metrics, MetricsError
 from ftrun.agent.nodes import NodeWatch, passes_health_gate, say_refused, standby_config
-from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause
+from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause, root_fields
 from ftrun.agent.regroup import RegroupSupervisor
 from ftrun.agent.report import print_failure_summary, print_job_summary
 from ftrun.agent.restart import RestartSupervisor
@@ -309,7 +309,7 @@ class Agent:
                 style="yellow",
             )
             self.events.emit(Event.RESTART, generation=generation.number,
-                             restart_count=restart_count, cause=cause)
+                             restart_count=restart_count, cause=cause, **root_fields(first))
 
     def _supervisor(self, rdzv: Rendezvous) -> Supervisor:
         """Restart is torchrun's recovery; regroup (and auto, which falls back to a restart

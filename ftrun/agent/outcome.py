@@ -79,6 +79,15 @@ def mark_root_cause(exits: list[WorkerExit]) -> list[WorkerExit]:
     return [replace(e, first=e is root) for e in exits]
 
 
+def root_fields(root: WorkerExit | None) -> dict[str, Any]:
+    """The root cause's rank, pid, exit status and error for a ``restart`` event: the fault
+    record names that rank even when another's exit was seen first (mark_root_cause)."""
+    if root is None:
+        return {}
+    return {"rank": root.rank, "pid": root.pid, "returncode": root.returncode,
+            "message": root.message}
+
+
 def restart_all_words(restart_count: int, max_restarts: int) -> str:
     """What ending the job generation leads to, said when it is ended: 'restarting all'
     only while a restart is left (the agent's loop gives up at ``max_restarts``)."""
