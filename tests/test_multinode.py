@@ -837,6 +837,9 @@ def test_slurm_scancel_usr1_reaches_workers_and_exit_is_138(slurm_cluster, job_d
     assert sent.returncode == 0, sent.stderr
     assert slurm_cluster.wait_job(job, 120) in ("COMPLETED", "FAILED"), log.read_text()
     text = log.read_text()
-    assert sorted(x.split("got SIGUSR1 ")[1] for x in text.splitlines() if "got SIGUSR1" in x) \
-        == ["rank=0", "rank=1"], text
+    # every worker gets it; some twice (seen once in CI, 2026-12-02): Slurm may signal every
+    # process of the step itself while the agent forwards its own copy, a race with the
+    # handler's exit that no launcher can tell apart
+    assert sorted({x.split("got SIGUSR1 ")[1] for x in text.splitlines()
+                   if "got SIGUSR1" in x}) == ["rank=0", "rank=1"], text
     assert "srun exit=138" in text, text  # 128 + SIGUSR1: the batch script can requeue
