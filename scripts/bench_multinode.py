@@ -1744,14 +1744,26 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
            "timeout": timeout_s, "heartbeats": heartbeats, "switch_interval": switch_interval,
            "etcd": etcd}
     fleet: Any = None
-    if harness == "events" and etcd is None:
+    etcd_pid: int | None = None
+    if etcd is not None:
+        import psutil
+
+        etcd_pid = next((c.pid for c in psutil.net_connections("tcp")
+                         if c.status == "LISTEN" and c.pid and
+                         f"127.0.0.1:{c.laddr.port}" == etcd), None)
+    if harness == "events":
         procs = max(1, min(asked_procs or 2, n - 1))
         workers: list[Any] = []
-        fleet = _loadgen().Fleet(
-            {"store_port": server.port, "token": "bench-token", "prefix": f"ftrun/{run_id}",
-             "mode": "rdzv", "number": 0, "id_prefix": "light-", "heartbeats": heartbeats,
-             "interval": _HB_INTERVAL_S, "op_timeout": _agent_op_timeout(_HB_TIMEOUT_S)},
-            list(range(1, n)), procs)
+        lg_cfg = {"store_port": server.port, "token": "bench-token",
+                  "prefix": f"ftrun/{run_id}", "mode": "rdzv", "number": 0,
+                  "id_prefix": "light-", "heartbeats": heartbeats,
+                  "interval": _HB_INTERVAL_S, "op_timeout": _agent_op_timeout(_HB_TIMEOUT_S)}
+        if etcd is not None:  # the etcd-v3 agent's join and lease beat (scripts/loadgen.py)
+            from ftrun.control.etcd import DEFAULT_PREFIX
+            lg_cfg.update({"etcd_port": int(etcd.rsplit(":", 1)[1]),
+                           "etcd_root": DEFAULT_PREFIX.rstrip("/") + "/",
+                           "ttl_s": int(_HB_TIMEOUT_S)})
+        fleet = _loadgen().Fleet(lg_cfg, list(range(1, n)), procs)
     else:
         workers = [ctx.Process(target=_light_rdzv_agents, daemon=True,
                                args=(server.port, list(range(1 + k, n, procs)), n, run_id,
@@ -1815,6 +1827,7 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
             return "127.0.0.1", int(worker_stores[-1].port)
 
         busy, host_cpu = _machine_busy_s(), _cpu_s(os.getpid())
+        etcd_cpu = _cpu_s(etcd_pid) if etcd_pid else 0.0
         agents_cpu = sum(_cpu_s(pid) for pid in agent_pids())
         started = time.time()
         if fleet is not None:
@@ -1827,10 +1840,18 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         info["leader_cpu_s"] = round(time.thread_time() - leader_cpu, 3)
         # CPU from here on is the agents' wake-up (their assignments are in the store) and
         # the store thread serving it: read per process from /proc (10 ms ticks each)
-        at_write = (sum(_cpu_s(pid) for pid in agent_pids()), _cpu_s(os.getpid()))
+        at_write = (sum(_cpu_s(pid) for pid in agent_pids()), _cpu_s(os.getpid()),
+                    _cpu_s(etcd_pid) if etcd_pid else 0.0)
         done = [] if fleet is None else fleet.wait_for("report", timeout_s + 60)
         reports = [{"joined": r["joined"], "errors": r["join_errors"],
                     "failed": r["join_failed"]} for r in done]
+        for into, part in (("agent_request_errors", "errors"), ("reconnects", "reconnects")):
+            merged: dict[str, int] = {}
+            for r in done:
+                for key, value in r[part].items():
+                    merged[key] = merged.get(key, 0) + value
+            if done:
+                info[into] = merged
         while len(reports) < procs:
             try:
                 kind, first, value = out.get(timeout=timeout_s + 60)
@@ -1846,9 +1867,14 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         info["agents_cpu_s_after_record"] = round(agents_now - at_write[0], 2)
         info["store_host_cpu_s_after_record"] = round(_cpu_s(os.getpid()) - at_write[1], 2)
         info["store_host_cores"] = round((_cpu_s(os.getpid()) - host_cpu) / window, 2)
+        if etcd_pid:  # the etcd member serves the store; this process is the leader only
+            info["etcd_cpu_s_after_record"] = round(_cpu_s(etcd_pid) - at_write[2], 2)
+            info["etcd_cores"] = round((_cpu_s(etcd_pid) - etcd_cpu) / window, 2)
+            info["leader_process_cpu_s"] = round(_cpu_s(os.getpid()) - host_cpu, 2)
         info["agents_cores"] = round((agents_now - agents_cpu) / window, 2)
         info["other_work_cores"] = round(max(0.0, _machine_busy_s() - busy) / window
-                                         - info["store_host_cores"] - info["agents_cores"], 2)
+                                         - info["store_host_cores"] - info["agents_cores"]
+                                         - info.get("etcd_cores", 0.0), 2)
     finally:
         leave.set()
         _reap_agent_processes(workers)

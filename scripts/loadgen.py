@@ -57,6 +57,7 @@ request has the agents' request timeout (``op_timeout``); connects are retried u
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import errno
 import heapq
@@ -201,6 +202,52 @@ class _Conn:
     def reset(self) -> None:
         raise NotImplementedError
 
+    out: bytearray | None = None  # what the socket did not take yet
+
+    def send(self, data: bytes) -> None:
+        """Send ``data`` without blocking: what the socket does not take now is kept and
+        sent when it is writable again (a blocking send to one slow peer would stall every
+        agent of the process)."""
+        if self.sock is None:  # closed: its agent's replacement sends instead
+            return
+        if self.out:
+            self.out += data
+            return
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as error:
+            self.send_failed(f"send: {error.strerror or error}")
+            return
+        if sent < len(data):
+            self.out = bytearray(data[sent:])
+            self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
+                                     self._on_io)
+
+    def _on_io(self, mask: int) -> None:
+        """Readiness while output is pending: send more; read what came."""
+        if mask & selectors.EVENT_WRITE and self.sock is not None and self.out:
+            try:
+                sent = self.sock.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as error:
+                self.send_failed(f"send: {error.strerror or error}")
+                return
+            del self.out[:sent]
+            if not self.out:
+                self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
+        if mask & selectors.EVENT_READ and self.sock is not None:
+            self._on_read(mask)
+
+    def _on_read(self, mask: int) -> None:
+        raise NotImplementedError
+
+    def send_failed(self, why: str) -> None:
+        self.gen.count_error(why)
+        self.close()
+
     def receive(self, size: int) -> bytes | None:
         """What arrived (b"": the peer closed or reset; None: nothing yet)."""
         assert self.sock is not None
@@ -212,7 +259,7 @@ class _Conn:
             return b""
 
     def close(self) -> None:
-        self.closed, self.live = True, False
+        self.closed, self.live, self.out = True, False, None
         if self.sock is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self.gen.loop.sel.unregister(self.sock)
@@ -268,22 +315,10 @@ class StoreConn(_Conn):
         self._send(data)
 
     def _send(self, data: bytes) -> None:
-        if self.sock is None:  # closed: its agent's replacement sends instead
-            return
-        try:
-            sent = self.sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as error:
-            self.fail(f"send: {error.strerror or error}")
-            return
-        if sent < len(data):  # the store is behind: finish the send blocking, bounded
-            try:
-                self.sock.settimeout(self.gen.op_timeout)
-                self.sock.sendall(data[sent:])
-                self.sock.setblocking(False)
-            except OSError as error:
-                self.fail(f"send: {error.strerror or error}")
+        self.send(data)
+
+    def send_failed(self, why: str) -> None:
+        self.fail(why)
 
     def _on_read(self, mask: int) -> None:
         assert self.sock is not None
@@ -385,8 +420,7 @@ class PresenceConn(_Conn):
                 self.nonce = str(answer["nonce"])
                 body = {"node_id": self.agent.node_id, "nonce": self.nonce,
                         "ping_s": self.gen.ping_s}
-                self.sock.send(self.gen.signer.line(self.gen.presence_key, body).encode()
-                               + b"\n")
+                self.send(self.gen.signer.line(self.gen.presence_key, body).encode() + b"\n")
             elif answer.get("ok") is True and not self.live:
                 self.live = True
                 self.gen.connect_done(self, "")
@@ -416,13 +450,25 @@ class PresenceConn(_Conn):
 class HttpConn(_Conn):
     """A keep-alive HTTP/1.1 connection to etcd's v3 gateway, one request in flight; the
     answer's body (``Content-Length`` or chunked, as the gateway sends a stream's single
-    message) is parsed as JSON for the callback."""
+    message) is parsed as JSON for the callback. :meth:`stream` opens a watch instead: its
+    chunked answer never ends by itself, and each JSON message is given to the callback as
+    it comes (the connection then serves nothing else: closing it ends the watch, as the
+    real client's does). ``on_live``: called once the connection is made (default: the
+    agent's lease grant); ``on_failed(why)``: a request that was not answered with 200 or a
+    connection the gateway closed (default: counted only)."""
 
-    def __init__(self, gen: Generator, agent: Agent) -> None:
+    def __init__(self, gen: Generator, agent: Agent,
+                 on_live: Callable[[], None] | None = None,
+                 on_failed: Callable[[str], None] | None = None) -> None:
         super().__init__(gen, gen.etcd_port)
         self.agent = agent
+        self.on_live = on_live or agent.http_live
+        self.on_failed = on_failed
         self.buf = b""
         self.callback: Callable[[dict[str, Any]], None] | None = None
+        self.streaming = False
+        self.stream_head = False  # the stream's HTTP head was read
+        self.lines = b""
         self.sent_at = 0.0
 
     def connecting(self, sock: socket.socket) -> None:
@@ -437,11 +483,12 @@ class HttpConn(_Conn):
         self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
         self.live = True
         self.gen.connect_done(self, "")
-        self.agent.http_live()
+        self.on_live()
 
     def reset(self) -> None:
         self.buf, self.callback, self.sock, self.closed, self.live = b"", None, None, \
             False, False
+        self.streaming, self.stream_head, self.lines = False, False, b""
 
     def post(self, path: str, body: dict[str, Any],
              callback: Callable[[dict[str, Any]], None]) -> None:
@@ -449,22 +496,35 @@ class HttpConn(_Conn):
         self.callback, self.sent_at = callback, self.gen.loop.now
         head = (f"POST /v3{path} HTTP/1.1\r\nHost: {self.gen.host}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        assert self.sock is not None
-        try:
-            self.sock.sendall(head.encode() + data)
-        except OSError as error:
-            self.gen.count_error(f"etcd.send: {error}")
-            self.close()
+        self.send(head.encode() + data)
+
+    def stream(self, path: str, body: dict[str, Any],
+               on_message: Callable[[dict[str, Any]], None]) -> None:
+        """A streamed request (``/watch``): ``on_message(result)`` for each message."""
+        self.post(path, body, on_message)
+        self.streaming, self.stream_head, self.lines = True, False, b""
+
+    def send_failed(self, why: str) -> None:
+        self.close()
+        self.failed(why)
+
+    def failed(self, why: str) -> None:
+        self.gen.count_error(f"etcd.{why}")
+        if self.on_failed is not None:
+            self.on_failed(why)
 
     def _on_read(self, mask: int) -> None:
         data = self.receive(65536)
         if data is None:
             return
         if not data:
-            self.gen.count_error("etcd.closed the connection")
             self.close()
+            self.failed("closed the connection")
             return
         self.buf += data
+        if self.streaming:
+            self._stream_read()
+            return
         head, sep, rest = self.buf.partition(b"\r\n\r\n")
         if not sep:
             return
@@ -490,11 +550,46 @@ class HttpConn(_Conn):
         callback, self.callback = self.callback, None
         status = head.split(b"\r\n", 1)[0].decode("latin-1")
         if not status.startswith("HTTP/1.1 200"):
-            self.gen.count_error(f"etcd.{status[:60]}")
+            self.failed(status[:60])
             return
         if callback is not None:
             answer = json.loads(body)
             callback(answer.get("result", answer) if isinstance(answer, dict) else {})
+
+    def _stream_read(self) -> None:
+        """The chunks of a streamed answer so far: each newline-ended JSON message in them
+        to the callback (a message may span chunks)."""
+        if not self.stream_head:
+            head, sep, rest = self.buf.partition(b"\r\n\r\n")
+            if not sep:
+                return
+            status = head.split(b"\r\n", 1)[0].decode("latin-1")
+            if not status.startswith("HTTP/1.1 200"):
+                self.close()
+                self.failed(f"watch: {status[:60]}")
+                return
+            self.stream_head, self.buf = True, rest
+        buf = self.buf
+        while True:
+            line_end = buf.find(b"\r\n")
+            if line_end < 0:
+                break
+            size = int(buf[:line_end], 16)
+            if len(buf) < line_end + 2 + size + 2:
+                break
+            self.lines += buf[line_end + 2:line_end + 2 + size]
+            buf = buf[line_end + 4 + size:]
+            if size == 0:  # the gateway ended the stream
+                self.buf = b""
+                self.close()
+                self.failed("watch: the stream ended")
+                return
+        self.buf = buf
+        while b"\n" in self.lines and self.callback is not None and not self.closed:
+            line, _, self.lines = self.lines.partition(b"\n")
+            if line.strip():
+                answer = json.loads(line)
+                self.callback(answer.get("result") or {} if isinstance(answer, dict) else {})
 
 
 # --- one simulated agent --------------------------------------------------------------------
@@ -514,10 +609,18 @@ class Agent:
             gen.end_watch and index < gen.end_watch_below) or gen.mode == "rdzv" else None
         self.pres: PresenceConn | None = PresenceConn(gen, self) if gen.presence_port \
             else None
-        self.http: HttpConn | None = HttpConn(gen, self) if gen.mode == "etcd" else None
+        on_etcd = gen.mode == "etcd" or (gen.mode == "rdzv" and gen.etcd_port > 0)
+        self.http: HttpConn | None = HttpConn(gen, self) if on_etcd and gen.heartbeats \
+            else None
+        # etcd-v3 rendezvous: the agent's main client (its offer, reads and watches)
+        self.jc: HttpConn | None = HttpConn(gen, self, self._join_conn_live,
+                                            self._join_failed) \
+            if on_etcd and gen.mode == "rdzv" else None
+        self.next_step: Callable[[], None] | None = None  # once jc is (re)connected
+        self.step: Callable[[], None] | None = None  # jc's request now (again if it fails)
         self.lease = 0
         self.placed = False
-        if self.http is not None:
+        if on_etcd:
             self.hb = self.ew = None
         self.seq = 0
         self.beats = 0  # beats acknowledged
@@ -531,7 +634,7 @@ class Agent:
         self.joined: list[Any] | str | None = None
 
     def conns(self) -> list[_Conn]:
-        return [c for c in (self.hb, self.ew, self.pres, self.http) if c is not None]
+        return [c for c in (self.hb, self.ew, self.pres, self.http, self.jc) if c is not None]
 
     # etcd-v3: the beat is a lease kept alive (ftrun.control.election.LeaseBeat)
     def http_live(self) -> None:
@@ -689,6 +792,9 @@ class Agent:
 
     # the rendezvous
     def join(self) -> None:
+        if self.jc is not None:
+            self.join_etcd()
+            return
         conn, gen = self.ew, self.gen
         assert conn is not None
         slot = NodeSlot(-1, 1, "127.0.0.1", f"sim{self.index}", os.getpid(), self.node_id)
@@ -697,6 +803,122 @@ class Agent:
         conn.request(msg_append(gen.wire(name), b"\n" + line.encode()))
         self.offered = time.time()
         self.wait_assignment()
+
+    # the rendezvous on etcd-v3 (ftrun.control.etcd.EtcdClient under DynamicRendezvous)
+    def join_etcd(self) -> None:
+        """The offer: the signed slot as an ``append`` part key of its own, one put."""
+        gen = self.gen
+        slot = NodeSlot(-1, 1, "127.0.0.1", f"sim{self.index}", os.getpid(), self.node_id)
+        key = gen.prefix + f"gen/{gen.number}/slots"
+        line = "\n" + gen.signer.line(key, slot.to_json())
+        part = gen.etcd_root + key.encode() + b"\x00" + os.urandom(8).hex().encode()
+        self._request("/kv/put", {"key": _b64(part), "value": _b64(line.encode())},
+                      self._etcd_offered)
+
+    def _request(self, path: str, body: dict[str, Any],
+                 callback: Callable[[dict[str, Any]], None]) -> None:
+        """One request on the main client; made again a poll later if it fails."""
+        def step() -> None:
+            assert self.jc is not None
+            if not self.jc.live:  # closed meanwhile: made again once reconnected
+                self._reconnect(step)
+                return
+            self.jc.post(path, body, callback)
+
+        self.step = step
+        step()
+
+    def _etcd_offered(self, answer: dict[str, Any]) -> None:
+        self.offered = time.time()
+        self.read_assignment_etcd()
+
+    def _span(self) -> dict[str, Any]:
+        """The range of the agent's assignment key and its appended parts, oldest first
+        (``EtcdClient._span``)."""
+        gen = self.gen
+        key = gen.etcd_root + (gen.prefix + f"gen/{gen.number}/as/{self.node_id}").encode()
+        return {"key": _b64(key), "range_end": _b64(key + b"\x01"),
+                "sort_order": "ASCEND", "sort_target": "CREATE"}
+
+    def read_assignment_etcd(self) -> None:
+        """torch's ``get`` as ``EtcdClient.get`` does it: a read; if the key is missing, a
+        watch from the revision after the read."""
+        if self.joined is not None:
+            return
+        self._request("/kv/range", self._span(), self._etcd_read)
+
+    def _etcd_read(self, answer: dict[str, Any]) -> None:
+        kvs = answer.get("kvs") or []
+        if kvs:
+            self.step = None
+            raw = b"".join(base64.b64decode(kv.get("value", "")) for kv in kvs)
+            self._take_assignment(raw, self.read_assignment_etcd)
+            return
+        if time.time() > self.gen.deadline:
+            self.joined = "timed out waiting for the assignment"
+            return
+        revision = int((answer.get("header") or {}).get("revision", 0))
+        span = self._span()
+        assert self.jc is not None
+        self.step = None
+        self.wait_no += 1
+        self.waiting = True
+        self.jc.stream("/watch", {"create_request": {
+            "key": span["key"], "range_end": span["range_end"],
+            "start_revision": revision + 1}}, self._etcd_watched)
+        self.gen.loop.at(self.gen.loop.now + WAIT_SLICE_S, self._etcd_slice_due, self.wait_no)
+
+    def _etcd_watched(self, result: dict[str, Any]) -> None:
+        """A message of the watch: ``created`` alone goes on waiting; an event (or a
+        cancel) ends the wait, and the connection with it (a stream is ended only by
+        closing it: the real client's next request makes a new connection)."""
+        if not (result.get("events") or result.get("canceled")) or not self.waiting:
+            return
+        self.waiting = False
+        assert self.jc is not None
+        self.jc.close()
+        self._reconnect(self.read_assignment_etcd)
+
+    def _etcd_slice_due(self, number: int) -> None:
+        """A wait slice passed without the key: the stream's read timeout closes the
+        connection; then, as the rendezvous loop does, a ``check`` of ``gen/N`` and the
+        read again."""
+        if number != self.wait_no or not self.waiting or self.joined is not None:
+            return
+        self.waiting = False
+        assert self.jc is not None
+        self.jc.close()
+        gen = self.gen
+        key = gen.etcd_root + (gen.prefix + f"gen/{gen.number}").encode()
+        check = {"compare": [], "failure": [], "success": [{"request_range": {
+            "key": _b64(key), "range_end": _b64(key + b"\x01"), "count_only": True}}]}
+        self._reconnect(lambda: self._request("/kv/txn", check,
+                                              lambda a: self.read_assignment_etcd()))
+
+    def _reconnect(self, then: Callable[[], None]) -> None:
+        gen = self.gen
+        gen.reconnects["etcd.main"] = gen.reconnects.get("etcd.main", 0) + 1
+        self.next_step = then
+        assert self.jc is not None
+        self.jc.open()
+
+    def _join_conn_live(self) -> None:
+        step, self.next_step = self.next_step, None
+        if step is not None:
+            step()
+
+    def _join_failed(self, why: str) -> None:
+        """A request of the main client failed (an HTTP error, a closed connection): as
+        ``JsonStore``'s retries, the same step again a poll later, on a new connection when
+        this one is closed."""
+        if self.joined is not None or self.frozen:
+            return
+        step = self.step if self.step is not None else self.read_assignment_etcd
+        self.waiting = False
+        if time.time() > self.gen.deadline:
+            self.joined = f"etcd request failed: {why}"[:200]
+            return
+        self.gen.loop.at(self.gen.loop.now + 0.05, step)
 
     def wait_assignment(self) -> None:
         """torch's ``get``: a wait for the key with the slice as its timeout, then GET."""
@@ -725,18 +947,22 @@ class Agent:
         conn.request(msg_get(key), (0, self._assignment))
 
     def _assignment(self, conn: StoreConn, raw: bytes) -> None:
+        self._take_assignment(raw, self.wait_assignment)
+
+    def _take_assignment(self, raw: bytes, again: Callable[[], None]) -> None:
+        """Verify the assignment as the agent does (signature, ``Assignment.from_json``,
+        generation and node); a record that does not verify is ignored and read again a
+        poll later (``again``), as the agent does (the leader's write replaces it)."""
         gen = self.gen
         name = f"gen/{gen.number}/as/{self.node_id}"
         try:
             own = Assignment.from_json(gen.signer.unwrap(gen.prefix + name, json.loads(raw)))
         except ValueError as error:  # AuthError, StoreValueError, JSONDecodeError
-            # as the agent: only a forged record so far; read again a poll later (the
-            # leader's multi_set overwrites it)
             gen.count_error(f"rdzv.ignored an assignment: {str(error)[:80]}")
             if time.time() > gen.deadline:
                 self.joined = f"{name}: {error}"[:200]
             else:
-                gen.loop.at(gen.loop.now + 0.05, self.wait_assignment)
+                gen.loop.at(gen.loop.now + 0.05, again)
             return
         if own.number != gen.number or own.node.node_id != self.node_id:
             self.joined = f"{name} names generation {own.number}, node {own.node.node_id}"
@@ -874,7 +1100,8 @@ class Generator:
             self._schedule(self.ping_s, buckets, lambda a: a.pres.ping() if a.pres and
                            not a.frozen else None)
         beat_by = time.time() + float(self.cfg_ready_s)
-        while self.mode in ("load", "etcd") and self.heartbeats and time.time() < beat_by and \
+        beating = self.mode in ("load", "etcd") or (self.mode == "rdzv" and self.etcd_port > 0)
+        while beating and self.heartbeats and time.time() < beat_by and \
                 not all(a.beats for a in self.agents):  # an overloaded store may not let all
             loop.run_once()
             if time.time() - said > 10:
@@ -967,8 +1194,6 @@ class Generator:
 
 
 def _b64(data: bytes) -> str:
-    import base64
-
     return base64.b64encode(data).decode()
 
 
