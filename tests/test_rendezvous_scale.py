@@ -252,12 +252,15 @@ def test_simulated_agents_join_through_the_real_rendezvous(job_dir: Path) -> Non
 
 
 @pytest.mark.skipif(etcd_missing_reason() is not None, reason=etcd_missing_reason() or "")
-def test_simulated_etcd_agents_keep_leases_the_real_writer_sees(job_dir: Path) -> None:
+def test_simulated_etcd_agents_keep_leases_the_real_writer_sees_and_join_its_generation(
+        job_dir: Path) -> None:
     """The etcd-v3 store load's event-driven agents (scripts/loadgen.py, mode ``etcd``), 12
     in two processes, on a loopback etcd: each grants a lease, puts its signed liveness key
     bound to it and keeps it alive over its own HTTP connection, and pings on its presence
     connection. ftrun's own writer (a HeartbeatMonitor whose LeaseView watches the
-    liveness keys) knows every one of them from its verified record and loses none."""
+    liveness keys) knows every one of them from its verified record and loses none. Then
+    the light rendezvous's etcd agents join a generation on the same etcd
+    (:func:`_etcd_agents_join`)."""
     loadgen = _loadgen()
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {})
@@ -290,3 +293,52 @@ def test_simulated_etcd_agents_keep_leases_the_real_writer_sees(job_dir: Path) -
             fleet.close()
             monitor.close()
             presence.close()
+        _etcd_agents_join(loadgen, endpoint, job_dir)
+
+
+def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
+    """The etcd-v3 light rendezvous's event-driven agents (mode ``rdzv`` on etcd), 11 in
+    two processes with their lease beats, join a generation of 12 that ftrun's own leader
+    (DynamicRendezvous on the etcd-v3 client) forms: each appends its signed slot as a
+    part key, reads its own assignment, watches for it through the gateway's stream and
+    reads it again, verifies it and holds the rank the leader gave it. One agent's
+    assignment is forged beforehand (without the token): it ignores it."""
+    options = EtcdOptions.parse(endpoint, {})
+    forger = JsonStore(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej",
+                       signer=Signer(b"not-the-token"))
+    forged = {"number": 0, "restart_count": 0, "node": asdict(_slot(3, 1).with_rank(0)),
+              "rank_offset": 0, "nnodes": 1, "world_size": 1,
+              "worker_store_host": "6.6.6.6", "worker_store_port": 666, "digest": "0" * 64}
+    forger.set_record(assignment_key(0, "node-3"), forged)
+    n = 12
+    fleet = loadgen.Fleet({"mode": "rdzv", "store_port": 0, "number": 0, "id_prefix": "node-",
+                           "etcd_port": int(endpoint.split(":")[1]),
+                           "etcd_root": options.prefix.rstrip("/") + "/", "ttl_s": 5,
+                           "token": TOKEN.decode(), "prefix": "ftrun/ej", "interval": 0.5,
+                           "op_timeout": 2.0}, list(range(1, n)), 2, tag=str(job_dir))
+    try:
+        ready = fleet.wait_for("ready", 30)
+        assert sum(r["beaten"] for r in ready) == n - 1, ready  # each lease kept once
+        fleet.send({"cmd": "join", "timeout": 20})
+        store = JsonStore(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej",
+                          signer=Signer(TOKEN))
+        leader = DynamicRendezvous(store, min_nodes=n, max_nodes=n, last_call_s=0,
+                                   is_leader=True, poll_s=0.01, interrupted=lambda: False
+                                   ).join(0, _slot(0, 1), 20, lambda: ("10.9.9.9", 4242))
+        reports = fleet.wait_for("report", 30)
+    finally:
+        fleet.close()
+    joined = [j for r in reports for j in r["joined"]]
+    assert len(joined) == n - 1 and not any(r["join_failed"] for r in reports), reports
+    ranks = {node.node_id: node.node_rank for node in leader.nodes}
+    assert sorted(ranks.values()) == list(range(n)) and ranks["node-0"] == 0
+    for offered, held, rank, offset, world, nnodes, store_port in joined:
+        assert offered <= held and rank == offset and world == nnodes == n, joined
+        assert store_port == 4242
+    assert sorted(j[2] for j in joined) == list(range(1, n))
+    errors = [e for r in reports for e in r["errors"]]
+    assert errors and all("ignored an assignment" in e for e in errors), reports  # node-3's
+    # the agents waited through watches (each stream closed after its event, the
+    # assignment read on a new connection), not by finding it at their first read
+    watched = sum(r["reconnects"].get("etcd.main", 0) for r in reports)
+    assert watched >= n // 2, reports
