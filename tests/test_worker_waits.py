@@ -11,7 +11,9 @@ its deadline (30 s) instead.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -230,3 +232,82 @@ def test_the_bound_follows_the_argument_then_the_environment_then_the_default() 
                                       environ={}) == 1810.0
     with pytest.raises(ValueError, match=settings.REGROUP_TIMEOUT_ENV):
         bound(None, {settings.REGROUP_TIMEOUT_ENV: "soon"})
+
+
+# A member-epoch store in a process of its own (argv: the test's directory, so that the
+# leak check sees it), which the test stops: a stopped process's kernel still accepts the
+# requests, nobody answers them (a host that drops packets looks the same to a client).
+STORE_HOST = """
+import sys, time
+from ftrun.control.store import serve_store
+server = serve_store(0, 30.0)
+print(server.port, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_worker_leaves_a_dead_store_for_the_one_its_agent_names(job_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """etcd-v3: when the job's writer dies, its member-epoch store goes with it and the
+    agent names the new writer's store in its store file. A worker request already sent to
+    the dead store (the main thread's, bounded by a collective timeout: 60 s here, or a
+    beat's, 10 s) must give up as soon as the file names another store, and go on there:
+    the request, then the beats. Before ``_StoreFollower`` it waited out its bound."""
+    signer = Signer(SECRET.encode())
+    path = job_dir / "member-store.json"
+
+    def name_store(port: int) -> None:  # what the agent's etcdwriter.hand_down writes
+        record = signer.wrap(P.store_file_key("waits", 0),
+                             {"generation": 0, "host": "127.0.0.1", "port": port})
+        (job_dir / "member-store.new").write_text(json.dumps(record))
+        os.replace(job_dir / "member-store.new", path)
+
+    dead = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(job_dir)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    new = serve_store(0, 30.0)
+    stop, answered = threading.Event(), threading.Event()
+    beats: threading.Thread | None = None
+    try:
+        assert dead.stdout is not None
+        dead_port = int(dead.stdout.readline())
+        name_store(dead_port)
+        monkeypatch.setenv(P.STORE_FILE_ENV, str(path))
+        monkeypatch.setenv(TOKEN_ENV, SECRET)
+        env = P.WorkerEnv(generation=0, agent_pid=os.getpid(), node_rank=0, run_id="waits",
+                          control_addr=f"127.0.0.1:{dead_port}", user_torch_env=frozenset(),
+                          member=P.MemberEnv("0.0", PREFIX, initial=True))
+        assert env.member is not None
+        membership = Membership(env, env.member, op_timeout=timedelta(seconds=60),
+                                regroup_timeout_s=BOUND_S, heartbeat_s=0.2,
+                                progress=lambda: (7, 0))
+        beats = threading.Thread(target=membership.heartbeat, args=(stop,), daemon=True)
+        beats.start()
+        os.kill(dead.pid, signal.SIGSTOP)
+
+        there = JsonStore(new, PREFIX, signer=signer)
+        there.set_record("probe", {"held": "by the new store"})
+        read: list[dict[str, object] | None] = []
+
+        def request() -> None:  # a request that waits for its answer (a set does not)
+            read.append(membership.store.get_record("probe"))
+            answered.set()
+        threading.Thread(target=request, daemon=True).start()
+        assert not answered.wait(1.0), "the stopped store answered"
+        name_store(new.port)
+        moved = time.monotonic()
+        assert answered.wait(20), "the request still waits on the dead store"
+        took = time.monotonic() - moved
+        print(f"a request blocked on the dead store was answered by the new one after "
+              f"{took:.2f}s")
+        assert took < 6, took  # ~0.2 s here: a look at the file, a reconnect
+        assert read == [{"held": "by the new store"}], read
+        _wait_until(lambda: there.get_record(P.status_key("0.0")) is not None, 10,
+                    "the member's beat on the new store")
+    finally:
+        stop.set()
+        if beats is not None:
+            beats.join(15)
+        dead.kill()
+        dead.wait(10)

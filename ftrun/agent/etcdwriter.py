@@ -157,9 +157,11 @@ def _writer_of(agent: Agent, generation: Generation) -> NodeSlot | None:
 
 
 def hand_down(agent: Agent, generation: Generation, host: str, port: int) -> None:
-    """Tell this node's workers (those started from now on by the environment, the running
-    ones by the file's new content) where ``generation``'s member-epoch store is: a record
-    signed with the job's secret, replaced atomically (worker/membership.py reads it)."""
+    """Tell this node's workers (those started from now on by their environment, the
+    running ones by the file's new content) where ``generation``'s member-epoch store is: a
+    record signed with the job's secret, replaced atomically (worker/membership.py reads
+    it and follows it when it changes)."""
+    agent.launcher.control_addr = f"{host}:{port}"
     path = Path(agent.launcher.run_log_dir) / "member-store.json"
     key = P.store_file_key(agent.config.rdzv_id, generation.number)
     record = Signer(load_secret()).wrap(

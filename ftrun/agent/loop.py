@@ -241,8 +241,6 @@ class Agent:
                 self._services.config = standby_config(self.config, member.standby, self.say)
             if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
                 # the member epochs live in the generation's worker store (its writer's)
-                self.launcher.control_addr = \
-                    f"{generation.worker_store_host}:{generation.worker_store_port}"
                 etcdwriter.hand_down(self, generation, generation.worker_store_host,
                                      generation.worker_store_port)
             if self.nodes is not None:

@@ -277,12 +277,12 @@ class _RegroupRun:
         self.m = Membership(moved.store, services.say)
         self.m.latest, self.m.statuses, self.m.removed = latest, old.statuses, old.removed
         self.m.lost_nodes, self.m.done = old.lost_nodes, old.done
-        # A worker's beat blocked on the dead store ends within its request bound (10 s,
-        # worker/membership.py) before it reconnects: silence counts from there. A bound
-        # from that timeout, not a measured figure: here the dead store's connections reset
-        # at once (a surviving worker was silent at most 1.34 s after a move) and no test
-        # fails without it (tests/MUTATIONS.md); a store host that drops packets instead
-        # would hold a beat for the whole bound.
+        # A worker's beat blocked on the dead store ends once the worker sees the address
+        # handed down below (worker/membership.py _StoreFollower: within 0.1 s, then a
+        # reconnect of at most 2 s), or at the latest at its request bound (10 s): silence
+        # counts from that bound. A bound, not a measured figure: a surviving worker was
+        # silent at most 1.34 s after a move, and no test fails without it
+        # (tests/MUTATIONS.md).
         since = time.monotonic() + 10.0
         for member in self.members.values():
             status = old.statuses.get(member.id)

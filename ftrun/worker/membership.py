@@ -42,10 +42,13 @@ from ftrun.control.store import JsonStore, StoreError, StoreValueError, connect_
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
 
 POLL_S = 0.005  # between two looks at a record that a peer or the leader writes
+#: etcd-v3: between two looks at the agent's store file (an ``os.stat``) for a moved store
+FOLLOW_S = 0.1
 
 
-def shutdown_connections_to(host: str) -> int:
-    """Shut down this process's TCP connections to ``host``; returns how many.
+def shutdown_connections_to(host: str, port: int | None = None) -> int:
+    """Shut down this process's TCP connections to ``host`` (to its ``port`` only, when
+    given); returns how many.
 
     Each socket is reached through a duplicate of its descriptor: ``shutdown`` acts on the
     connection itself (its owner's blocked reads see end-of-file), while closing the
@@ -65,7 +68,8 @@ def shutdown_connections_to(host: str) -> int:
                 if sock.type != socket.SOCK_STREAM or sock.family not in (
                         socket.AF_INET, socket.AF_INET6):
                     continue
-                if sock.getpeername()[0] in addresses:
+                peer = sock.getpeername()
+                if peer[0] in addresses and (port is None or peer[1] == port):
                     sock.shutdown(socket.SHUT_RDWR)
                     count += 1
     return count
@@ -103,6 +107,53 @@ class _Bound:
 
     def passed(self) -> bool:
         return time.monotonic() >= self.deadline
+
+
+class _StoreFollower:
+    """etcd-v3: releases this process's requests to a member-epoch store that moved.
+
+    When the job's writer dies its store goes with it, and the agent writes the new
+    store's address to its store file. A request already sent to the dead store would wait
+    out its bound (10 s for a beat, a collective timeout for the main thread) when the dead
+    host drops packets instead of resetting: the link cut in ``tests/test_etcd.py`` stepped
+    again 10.3 s after the cut, 2.2 s after the new writer served its store. So this looks
+    at the file every ``FOLLOW_S`` and, when it names another store, shuts down this
+    process's connections to the old one's address and port: each blocked request fails
+    at once, and :class:`~ftrun.control.store.JsonStore` reconnects to the new store (its
+    ``reconnect`` reads the same file). Only ``os.stat`` while the file is unchanged."""
+
+    def __init__(self, env: P.WorkerEnv, signer: Signer) -> None:
+        self._path = os.environ[P.STORE_FILE_ENV]
+        self._signer = signer
+        self._key = P.store_file_key(env.run_id, env.generation)
+        self._generation = env.generation
+        self._seen: tuple[int, int, int] | None = None
+        self.serving = env.control_endpoint  # the store this process connected to first
+
+    def _read(self) -> tuple[str, int] | None:
+        """The address the file names now, when it changed since the last look and is a
+        valid record of this generation (a record being replaced is read on the next look)."""
+        try:
+            info = os.stat(self._path)
+        except OSError:
+            return None
+        mark = (info.st_ino, info.st_mtime_ns, info.st_size)
+        if mark == self._seen:
+            return None
+        try:
+            found = store_file_address(self._path, self._signer, self._key, self._generation)
+        except StoreError:
+            return None
+        self._seen = mark
+        return found
+
+    def run(self, stop: threading.Event, done: threading.Event) -> None:
+        """Until ``stop`` or ``done`` is set (a thread's target)."""
+        while not done.wait(FOLLOW_S) and not stop.is_set():
+            found = self._read()
+            if found is not None and found != self.serving:
+                shutdown_connections_to(*self.serving)
+                self.serving = found
 
 
 class Membership:
@@ -155,6 +206,7 @@ class Membership:
         self._progress = progress  # (committed steps, collectives issued in this step)
         self._heartbeat_s = heartbeat_s
         self.regroup_timeout_s = regroup_timeout_s
+        self._follow = None if moved is None else _StoreFollower(env, signer)
 
     @staticmethod
     def _moved_store(env: P.WorkerEnv, signer: Signer, op_timeout: timedelta
@@ -191,12 +243,23 @@ class Membership:
         """Liveness and progress, off the main thread (a thread's target, until ``stop``): a
         main thread that stops issuing collectives shows as progress that stands still while
         the beats go on."""
-        while not stop.wait(self._heartbeat_s):
-            try:
-                self.report(self._beat_store)
-                self._release_from_lost_node()
-            except (StoreError, RuntimeError):
-                return  # the agent is gone; PDEATHSIG ends this process
+        follower = done = None
+        if self._follow is not None:  # etcd-v3: the store may move (see _StoreFollower)
+            done = threading.Event()
+            follower = threading.Thread(target=self._follow.run, args=(stop, done),
+                                        name="ftrun-store-follow", daemon=True)
+            follower.start()
+        try:
+            while not stop.wait(self._heartbeat_s):
+                try:
+                    self.report(self._beat_store)
+                    self._release_from_lost_node()
+                except (StoreError, RuntimeError):
+                    return  # the agent is gone; PDEATHSIG ends this process
+        finally:
+            if follower is not None and done is not None:
+                done.set()
+                follower.join(2 * FOLLOW_S)
 
     def _release_from_lost_node(self) -> None:
         """Fail a collective that waits on a node the leader declared lost.
