@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ftrun.control.auth import Signer
 from ftrun.control.presence import (
@@ -179,8 +179,64 @@ def serve_presence(store: JsonStore, signer: Signer, run_id: str, bind: str | No
     return server
 
 
+class BeatView(Protocol):
+    """The store channel of the agents' liveness, as the monitor reads it: one per
+    backend (:class:`StoreBeats` on the TCPStore, ``election.LeaseView`` on etcd-v3)."""
+
+    def heard(self, node_ids: Iterable[str]) -> dict[str, float]:
+        """Node id -> when (the leader's clock) this channel last heard it, for those
+        heard since the last call (or known: a view may repeat a time)."""
+        ...
+
+    def prune(self, watched: Iterable[str]) -> None:
+        """Forget what is kept about nodes no longer ``watched``."""
+        ...
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop any thread of the view, waiting up to ``timeout_s``; False when one is
+        still alive then."""
+        ...
+
+
+class StoreBeats:
+    """TCPStore heartbeats: each agent's signed ``hb/<node id>`` ``{"seq": n}``, all read
+    in one ``multi_get`` per call. A node is heard when its sequence number grew since the
+    last read, by the leader's clock (a replayed older value is not a beat); bytes that did
+    not change are not verified again (``JsonStore.get_records``' cache)."""
+
+    def __init__(self, store: JsonStore, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.clock = clock
+        self._seq: dict[str, int] = {}
+        self._read: dict[str, tuple[bytes, dict[str, Any] | None]] = {}  # see get_records
+
+    def heard(self, node_ids: Iterable[str]) -> dict[str, float]:
+        ids = list(node_ids)
+        records = self.store.get_records([heartbeat_key(i) for i in ids], self._read)
+        now = self.clock()
+        found: dict[str, float] = {}
+        for node_id, body in zip(ids, records, strict=True):
+            seq = body.get("seq") if body else None
+            if isinstance(seq, int) and not isinstance(seq, bool) and \
+                    seq > self._seq.get(node_id, -1):
+                self._seq[node_id] = seq
+                found[node_id] = now
+        return found
+
+    def prune(self, watched: Iterable[str]) -> None:
+        keep = set(watched)
+        for node_id in set(self._seq) - keep:
+            del self._seq[node_id]
+        for name in [n for n in self._read if n.removeprefix("hb/") not in keep]:
+            del self._read[name]
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        return True  # no thread: the reads are the monitor's own
+
+
 class HeartbeatMonitor:
-    """The leader's view of the other agents' heartbeats."""
+    """The leader's view of the other agents' liveness: the store channel (a
+    :class:`BeatView` of the backend) and the presence connections, judged together."""
 
     def __init__(self, store: JsonStore, timeout_s: float,
                  presence: PresenceServer | None = None, interval_s: float = 0.0,
@@ -194,15 +250,13 @@ class HeartbeatMonitor:
         # without pings, a verdict on store heartbeats alone waits for three missed beats
         self.beats_timeout_s = max(timeout_s, 3 * interval_s)
         self.closed: set[str] = set()  # the last scan's agents lost by their connection
-        # etcd-v3 (a client with leases): heartbeats are leases, seen through a watch
-        self.leases: LeaseView | None = None
+        self.beats: BeatView = StoreBeats(store, clock)
         if getattr(store.raw, "leases", False) and store.reconnect is not None:
+            # etcd-v3 (a client with leases): heartbeats are leases, seen through a watch
             from ftrun.control.election import LeaseView
-            self.leases = LeaseView(store.reconnect, store, "hb/", min(1.0, timeout_s / 4),
-                                    clock).start()
-        self._seq: dict[str, int] = {}
-        self._read: dict[str, tuple[bytes, dict[str, Any] | None]] = {}  # see get_records
-        self._changed: dict[str, float] = {}
+            self.beats = LeaseView(store.reconnect, store, "hb/", min(1.0, timeout_s / 4),
+                                   clock).start()
+        self._changed: dict[str, float] = {}  # node id -> when last heard on the store channel
         self._silent: dict[str, float] = {}  # the last scan's silence of each agent
 
     def watch(self, node_ids: Iterable[str]) -> None:
@@ -210,20 +264,23 @@ class HeartbeatMonitor:
         now = self.clock()
         wanted = set(node_ids)
         for node_id in wanted - self._changed.keys():
-            self._seq[node_id] = -1
             self._changed[node_id] = now
         for node_id in set(self._changed) - wanted:
             del self._changed[node_id]
-            self._seq.pop(node_id, None)
-            self._read.pop(heartbeat_key(node_id), None)
-        if self.leases is not None:  # expired nodes no longer watched are forgotten
-            self.leases.prune(wanted)
+        self.beats.prune(wanted)
+
+    @property
+    def leases(self) -> LeaseView | None:
+        """The etcd-v3 lease view, when the heartbeats are leases."""
+        from ftrun.control.election import LeaseView
+        return self.beats if isinstance(self.beats, LeaseView) else None
 
     def close(self, timeout_s: float | None = None) -> str:
-        """Stop the lease watch's thread (etcd-v3; nothing else to stop), waiting up to
-        ``timeout_s`` (default: a slice and a request); what to say when it is still alive
-        then (a daemon thread stuck in a request: it ends with the process), else ""."""
-        if self.leases is None or self.leases.stop(timeout_s):
+        """Stop the beat view's thread (etcd-v3's lease watch; the TCPStore's has none),
+        waiting up to ``timeout_s`` (default: a slice and a request); what to say when it
+        is still alive then (a daemon thread stuck in a request: it ends with the
+        process), else ""."""
+        if self.beats.stop(timeout_s):
             return ""
         return "the etcd lease view's thread is still in a request (left to end by itself)"
 
@@ -240,19 +297,9 @@ class HeartbeatMonitor:
         connection ended without a goodbye (kept in :attr:`closed`); they stay watched
         until :meth:`watch` drops them."""
         ids = sorted(self._changed)
-        if self.leases is not None:  # when each lease was last known alive (no request):
-            now = self.clock()  # an expiry moves it back by a TTL, to the last renewal
-            for node_id, heard in self.leases.heard(ids).items():
-                self._changed[node_id] = heard
-        else:
-            records = self.store.get_records([heartbeat_key(i) for i in ids], self._read)
-            now = self.clock()
-            for node_id, body in zip(ids, records, strict=True):
-                seq = body.get("seq") if body else None
-                if isinstance(seq, int) and not isinstance(seq, bool) and \
-                        seq > self._seq[node_id]:
-                    self._seq[node_id] = seq
-                    self._changed[node_id] = now
+        # (on etcd-v3 a lease's expiry moves its node's time back by a TTL: its last renewal)
+        self._changed.update(self.beats.heard(ids))
+        now = self.clock()
         gone = self.presence.gone() if self.presence is not None else {}
         quiet = self.presence.silent() if self.presence is not None else {}
         self.closed = {i for i in ids if i in gone}
