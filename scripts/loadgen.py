@@ -78,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftrun.control.assignments import Assignment, NodeSlot
 from ftrun.control.auth import Signer
+from ftrun.control.etcdwire import watched_value
 from ftrun.control.presence import presence_key
 
 # torch 2.13's TCPStore query types and answers (see the module docstring)
@@ -871,12 +872,21 @@ class Agent:
     def _etcd_watched(self, result: dict[str, Any]) -> None:
         """A message of the watch: ``created`` alone goes on waiting; an event (or a
         cancel) ends the wait, and the connection with it (a stream is ended only by
-        closing it: the real client's next request makes a new connection)."""
+        closing it: the real client's next request makes a new connection). The value is
+        taken from the event when it tells it whole (``EtcdClient.get`` through
+        ``etcdwire.watched_value``), else read again on a new connection."""
         if not (result.get("events") or result.get("canceled")) or not self.waiting:
             return
         self.waiting = False
         assert self.jc is not None
         self.jc.close()
+        gen = self.gen
+        ekey = gen.etcd_root + (gen.prefix + f"gen/{gen.number}/as/{self.node_id}").encode()
+        value = watched_value(ekey, result.get("events") or [])
+        if value is not None:  # the leader's put, whole in the event: no second read
+            gen.count("rdzv.assignment from the watch event", 0)
+            self._take_assignment(value, lambda: self._reconnect(self.read_assignment_etcd))
+            return
         self._reconnect(self.read_assignment_etcd)
 
     def _etcd_slice_due(self, number: int) -> None:
@@ -1116,10 +1126,16 @@ class Generator:
                 if self._command(self.commands.popleft()):
                     return
             loop.run_once()
-            if self.mode == "rdzv" and self.deadline < float("inf") and all(
-                    a.joined is not None for a in self.agents):
-                self._report()
-                return
+            if self.mode == "rdzv" and self.deadline < float("inf"):
+                if all(a.joined is not None for a in self.agents):
+                    self._report()
+                    return
+                if time.time() - said > 5:  # a join that lasts: progress on stderr
+                    said = time.time()
+                    print(f"  loadgen {os.getpid()}: {sum(1 for a in self.agents if a.offered)}"
+                          f" offered, {sum(1 for a in self.agents if a.joined is not None)} "
+                          f"of {len(self.agents)} joined; errors {self.errors}",
+                          file=sys.stderr, flush=True)
 
     def _schedule(self, period: float, buckets: int, fn: Callable[[Agent], None]) -> None:
         groups = [self.agents[b::buckets] for b in range(buckets)]

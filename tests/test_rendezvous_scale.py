@@ -294,6 +294,7 @@ def test_simulated_etcd_agents_keep_leases_the_real_writer_sees_and_join_its_gen
             monitor.close()
             presence.close()
         _etcd_agents_join(loadgen, endpoint, job_dir)
+        _etcd_reads_cost_what_changed(endpoint)
 
 
 def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
@@ -301,7 +302,7 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
     two processes with their lease beats, join a generation of 12 that ftrun's own leader
     (DynamicRendezvous on the etcd-v3 client) forms: each appends its signed slot as a
     part key, reads its own assignment, watches for it through the gateway's stream and
-    reads it again, verifies it and holds the rank the leader gave it. One agent's
+    takes it from the watch's event, verifies it and holds the rank the leader gave it. One agent's
     assignment is forged beforehand (without the token): it ignores it."""
     options = EtcdOptions.parse(endpoint, {})
     forger = JsonStore(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej",
@@ -338,7 +339,78 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
     assert sorted(j[2] for j in joined) == list(range(1, n))
     errors = [e for r in reports for e in r["errors"]]
     assert errors and all("ignored an assignment" in e for e in errors), reports  # node-3's
-    # the agents waited through watches (each stream closed after its event, the
-    # assignment read on a new connection), not by finding it at their first read
-    watched = sum(r["reconnects"].get("etcd.main", 0) for r in reports)
+    # the agents waited through watches and took the assignment from the watch's event
+    # (no second read), not by finding it at their first read
+    watched = sum(r["calls"].get("rdzv.assignment from the watch event", 0) for r in reports)
     assert watched >= n // 2, reports
+
+
+def _etcd_metric(endpoint: str, line_start: str) -> float:
+    """One counter of the etcd member's own ``/metrics`` (its gRPC server, which the JSON
+    gateway calls)."""
+    import requests
+
+    text = requests.get(f"http://{endpoint}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(line_start))
+
+
+def _etcd_reads_cost_what_changed(endpoint: str) -> None:
+    """The etcd-v3 client's two reads for a rendezvous at scale (ftrun/control/etcdwire.py):
+    a key with appended parts read again costs etcd only the parts appended since (its
+    gRPC bytes sent), and is always what a fresh client reads, also after the key was
+    set, deleted and appended again, or a part overwritten by a foreign put; a wait for a
+    missing key that the leader then writes returns the value from the watch's event,
+    with no second read (etcd's count of Range calls), and a wait ended by an appended
+    part reads the key whole."""
+    options = EtcdOptions.parse(endpoint, {})
+    reader, writer = (connect_etcd(options, 10, op_timeout_s=5) for _ in range(2))
+
+    def fresh(key: str) -> bytes | None:
+        return connect_etcd(options, 10, op_timeout_s=5).read(key)
+
+    sent = "etcd_network_client_grpc_sent_bytes_total"
+    for i in range(40):
+        writer.append("slots", f"slot-{i:03d}-{'x' * 1000};")
+    before = _etcd_metric(endpoint, sent)
+    first = reader.get("slots")
+    whole = _etcd_metric(endpoint, sent) - before
+    assert first == fresh("slots")
+    writer.append("slots", "late;")
+    before = _etcd_metric(endpoint, sent)
+    again = reader.get("slots")
+    assert _etcd_metric(endpoint, sent) - before < whole / 10, whole  # the new part only
+    assert again == fresh("slots") == first + b"late;"
+    writer.set("slots", "replaced")
+    assert reader.get("slots") == b"replaced" == fresh("slots")
+    writer.append("slots", "+1")
+    assert reader.get("slots") == b"replaced+1" == fresh("slots")
+    writer.delete_key("slots")
+    writer.append("slots", "again")
+    assert reader.get("slots") == b"again" == fresh("slots")
+    writer.append("slots", ";more")
+    assert reader.get("slots") == b"again;more"
+    part = next(k for k, v, _ in writer.range_prefix("slots")[0] if v == b"again")
+    writer._post("/kv/put", {"key": writer._key(part), "value": "Zm9yZ2Vk"})  # a foreign put
+    assert reader.get("slots") == fresh("slots") == b"forged;more"
+    assert reader.read("nothing") is None
+
+    ranges = 'grpc_server_handled_total{grpc_code="OK",grpc_method="Range"'
+    for name, write, expected in (
+            ("as/1", lambda: writer.multi_set(["as/1"], ["assigned"]), b"assigned"),
+            ("as/2", lambda: writer.append("as/2", "part"), b"part")):
+        watchers = _etcd_metric(endpoint, "etcd_debugging_mvcc_watcher_total")
+
+        def write_once_watched(write: Callable[[], None] = write, base: float = watchers
+                               ) -> None:  # only once the reader's watch is in place
+            _until(lambda: _etcd_metric(endpoint, "etcd_debugging_mvcc_watcher_total")
+                   > base, 10)
+            write()
+        timer = threading.Thread(target=write_once_watched)
+        before = _etcd_metric(endpoint, ranges)
+        timer.start()
+        assert reader.get(name) == expected
+        timer.join()
+        # the first read found nothing; a put of the key itself is read from the event,
+        # an appended part by a second read
+        assert _etcd_metric(endpoint, ranges) - before == (1 if name == "as/1" else 2)

@@ -40,10 +40,8 @@ times out raises ``RuntimeError('wait timeout after ...')`` (torch's words, whic
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,6 +53,15 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
 
 from ftrun.control.errors import StoreError
+from ftrun.control.etcdwire import PART as _PART
+from ftrun.control.etcdwire import PARTS_END as _PARTS_END
+from ftrun.control.etcdwire import TXN_OPS as _TXN_OPS
+from ftrun.control.etcdwire import AppendedReads, span, watched_value
+from ftrun.control.etcdwire import b64 as _b64
+from ftrun.control.etcdwire import joined as _joined
+from ftrun.control.etcdwire import next_key as _next_key
+from ftrun.control.etcdwire import short as _short
+from ftrun.control.etcdwire import unb64 as _unb64
 
 DEFAULT_PREFIX = "/ftrun"
 DEFAULT_ETCD_PORT = 2379
@@ -135,33 +142,6 @@ def _split_host_port(part: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def _b64(data: str | bytes) -> str:
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.b64encode(raw).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
-#: An appended part's key is the key, this byte and a random id; the range of a key and its
-#: parts ends before ``_PARTS_END`` (no other key of the job has a byte below 0x20).
-_PART = b"\x00"
-_TXN_OPS = 128  # etcd's default --max-txn-ops
-_PARTS_END = b"\x01"
-
-
-def _joined(kvs: list[dict[str, Any]]) -> bytes:
-    """A key's value then its appended parts', in the order of ``kvs`` (etcd's creation
-    order: see ``EtcdClient._span``)."""
-    return b"".join(_unb64(kv.get("value", "")) for kv in kvs)
-
-
-def _next_key(key: bytes) -> bytes:
-    """The first key after every key that starts with ``key`` (a range's end)."""
-    return key[:-1] + bytes([key[-1] + 1]) if key and key[-1] < 0xFF else key + b"\0"
-
-
 class _Session(requests.Session):
     """A requests session whose requests are all bounded: etcd3gw gives no timeout to the
     request that opens a watch, which would block on a frozen member forever. Its CA
@@ -207,6 +187,7 @@ class EtcdClient:
                                              session=session))
         self._current = 0
         self._root = options.prefix.rstrip("/").encode() + b"/"
+        self._appended = AppendedReads()
 
     # --- torch's TCPStore surface ---------------------------------------------------------
 
@@ -240,9 +221,10 @@ class EtcdClient:
         deadline = time.monotonic() + wait_s
         while True:
             found, revision = self._range(key)
+            if found is None:  # the value the watch saw written, when it tells it whole
+                found = self._watch_create(key, revision, deadline)
             if found is not None:
                 return found
-            self._watch_create(key, revision, deadline)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists (a value or an appended part), in one transaction per
@@ -316,9 +298,8 @@ class EtcdClient:
         for key in keys:
             while True:
                 found, revision = self._range(key)
-                if found is not None:
+                if found is not None or self._watch_create(key, revision, deadline):
                     break
-                self._watch_create(key, revision, deadline)
 
     def delete_key(self, key: str) -> bool:
         result = self._post("/kv/deleterange", self._span(key))
@@ -453,16 +434,18 @@ class EtcdClient:
 
     def _span(self, key: str) -> dict[str, Any]:
         """A range over ``key`` and its appended parts, oldest first."""
-        ekey = self._root + key.encode()
-        return {"key": _b64(ekey), "range_end": _b64(ekey + _PARTS_END),
-                "sort_order": "ASCEND", "sort_target": "CREATE"}
+        return span(self._root + key.encode())
 
     def _range(self, key: str) -> tuple[bytes | None, int]:
-        """(value or None, the store's revision at the read)."""
-        result = self._post("/kv/range", self._span(key))
-        revision = int(result.get("header", {}).get("revision", 0))
-        kvs = result.get("kvs") or []
-        return (_joined(kvs) if kvs else None), revision
+        """(value or None, the store's revision at the read); an appended key read before
+        is read from where the last read ended (``etcdwire.AppendedReads``)."""
+        ekey = self._root + key.encode()
+        for _ in range(2):  # the second, if any, is a whole read
+            result = self._post("/kv/range", self._appended.request(ekey))
+            usable, value = self._appended.answer(ekey, result)
+            if usable:
+                return value, int(result.get("header", {}).get("revision", 0))
+        raise RuntimeError(f"etcd: a range of {key!r} answered fewer keys than it counted")
 
     def _read_modify_write(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
         ekey = self._key(key)
@@ -482,9 +465,11 @@ class EtcdClient:
                 return new
         raise RuntimeError(f"etcd: key {key!r} changed under {_CAS_TRIES} tries of an update")
 
-    def _watch_create(self, key: str, revision: int, deadline: float) -> None:
+    def _watch_create(self, key: str, revision: int, deadline: float) -> bytes | None:
         """Return once ``key`` is written after ``revision`` (or something else happened to
-        it: the caller reads again); RuntimeError('wait timeout after ...') at the deadline.
+        it: the caller reads again): the key's value when the watch's event tells it whole
+        (``etcdwire.watched_value``: the caller found the key missing at ``revision``), else
+        None; RuntimeError('wait timeout after ...') at the deadline.
 
         The watch stream (the gateway's ``/watch``, at the URL etcd3gw discovered) is read
         in the calling thread until its first event: one stream per waiting client and no
@@ -498,19 +483,23 @@ class EtcdClient:
         span = self._span(key)
         request = {"create_request": {"key": span["key"], "range_end": span["range_end"],
                                       "start_revision": revision + 1}}
+        pending = b""
         try:
             with client.session.post(client.get_url("/watch"), json=request, stream=True,
                                      timeout=(self._connect_s, left)) as response:
                 if response.status_code != requests.codes["ok"]:
                     self._failed_over(f"watch: HTTP {response.status_code} {response.reason}")
-                    return
+                    return None
                 for chunk in response.iter_content(chunk_size=None):
-                    for line in chunk.splitlines():
+                    *lines, pending = (pending + chunk).split(b"\n")  # a message may span
+                    for line in lines:
                         if not line.strip():
                             continue
                         result = json.loads(line).get("result") or {}
-                        if result.get("events") or result.get("canceled"):
-                            return  # written (or the watch ended): the caller reads again
+                        if result.get("events"):  # written: its value, or None to read it
+                            return watched_value(self._root + key.encode(), result["events"])
+                        if result.get("canceled"):
+                            return None  # the watch ended: the caller reads again
                     if time.monotonic() >= deadline:
                         break
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
@@ -518,10 +507,10 @@ class EtcdClient:
             # ConnectionError from inside a stream) at the deadline; else the endpoint failed
             if time.monotonic() < deadline - 0.05:
                 self._failed_over(f"watch: {_short(error)}")
-                return
+                return None
         if time.monotonic() < deadline:
             self._failed_over("watch: the stream ended")
-            return
+            return None
         raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
 
     def _reads(self, ranges: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -559,24 +548,6 @@ class EtcdClient:
         self._current = (self._current + 1) % len(self._clients)
         if len(self._clients) == 1:
             raise RuntimeError(f"etcd {why}")
-
-
-def _short(error: BaseException) -> str:
-    """The first line of an error, trimmed (requests' messages nest the whole chain;
-    etcd3gw keeps requests' in ``detail_text``); a TLS failure as OpenSSL's reason
-    ("TLS: certificate verify failed: unable to get local issuer certificate")."""
-    whole = str(error).strip() or str(getattr(error, "detail_text", "") or "").strip()
-    text = whole.splitlines()[0] if whole else type(error).__name__
-    tls = re.search(r"\[SSL: [A-Z0-9_]+\] ([^(]+?)\s*\(_ssl", text)
-    if tls is not None:
-        return f"TLS: {tls[1]}"
-    if "SSLError" in text or "SSL" in type(error).__name__:
-        return f"TLS: {text[:160]}"
-    for marker in ("Connection refused", "timed out", "Name or service not known",
-                   "No route to host", "certificate verify failed", "Connection reset"):
-        if marker in text:
-            return marker.lower()
-    return text[:160]
 
 
 def connect_etcd(options: EtcdOptions, timeout_s: float, *, op_timeout_s: float | None = None,

@@ -1,0 +1,149 @@
+"""The etcd v3 JSON gateway's wire details for :mod:`ftrun.control.etcd`: base64 keys and
+values, how an appended key is laid out, error lines, and the two reads that keep a
+rendezvous of thousands of agents cheap for etcd (split out of ``etcd.py``, which holds the
+client's operations).
+
+Why the two reads (measured with ``scripts/bench_multinode.py --only rendezvous-light-etcd
+--light-harness events``, README "Scale of the control plane"):
+
+* :class:`AppendedReads`: the leader reads a generation's slots list (one appended key:
+  its value and a part key per agent) every poll while agents offer. A full read returned
+  every part each time, so 4,096 offers cost the gateway O(N^2) bytes of JSON. A reader
+  that keeps what it read asks only for the key's parts modified after the revision of its
+  last read (``min_mod_revision``) and appends them, when etcd's count of the whole range
+  shows that nothing it holds was deleted and none of what came back is an older part
+  that changed; otherwise it reads the whole key again.
+* :func:`watched_value`: an agent waiting for its assignment reads the key, finds it
+  missing, and watches it from the revision after that read. The watch's event holds the
+  value the leader wrote; when the first change is a single put of the key itself, that
+  value is the key's whole value at that revision (the range was empty before it), so the
+  wait needs no second read on a new connection (a stream is ended only by closing its
+  connection).
+
+No I/O here: the client (``etcd.py``) sends the requests these build and passes back what
+etcd answered.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections import OrderedDict
+from typing import Any
+
+#: An appended part's key is the key, this byte and a random id; the range of a key and its
+#: parts ends before ``PARTS_END`` (no other key of the job has a byte below 0x20).
+PART = b"\x00"
+PARTS_END = b"\x01"
+TXN_OPS = 128  # etcd's default --max-txn-ops
+
+
+def b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def joined(kvs: list[dict[str, Any]]) -> bytes:
+    """A key's value then its appended parts', in the order of ``kvs`` (etcd's creation
+    order: a span's range sorts by create revision)."""
+    return b"".join(unb64(kv.get("value", "")) for kv in kvs)
+
+
+def next_key(key: bytes) -> bytes:
+    """The first key after every key that starts with ``key`` (a range's end)."""
+    return key[:-1] + bytes([key[-1] + 1]) if key and key[-1] < 0xFF else key + b"\0"
+
+
+def span(ekey: bytes) -> dict[str, Any]:
+    """A range over the (job-prefixed) key ``ekey`` and its appended parts, oldest first."""
+    return {"key": b64(ekey), "range_end": b64(ekey + PARTS_END),
+            "sort_order": "ASCEND", "sort_target": "CREATE"}
+
+
+def watched_value(ekey: bytes, events: list[dict[str, Any]]) -> bytes | None:
+    """The value of ``ekey``'s span after the first revision in ``events`` (a watch of the
+    span from the revision after a read that found it empty), when that revision holds
+    one event, a put of the key itself; None when it cannot be told from the events (a
+    part, a delete, several changes at once): the caller reads the key."""
+    if not events:
+        return None
+    first = (events[0].get("kv") or {}).get("mod_revision")
+    at_first = [e for e in events if (e.get("kv") or {}).get("mod_revision") == first]
+    if len(at_first) != 1 or at_first[0].get("type", "PUT") != "PUT":
+        return None
+    kv = at_first[0].get("kv") or {}
+    if unb64(kv.get("key", "")) != ekey:
+        return None
+    return unb64(kv.get("value", ""))
+
+
+class AppendedReads:
+    """What a client last read of appended keys (at most ``keys`` of them, the least
+    recently read dropped first), so that the next read of such a key asks etcd only for
+    what changed since (see the module docstring). Used by one thread, as the client."""
+
+    def __init__(self, keys: int = 32) -> None:
+        self._held: OrderedDict[bytes, tuple[int, int, int, bytes]] = OrderedDict()
+        self._keys = keys  # held: ekey -> (revision read at, kvs, last create, value)
+
+    def request(self, ekey: bytes) -> dict[str, Any]:
+        """The range to send for ``ekey``: only what was modified after the last read."""
+        held = self._held.get(ekey)
+        request = span(ekey)
+        if held is not None:
+            request["min_mod_revision"] = str(held[0] + 1)
+        return request
+
+    def answer(self, ekey: bytes, result: dict[str, Any]) -> tuple[bool, bytes | None]:
+        """(usable, the key's value or None when missing) from etcd's answer to
+        :meth:`request`; not usable: the key changed otherwise than by appends since the
+        last read, and the caller sends :meth:`request` again (a whole read)."""
+        revision = int((result.get("header") or {}).get("revision", 0))
+        count = int(result.get("count", 0))
+        kvs = result.get("kvs") or []
+        held = self._held.pop(ekey, None)
+        if held is not None:
+            _, had, last_create, value = held
+            if count != had + len(kvs) or any(
+                    int(kv.get("create_revision", 0)) <= last_create for kv in kvs):
+                return False, None  # a part deleted or changed, the key set: read it all
+            total, value = had + len(kvs), value + joined(kvs)
+        else:
+            if len(kvs) != count:
+                return False, None
+            if not kvs:
+                return True, None
+            total, value = len(kvs), joined(kvs)
+            if total == 1 and unb64(kvs[0].get("key", "")) == ekey:
+                return True, value  # a plain key, no parts: nothing to hold
+        if kvs:
+            last_create = int(kvs[-1].get("create_revision", 0))
+        self._held[ekey] = (revision, total, last_create, value)
+        while len(self._held) > self._keys:
+            self._held.popitem(last=False)
+        return True, value
+
+    def forget(self, ekey: bytes) -> None:
+        self._held.pop(ekey, None)
+
+
+def short(error: BaseException) -> str:
+    """The first line of an error, trimmed (requests' messages nest the whole chain;
+    etcd3gw keeps requests' in ``detail_text``); a TLS failure as OpenSSL's reason
+    ("TLS: certificate verify failed: unable to get local issuer certificate")."""
+    whole = str(error).strip() or str(getattr(error, "detail_text", "") or "").strip()
+    text = whole.splitlines()[0] if whole else type(error).__name__
+    tls = re.search(r"\[SSL: [A-Z0-9_]+\] ([^(]+?)\s*\(_ssl", text)
+    if tls is not None:
+        return f"TLS: {tls[1]}"
+    if "SSLError" in text or "SSL" in type(error).__name__:
+        return f"TLS: {text[:160]}"
+    for marker in ("Connection refused", "timed out", "Name or service not known",
+                   "No route to host", "certificate verify failed", "Connection reset"):
+        if marker in text:
+            return marker.lower()
+    return text[:160]
