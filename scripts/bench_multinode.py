@@ -235,6 +235,25 @@ class _Reader:
                 self.numbers.append(int(match[1]))
 
 
+def _progress_after(survivors: list[_Reader], fault: float, cap_s: float
+                    ) -> tuple[float | None, int | None]:
+    """(seconds from ``fault`` to progress again, committed steps redone) once every
+    survivor stepped after it, or (None, None) after ``cap_s``. Progress again: a step of
+    each survivor, read after the fault, that is not the tail of steps already in flight
+    (half a second of grace); a survivor that kept stepping through it lost nothing."""
+    while time.time() < fault + cap_s:
+        if all(any(t > fault + 0.5 for t in r.steps) for r in survivors):
+            firsts = [next(i for i, t in enumerate(r.steps) if t > fault + 0.5)
+                      for r in survivors]
+            after = [r.steps[i] for r, i in zip(survivors, firsts, strict=True)]
+            done = max(max((n for n, t in zip(r.numbers, r.steps, strict=True)
+                            if t <= fault), default=0) for r in survivors)
+            went_on = min(r.numbers[i] for r, i in zip(survivors, firsts, strict=True))
+            return max(after) - fault, max(0, done - went_on + 1)
+        time.sleep(0.05)
+    return None, None
+
+
 def node_loss_once(variant: str, cap_s: float, fault: str = "cut"
                    ) -> tuple[float | None, int | None]:
     """Seconds from the fault to a new step on both survivors, and the committed steps
@@ -273,22 +292,8 @@ def node_loss_once(variant: str, cap_s: float, fault: str = "cut"
             else:
                 os.killpg(readers[victim].proc.pid, signal.SIGKILL)
             cut = time.time()
-            survivors = [r for i, r in enumerate(readers) if i != victim]
-            # Progress again: a step of each survivor, read after the cut, that is not the
-            # tail of steps already in flight (half a second of grace).
-            deadline = cut + cap_s
-            while time.time() < deadline:
-                if all(any(t > cut + 0.5 for t in r.steps) for r in survivors):
-                    firsts = [next(i for i, t in enumerate(r.steps) if t > cut + 0.5)
-                              for r in survivors]
-                    after = [r.steps[i] for r, i in zip(survivors, firsts, strict=True)]
-                    done = max(max((n for n, t in zip(r.numbers, r.steps, strict=True)
-                                    if t <= cut), default=0) for r in survivors)
-                    went_on = min(r.numbers[i] for r, i in zip(survivors, firsts, strict=True))
-                    # A survivor that kept stepping through the cut never lost progress.
-                    return max(after) - cut, max(0, done - went_on + 1)
-                time.sleep(0.05)
-            return None, None
+            return _progress_after([r for i, r in enumerate(readers) if i != victim], cut,
+                                   cap_s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -423,18 +428,8 @@ def leader_loss_once_etcd(cap_s: float, victim: str = "writer"
                 max(i for i in range(len(procs)) if i != writers[0])
             os.killpg(procs[lost].pid, signal.SIGKILL)
             killed = time.time()
-            survivors = [r for i, r in enumerate(readers) if i != lost]
-            while time.time() < killed + cap_s:
-                if all(any(t > killed + 0.5 for t in r.steps) for r in survivors):
-                    firsts = [next(i for i, t in enumerate(r.steps) if t > killed + 0.5)
-                              for r in survivors]
-                    after = [r.steps[i] for r, i in zip(survivors, firsts, strict=True)]
-                    done = max(max((n for n, t in zip(r.numbers, r.steps, strict=True)
-                                    if t <= killed), default=0) for r in survivors)
-                    went_on = min(r.numbers[i] for r, i in zip(survivors, firsts, strict=True))
-                    return max(after) - killed, max(0, done - went_on + 1)
-                time.sleep(0.05)
-            return None, None
+            return _progress_after([r for i, r in enumerate(readers) if i != lost], killed,
+                                   cap_s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -1208,16 +1203,55 @@ def _load_average() -> float:
     return round(os.getloadavg()[0], 1)
 
 
+class _StoreChannel:
+    """What the store channel alone would say of the agents: the monitor declares a node
+    lost only when its heartbeats *and* its presence pings are silent, so while pings flow
+    ``agents_lost_by_monitor`` cannot show heartbeats that did not get through. This keeps
+    every time the monitor's own view of the store channel (its ``BeatView``: the TCPStore
+    scan or etcd's lease view) heard each node, and after each scan in the window counts
+    the nodes that channel left silent for longer than the monitor's heartbeat limit."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+        self.heard: dict[str, float] = {}
+        self.silent: set[str] = set()  # silent past the limit at some scan in the window
+        self.longest_s = 0.0
+        view, inner = monitor.beats, monitor.beats.heard
+
+        def heard(node_ids: Any) -> dict[str, float]:
+            found: dict[str, float] = inner(node_ids)
+            self.heard.update(found)
+            return found
+
+        view.heard = heard
+
+    def check(self, ids: list[str]) -> None:
+        now = self.monitor.clock()
+        for node_id in ids:
+            quiet = now - self.heard.setdefault(node_id, now)
+            self.longest_s = max(self.longest_s, quiet)
+            if quiet > self.monitor.beats_timeout_s:
+                self.silent.add(node_id)
+
+    def keys(self) -> dict[str, Any]:
+        return {"agents_silent_on_store_channel": len(self.silent),
+                "agents_silent_on_store_channel_sample": sorted(self.silent)[:5],
+                "store_channel_longest_silence_s": round(self.longest_s, 3)}
+
+
 def _timed_scan(monitor: Any, ids: list[str], start: float, scans: list[float],
-                lost: set[str]) -> None:
+                lost: set[str], channel: _StoreChannel | None = None) -> None:
     """The leader's scan (its watch of ``ids``, then ``scan``), timed into ``scans`` and
-    its verdicts into ``lost`` once the window has started (``start``, time.time())."""
+    its verdicts into ``lost`` once the window has started (``start``, time.time());
+    ``channel``: the store channel's own silences, checked after each such scan."""
     t0 = time.perf_counter()
     monitor.watch(ids)
     found = monitor.scan()
     if time.time() >= start:
         scans.append(time.perf_counter() - t0)
         lost.update(found)
+        if channel is not None:
+            channel.check(ids)
 
 
 def _scan_period(interval: float, heartbeat_timeout: float) -> float:
@@ -1312,6 +1346,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
     presence = serve_presence(store, signer, run_id, "127.0.0.1", "127.0.0.1",
                               rejected.append)
     monitor = HeartbeatMonitor(store, heartbeat_timeout, presence, interval)
+    channel = _StoreChannel(monitor)
     store_part: list[float] = []
     read_heartbeats = store.get_records
 
@@ -1362,7 +1397,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
             store.first_record("gen/0/end")  # the leader's loop reads the end every tick
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + scan_every
-                _timed_scan(monitor, ids, start, scans, lost)
+                _timed_scan(monitor, ids, start, scans, lost, channel)
                 store.records_after("gen/1/slots", 0)  # the newcomer check
             time.sleep(_MONITOR_INTERVAL_S)
         window = max(0.001, time.time() - start)
@@ -1450,6 +1485,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
         "leader_scans": len(scans),
         "agents_lost_by_monitor": len(lost),
         "agents_lost_sample": sorted(lost)[:5],
+        **channel.keys(),
         "end_seen_by_all_s": round(seen[-1], 4) if seen and len(seen) == watchers else None,
         "end_seen_median_s": round(statistics.median(seen), 4) if seen else None,
         "end_not_seen": watchers - len(seen),
@@ -1512,6 +1548,7 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
         presence = serve_presence(store, signer, run_id, "127.0.0.1", "127.0.0.1",
                                   rejected.append)
         monitor = HeartbeatMonitor(store, timeout_s, presence, interval)
+        channel = _StoreChannel(monitor)
         cfg = {"mode": "etcd", "store_port": 0, "etcd_port": int(endpoint.split(":")[1]),
                "etcd_root": options.prefix.rstrip("/") + "/", "ttl_s": int(timeout_s),
                "presence_port": presence.port, "token": token, "prefix": f"ftrun/{run_id}",
@@ -1540,7 +1577,7 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
                     cpu = {"etcd": _cpu_s(etcd_pid or 0), "host": _cpu_s(os.getpid()),
                            "agents": sum(_cpu_s(pid) for pid in fleet.pids),
                            "machine": _machine_busy_s()}
-                _timed_scan(monitor, ids, start, scans, lost)
+                _timed_scan(monitor, ids, start, scans, lost, channel)
                 time.sleep(scan_every)
             window = max(0.001, time.time() - start)
             etcd_cpu = _cpu_s(etcd_pid or 0) - cpu.get("etcd", 0.0)
@@ -1590,6 +1627,7 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
         "writer_scans": len(scans),
         "agents_lost_by_monitor": len(lost),
         "agents_lost_sample": sorted(lost)[:5],
+        **channel.keys(),
         "presence_rejections": rejected[:3],
         "etcd_cores": round(etcd_cpu / window, 3),
         "writer_process_cores": round(host / window, 3),
@@ -2122,7 +2160,7 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
                   file=sys.stderr, flush=True)
             return
         result.update({k: sub[k] for k in ("store_load", "store_load_model",
-                                           "store_load_etcd") if k in sub})
+                                           "store_load_etcd", "store_load_error") if k in sub})
         return
     if args.store_load_backend == "etcd-v3":
         try:
@@ -2147,6 +2185,10 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
         except RuntimeError as error:
             print(f"  store load at {n} agents could not run: {error}", file=sys.stderr,
                   flush=True)
+            if args.store_load_harness == "events" and not args.end_poll and \
+                    not isinstance(error, _loadgen().TooMany):
+                result["store_load_error"] = f"{n} agents: {error}"  # a failure, not a size
+                return
             if n == args.store_load:
                 wire = 1 if args.end_poll else 2  # a timed-out wait: WAIT + CANCEL_WAIT
                 result["store_load_model"] = {

@@ -57,7 +57,6 @@ request has the agents' request timeout (``op_timeout``); connects are retried u
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import errno
 import heapq
@@ -78,7 +77,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftrun.control.assignments import Assignment, NodeSlot
 from ftrun.control.auth import Signer
-from ftrun.control.etcdwire import watched_value
+from ftrun.control.etcdwire import PART, PARTS_END, b64, span, watched_value
+from ftrun.control.etcdwire import joined as joined_value
 from ftrun.control.presence import presence_key
 
 # torch 2.13's TCPStore query types and answers (see the module docstring)
@@ -649,8 +649,8 @@ class Agent:
         key = gen.prefix + self.hb_name
         line = gen.signer.line(key, {"lease": self.lease, "ttl": int(answer.get("TTL", 0))})
         assert self.http is not None
-        self.http.post("/kv/put", {"key": _b64(gen.etcd_root + key.encode()),
-                                   "value": _b64(line.encode()), "lease": str(self.lease)},
+        self.http.post("/kv/put", {"key": b64(gen.etcd_root + key.encode()),
+                                   "value": b64(line.encode()), "lease": str(self.lease)},
                        self._placed)
 
     def _placed(self, answer: dict[str, Any]) -> None:
@@ -717,6 +717,9 @@ class Agent:
 
     def _beat_done(self, conn: StoreConn, answer: int) -> None:
         gen = self.gen
+        if answer != READY:  # the check did not find the key just set: not a beat
+            gen.count_error(f"heartbeat.check answered {answer}")
+            return
         self.beats += 1
         if gen.in_window(gen.loop.now):
             gen.count("heartbeat.set", 1)
@@ -812,8 +815,8 @@ class Agent:
         slot = NodeSlot(-1, 1, "127.0.0.1", f"sim{self.index}", os.getpid(), self.node_id)
         key = gen.prefix + f"gen/{gen.number}/slots"
         line = "\n" + gen.signer.line(key, slot.to_json())
-        part = gen.etcd_root + key.encode() + b"\x00" + os.urandom(8).hex().encode()
-        self._request("/kv/put", {"key": _b64(part), "value": _b64(line.encode())},
+        part = gen.etcd_root + key.encode() + PART + os.urandom(8).hex().encode()
+        self._request("/kv/put", {"key": b64(part), "value": b64(line.encode())},
                       self._etcd_offered)
 
     def _request(self, path: str, body: dict[str, Any],
@@ -836,10 +839,7 @@ class Agent:
     def _span(self) -> dict[str, Any]:
         """The range of the agent's assignment key and its appended parts, oldest first
         (``EtcdClient._span``)."""
-        gen = self.gen
-        key = gen.etcd_root + (gen.prefix + f"gen/{gen.number}/as/{self.node_id}").encode()
-        return {"key": _b64(key), "range_end": _b64(key + b"\x01"),
-                "sort_order": "ASCEND", "sort_target": "CREATE"}
+        return span(self._ekey(f"gen/{self.gen.number}/as/{self.node_id}"))
 
     def read_assignment_etcd(self) -> None:
         """torch's ``get`` as ``EtcdClient.get`` does it: a read; if the key is missing, a
@@ -852,7 +852,7 @@ class Agent:
         kvs = answer.get("kvs") or []
         if kvs:
             self.step = None
-            raw = b"".join(base64.b64decode(kv.get("value", "")) for kv in kvs)
+            raw = joined_value(kvs)
             self._take_assignment(raw, self.read_assignment_etcd)
             return
         if time.time() > self.gen.deadline:
@@ -877,14 +877,11 @@ class Agent:
         ``etcdwire.watched_value``), else read again on a new connection."""
         if not (result.get("events") or result.get("canceled")) or not self.waiting:
             return
-        self.waiting = False
-        assert self.jc is not None
-        self.jc.close()
-        gen = self.gen
-        ekey = gen.etcd_root + (gen.prefix + f"gen/{gen.number}/as/{self.node_id}").encode()
-        value = watched_value(ekey, result.get("events") or [])
+        self._end_watch()
+        value = watched_value(self._ekey(f"gen/{self.gen.number}/as/{self.node_id}"),
+                              result.get("events") or [])
         if value is not None:  # the leader's put, whole in the event: no second read
-            gen.count("rdzv.assignment from the watch event", 0)
+            self.gen.count("rdzv.assignment from the watch event", 0)
             self._take_assignment(value, lambda: self._reconnect(self.read_assignment_etcd))
             return
         self._reconnect(self.read_assignment_etcd)
@@ -895,15 +892,22 @@ class Agent:
         read again."""
         if number != self.wait_no or not self.waiting or self.joined is not None:
             return
+        self._end_watch()
+        key = self._ekey(f"gen/{self.gen.number}")
+        check = {"compare": [], "failure": [], "success": [{"request_range": {
+            "key": b64(key), "range_end": b64(key + PARTS_END), "count_only": True}}]}
+        self._reconnect(lambda: self._request("/kv/txn", check,
+                                              lambda a: self.read_assignment_etcd()))
+
+    def _ekey(self, name: str) -> bytes:
+        """The etcd key of the job's key ``name`` (``EtcdClient``'s root and the prefix)."""
+        return self.gen.etcd_root + (self.gen.prefix + name).encode()
+
+    def _end_watch(self) -> None:
+        """The wait is over: its stream ends with its connection."""
         self.waiting = False
         assert self.jc is not None
         self.jc.close()
-        gen = self.gen
-        key = gen.etcd_root + (gen.prefix + f"gen/{gen.number}").encode()
-        check = {"compare": [], "failure": [], "success": [{"request_range": {
-            "key": _b64(key), "range_end": _b64(key + b"\x01"), "count_only": True}}]}
-        self._reconnect(lambda: self._request("/kv/txn", check,
-                                              lambda a: self.read_assignment_etcd()))
 
     def _reconnect(self, then: Callable[[], None]) -> None:
         gen = self.gen
@@ -1010,7 +1014,8 @@ class Generator:
         self.heartbeats = bool(cfg.get("heartbeats", True)) or self.mode == "etcd"
         self.end_watch = bool(cfg.get("end_watch", True))
         # only the agents below this index hold an end watch (the store host's descriptors)
-        self.end_watch_below = int(cfg.get("end_watch_below") or 1 << 62)
+        below = cfg.get("end_watch_below")  # None: every agent (0 is none of them)
+        self.end_watch_below = 1 << 62 if below is None else int(below)
         self.setup_timeout = float(cfg.get("setup_timeout", 600.0))
         # how long, once connected, the agents may take to beat once before "ready" (an
         # overloaded store may never let every one through; "beaten" says how many did)
@@ -1209,10 +1214,6 @@ class Generator:
                  start.ru_utime + start.ru_stime), 3) if start is not None else None})
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 def say(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -1250,13 +1251,21 @@ if __name__ == "__main__":
 # --- the harness's end ----------------------------------------------------------------------
 
 
+class TooMany(RuntimeError):
+    """The generator processes could not set their agents up in time (connections not made,
+    or an event not said by its deadline): a harness may try fewer agents. Any other
+    RuntimeError from :class:`Fleet` is a failure to report, not a size to shrink."""
+
+
 class Fleet:
     """Generator processes for a share of agent ids each (round robin), started with
     ``cfg`` (plus their ``ids``); commands go to all of them, events come back per process.
 
-    Errors: :meth:`wait_for` raises RuntimeError naming the first process that reported an
-    error, exited, or did not report by its deadline. :meth:`close` ends every process
-    (end of stdin, then SIGKILL after ``timeout_s``) and waits for each.
+    Errors: :meth:`wait_for` raises :class:`TooMany` when a process did not say the event
+    by its deadline or could not make its connections, and RuntimeError naming the first
+    process that reported another error or exited first. An event that comes while
+    another is waited for is kept for a later wait. :meth:`close` ends every process (end
+    of stdin, then SIGKILL after ``timeout_s``) and waits for each.
     """
 
     def __init__(self, cfg: dict[str, Any], ids: list[int], procs: int, tag: str = "") -> None:
@@ -1309,17 +1318,19 @@ class Fleet:
                 try:
                     k, obj = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
                 except queue.Empty:
-                    raise RuntimeError(f"generator processes: {len(got)} of "
-                                       f"{len(self.procs)} said {event!r} within "
-                                       f"{timeout_s:.0f} s") from None
+                    raise TooMany(f"generator processes: {len(got)} of {len(self.procs)} "
+                                  f"said {event!r} within {timeout_s:.0f} s") from None
             if obj.get("event") == event and k in got:
                 self._early.append((k, obj))  # a process's next one: for a later wait
             elif obj.get("event") == event:
                 got[k] = obj
             elif obj.get("event") == "exited" and k in got:
-                continue  # it said what was asked, then ended (after its report)
+                self._early.append((k, obj))  # it said what was asked, then ended: a later
+                # wait for that process fails at once instead of at its deadline
             elif obj.get("event") in ("error", "exited"):
-                raise RuntimeError(f"generator process {k}: {obj.get('error') or obj}")
+                error = RuntimeError if "connections not made" not in str(obj.get("error")) \
+                    else TooMany
+                raise error(f"generator process {k}: {obj.get('error') or obj}")
             else:
                 self._early.append((k, obj))
         self._early.extend(early)

@@ -212,6 +212,21 @@ def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: P
         presence.close()
 
 
+def _check_joined(reports: list[dict[str, Any]], leader: Generation, n: int) -> list[str]:
+    """The simulated agents' reports of a join: every one of the ``n - 1`` holds the rank
+    the leader gave it (once each), the world of ``n`` and the worker store; their request
+    errors' names are returned."""
+    joined = [j for r in reports for j in r["joined"]]
+    assert len(joined) == n - 1 and not any(r["join_failed"] for r in reports), reports
+    ranks = {node.node_id: node.node_rank for node in leader.nodes}
+    assert sorted(ranks.values()) == list(range(n)) and ranks["node-0"] == 0
+    for offered, held, rank, offset, world, nnodes, store_port in joined:
+        assert offered <= held and rank == offset and world == nnodes == n, joined
+        assert store_port == 4242
+    assert sorted(j[2] for j in joined) == list(range(1, n))
+    return [e for r in reports for e in r["errors"]]
+
+
 def test_simulated_agents_join_through_the_real_rendezvous(job_dir: Path) -> None:
     """The light-rendezvous benchmark's event-driven agents (scripts/loadgen.py, ``--light-
     harness events``), 15 in two processes, join a generation of 16 that ftrun's own leader
@@ -239,15 +254,7 @@ def test_simulated_agents_join_through_the_real_rendezvous(job_dir: Path) -> Non
         reports = fleet.wait_for("report", 30)
     finally:
         fleet.close()
-    joined = [j for r in reports for j in r["joined"]]
-    assert len(joined) == n - 1 and not any(r["join_failed"] for r in reports), reports
-    ranks = {node.node_id: node.node_rank for node in leader.nodes}
-    assert sorted(ranks.values()) == list(range(n)) and ranks["node-0"] == 0
-    for offered, held, rank, offset, world, nnodes, store_port in joined:
-        assert offered <= held and rank == offset and world == nnodes == n, joined
-        assert store_port == 4242
-    assert sorted(j[2] for j in joined) == list(range(1, n))
-    errors = [e for r in reports for e in r["errors"]]
+    errors = _check_joined(reports, leader, n)
     assert any("ignored an assignment" in e for e in errors), reports  # node-3's forgery
 
 
@@ -329,15 +336,7 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
         reports = fleet.wait_for("report", 30)
     finally:
         fleet.close()
-    joined = [j for r in reports for j in r["joined"]]
-    assert len(joined) == n - 1 and not any(r["join_failed"] for r in reports), reports
-    ranks = {node.node_id: node.node_rank for node in leader.nodes}
-    assert sorted(ranks.values()) == list(range(n)) and ranks["node-0"] == 0
-    for offered, held, rank, offset, world, nnodes, store_port in joined:
-        assert offered <= held and rank == offset and world == nnodes == n, joined
-        assert store_port == 4242
-    assert sorted(j[2] for j in joined) == list(range(1, n))
-    errors = [e for r in reports for e in r["errors"]]
+    errors = _check_joined(reports, leader, n)
     assert errors and all("ignored an assignment" in e for e in errors), reports  # node-3's
     # the agents waited through watches and took the assignment from the watch's event
     # (no second read), not by finding it at their first read
@@ -414,3 +413,41 @@ def _etcd_reads_cost_what_changed(endpoint: str) -> None:
         # the first read found nothing; a put of the key itself is read from the event,
         # an appended part by a second read
         assert _etcd_metric(endpoint, ranges) - before == (1 if name == "as/1" else 2)
+
+
+def test_the_load_generators_harness_keeps_early_events_and_tells_failures_from_size(
+        ) -> None:
+    """scripts/loadgen.py's harness end (``Fleet.wait_for``) fed its processes' events as
+    its reader threads feed them: a process that says ``ready`` before another says
+    ``connected`` is not taken for a failure and its ``ready`` is there for the next wait;
+    a process that ended after its report fails a later wait at once; a deadline passed is
+    ``TooMany`` (the benchmark may try fewer agents) and a process's own error is not
+    (the benchmark reports it instead of halving N). ``end_watch_below`` 0 is no watch."""
+    import queue
+
+    loadgen = _loadgen()
+    fleet = loadgen.Fleet.__new__(loadgen.Fleet)
+    fleet.events, fleet.procs, fleet._early = queue.Queue(), [object(), object()], []
+    for event in ((0, "connected"), (0, "ready"), (1, "connected"), (1, "ready")):
+        fleet.events.put((event[0], {"event": event[1]}))
+    assert [e["event"] for e in fleet.wait_for("connected", 1)] == ["connected"] * 2
+    assert [e["event"] for e in fleet.wait_for("ready", 1)] == ["ready"] * 2
+    fleet.events.put((0, {"event": "report"}))
+    fleet.events.put((0, {"event": "exited", "code": 0}))
+    with pytest.raises(loadgen.TooMany, match="1 of 2 said 'report'"):
+        fleet.wait_for("report", 0.2)
+    fleet.events.put((1, {"event": "error", "error": "KeyError: 'ids'"}))
+    with pytest.raises(RuntimeError, match=r"process 0: .*exited") as failed:
+        fleet.wait_for("report", 5)
+    assert not isinstance(failed.value, loadgen.TooMany)
+    with pytest.raises(RuntimeError, match="KeyError") as failed:
+        fleet.wait_for("report", 5)
+    assert not isinstance(failed.value, loadgen.TooMany)
+    fleet.events.put((1, {"event": "error", "error": "RuntimeError: connections not made"}))
+    with pytest.raises(loadgen.TooMany):
+        fleet.wait_for("ready", 5)
+    for below, watching in ((0, [False, False]), (1, [True, False]), (None, [True, True])):
+        generator = loadgen.Generator({"store_port": 1, "token": "t", "prefix": "p",
+                                       "ids": [0, 1], "end_watch_below": below})
+        generator.loop.sel.close()
+        assert [a.ew is not None for a in generator.agents] == watching, below

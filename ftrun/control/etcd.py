@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -188,6 +189,7 @@ class EtcdClient:
         self._current = 0
         self._root = options.prefix.rstrip("/").encode() + b"/"
         self._appended = AppendedReads()
+        self._helpers: list[EtcdClient] = []  # multi_set's other connections
 
     # --- torch's TCPStore surface ---------------------------------------------------------
 
@@ -219,10 +221,9 @@ class EtcdClient:
         """The value; a missing key is waited for up to the timeout (as torch's ``get``)."""
         wait_s = self._get_wait_s if self._get_wait_s is not None else self._timeout_s
         deadline = time.monotonic() + wait_s
-        while True:
+        while True:  # a missing key: the value the watch saw written, when it tells it whole
             found, revision = self._range(key)
-            if found is None:  # the value the watch saw written, when it tells it whole
-                found = self._watch_create(key, revision, deadline)
+            found = found if found is not None else self._watch_create(key, revision, deadline)
             if found is not None:
                 return found
 
@@ -248,12 +249,40 @@ class EtcdClient:
             raise RuntimeError("etcd: a transaction answered fewer reads than asked")
         return values
 
+    #: A ``multi_set``'s transactions in flight at once, each on a connection of its own (a
+    #: generation's 4,096 assignments are 32: README "Scale of the control plane").
+    PARALLEL_TXNS = 4
+
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        """``set`` of each key, in transactions of at most ``_TXN_OPS`` keys."""
+        """``set`` of each key, in transactions of at most ``_TXN_OPS`` keys, up to
+        ``PARALLEL_TXNS`` at once (this client and helper clients of the same options, made
+        on first use). Each request is bounded as the client's; RuntimeError (the first
+        failure) when any transaction failed on every endpoint: some keys may be set."""
         pairs = list(zip(keys, values, strict=True))
-        for start in range(0, len(pairs), _TXN_OPS):
-            self._txn([], [{"request_put": {"key": self._key(k), "value": _b64(v)}}
-                           for k, v in pairs[start:start + _TXN_OPS]], [])
+        chunks = [[{"request_put": {"key": self._key(k), "value": _b64(v)}}
+                   for k, v in pairs[start:start + _TXN_OPS]]
+                  for start in range(0, len(pairs), _TXN_OPS)]
+        while len(self._helpers) < min(len(chunks), self.PARALLEL_TXNS) - 1:
+            self._helpers.append(EtcdClient(self.options, self._timeout_s,
+                                            connect_timeout_s=self._connect_s))
+        clients = [self, *self._helpers][:max(1, min(len(chunks), self.PARALLEL_TXNS))]
+        failures: list[BaseException] = []
+
+        def put(k: int) -> None:
+            clients[k]._current = self._current  # start where this client is
+            try:
+                for chunk in chunks[k::len(clients)]:
+                    clients[k]._txn([], chunk, [])
+            except RuntimeError as error:
+                failures.append(error)
+        threads = [threading.Thread(target=put, args=(k,)) for k in range(1, len(clients))]
+        for thread in threads:
+            thread.start()
+        put(0)
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """torch's semantics: write ``desired`` if the key holds ``expected`` (or, with an
