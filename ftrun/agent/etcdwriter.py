@@ -54,6 +54,8 @@ def watch_writer(agent: Agent, rdzv: Rendezvous) -> None:
         ttl_s=math.ceil(agent.config.heartbeat_timeout_s),
         interval_s=agent.config.heartbeat_interval_s,
         on_won=lambda election: promote(agent, rdzv, election)).start()
+    if agent.heartbeat is not None:  # its presence port refused: the writer's agent died
+        agent.heartbeat.on_server_gone = agent._writer_watch.nudge
 
 
 def stop_watches(agent: Agent) -> None:
@@ -101,8 +103,9 @@ def promote(agent: Agent, rdzv: Rendezvous, election: Election) -> None:
     if agent._services is not None:
         agent._services.nodes = agent.nodes
     rdzv.is_leader = True  # last: the rest is in place when the main thread sees it
-    agent.say("the job's writer is gone (its lease expired): this agent took over",
-              style="yellow")
+    how = "its agent died: its lease was revoked" if election.gone_at is not None \
+        else "its lease expired"
+    agent.say(f"the job's writer is gone ({how}): this agent took over", style="yellow")
 
 
 def generation_store(agent: Agent, generation: Generation, prefix: str) -> JsonStore:
@@ -242,11 +245,16 @@ def _say_lost_writer(agent: Agent, generation: Generation, old: NodeSlot) -> Non
     free (``vacated_at``) dates that renewal to a TTL before at the latest, and at most one
     watch interval earlier (when it was last seen held); the later bound is taken, so the
     detection time is never overstated. Without a campaign (this agent was elected at
-    start) the detection time is a TTL."""
+    start) the detection time is a TTL. When a survivor revoked the lease because the
+    writer's agent was seen dead (``gone_at``: its presence port refused), silent since
+    that was seen."""
     election = agent.election
     now = time.time()
     vacated = election.vacated_at if election is not None and election.vacated_at else now
     ttl = election.ttl_s if election is not None else agent.config.heartbeat_timeout_s
+    since, via = vacated - ttl, "lease"
+    if election is not None and election.gone_at is not None:
+        since, via = election.gone_at, "presence"
     agent.events.emit(Event.NODE_LOST, generation=generation.number, node=old.hostname,
                       node_rank=old.node_rank, node_id=old.node_id,
-                      silent_s=round(max(0.0, now - (vacated - ttl)), 3), via="lease")
+                      silent_s=round(max(0.0, now - since), 3), via=via)

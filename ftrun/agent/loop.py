@@ -399,7 +399,7 @@ class Agent:
                      style="yellow")
         if multi and hosting:  # a killed agent is lost at once (etcd-v3: the writer serves)
             self.presence = serve_presence(jstore, signer, self.run_id, self.store_bind,
-                                           self.store_host, self._rejected_record)
+                                           self.store_host, self._rejected_record, self.node_id)
         if multi and not hosting:
             self.heartbeat = HeartbeatSender(
                 reconnect, jstore, self.node_id, config.heartbeat_interval_s,

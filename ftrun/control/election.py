@@ -54,6 +54,9 @@ class Election:
         # saw the key free, and the last time it saw it held (WriterWatch)
         self.vacated_at: float | None = None
         self.held_at: float | None = None
+        # ...or, when a survivor found the last holder's agent dead and revoked its lease
+        # (WriterWatch.nudge): when (time.time()) its death was seen
+        self.gone_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -132,7 +135,16 @@ class WriterWatch:
     winner's election carries when the key was seen free (``vacated_at``) and last seen
     held (``held_at``), which date the last writer's last renewal. Errors
     (etcd unreachable) are retried at the next interval: the agent's heartbeats decide
-    when etcd counts as lost."""
+    when etcd counts as lost.
+
+    A writer whose agent died need not be waited out for a whole TTL: :meth:`nudge` says
+    that node's agent is dead (its presence connection ended without a goodbye and its port
+    then refused a connection: ``HeartbeatSender``), and the watch revokes the lease that
+    holds the key if, and only if, the key still names that node, read with the lease in
+    the same request; a new writer's lease is never touched. A writer that is alive but
+    cut off is not refused (a connect to it times out): its lease runs out as before. A
+    false verdict costs what a lost writer does: a writer whose lease is revoked stops
+    (``Election`` sees the lease gone at its next renewal)."""
 
     def __init__(self, connect: Callable[[], EtcdClient], key: str, value: str,
                  ttl_s: int, interval_s: float, on_won: Callable[[Election], None]) -> None:
@@ -143,6 +155,9 @@ class WriterWatch:
         self.interval_s = interval_s
         self._on_won = on_won
         self._stop = threading.Event()
+        self._wake = threading.Event()  # stop() or nudge(): look now
+        self._dead: tuple[str, float] | None = None  # nudge(): node id, when seen dead
+        self.revoked = 0  # leases this watch revoked
         self._thread = threading.Thread(target=self._run, name="ftrun-writer-watch",
                                         daemon=True)
 
@@ -152,25 +167,54 @@ class WriterWatch:
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout_s)
+
+    def nudge(self, node_id: str) -> None:
+        """``node_id``'s agent is dead (see the class docstring): if it holds the key,
+        revoke its lease now rather than wait for it to expire. From any thread."""
+        self._dead = (node_id, time.time())
+        self._wake.set()
 
     def _run(self) -> None:
         client: EtcdClient | None = None
         held_at: float | None = None
-        while not self._stop.wait(self.interval_s):
+        holder: bytes | None = None  # the value last seen at the key
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 client = client or self._connect()
+                dead, self._dead = self._dead, None
+                if dead is not None and self._revoke_if_held(client, dead[0]):
+                    holder = dead[0].encode()
                 held, _ = client._range(self.key)
                 if held is not None:
-                    held_at = time.time()
+                    held_at, holder = time.time(), held
                     continue
                 election = Election(self._connect, self.key, self.value, self.ttl_s)
                 election.vacated_at, election.held_at = time.time(), held_at
+                if dead is not None and holder == dead[0].encode():
+                    election.gone_at = dead[1]
                 if election.campaign():
                     self._on_won(election)
                     return
             except RuntimeError:
                 client = None  # another endpoint at the next interval
+
+    def _revoke_if_held(self, client: EtcdClient, node_id: str) -> bool:
+        """Revoke the lease of the key if the key names ``node_id`` (the value and its
+        lease from one read); whether it did."""
+        found, _ = client.range_prefix(self.key)
+        lease = next((lease for key, value, lease in found
+                      if key == self.key and value == node_id.encode()), 0)
+        if not lease:
+            return False
+        client.revoke(lease)
+        self.revoked += 1
+        return True
 
 
 # --- every agent's liveness: a lease ---------------------------------------------------------

@@ -44,6 +44,7 @@ per-scan read; the presence pings and the both-channels rule are the same.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -56,6 +57,7 @@ from ftrun.control.presence import (
     PresenceError,
     PresenceServer,
     parse_record,
+    record_node,
 )
 from ftrun.control.store import JsonStore
 
@@ -81,11 +83,15 @@ class HeartbeatSender:
         timeout_s: float,
         presence: PresenceClient | None = None,
         min_grace_s: float = 0.0,
+        on_server_gone: Callable[[str], None] | None = None,
     ) -> None:
         self._connect = connect
         self.presence = presence
         self.presence_error = ""  # why the last presence connect failed
         self._presence_next = 0.0
+        # etcd-v3: the presence server's agent is dead (see _hold_presence), with its node id
+        self.on_server_gone = on_server_gone
+        self._presence_at: tuple[str, int, str] | None = None  # host, port, node id
         self._template = template
         self.node_id = node_id
         self.interval_s = interval_s
@@ -151,31 +157,59 @@ class HeartbeatSender:
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def _hold_presence(self, store: JsonStore) -> None:
-        """Connect the presence client when it is not (at most every 3 intervals)."""
+        """Connect the presence client when it is not (at most every 3 intervals).
+
+        When the connection was up and the server's end closed without a word (its process
+        died: the kernel closed its sockets), and a new connection to the same port is
+        refused (nothing listens there any more: the agent serving it is gone, not a
+        network fault, where a connect times out), ``on_server_gone`` is told the server's
+        node id (etcd-v3: the job's writer, whose lease need not be waited out)."""
         presence = self.presence
+        if presence is None or presence.closed or presence.connected:
+            return
+        gone, self._presence_at = self._presence_at, None
+        if gone is not None and gone[2] and self.on_server_gone is not None \
+                and _refused(gone[0], gone[1], min(1.0, self.interval_s)):
+            self.on_server_gone(gone[2])
         now = time.monotonic()
-        if presence is None or presence.closed or now < self._presence_next or \
-                presence.connected:
+        if now < self._presence_next:
             return
         self._presence_next = now + 3 * self.interval_s
-        target = parse_record(store.get_record(RECORD))
+        body = store.get_record(RECORD)
+        target = parse_record(body)
         if target is None:
             self.presence_error = "no presence record yet"
             return
         try:
             presence.connect(*target)
             self.presence_error = ""
+            self._presence_at = (*target, record_node(body))
         except PresenceError as error:
             self.presence_error = str(error)
 
 
+def _refused(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TCP connect to ``host:port`` is refused (within ``timeout_s``)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def serve_presence(store: JsonStore, signer: Signer, run_id: str, bind: str | None,
-                   host: str, on_reject: Callable[[str], None]) -> PresenceServer:
+                   host: str, on_reject: Callable[[str], None], node_id: str = ""
+                   ) -> PresenceServer:
     """The leader's presence server, started on ``bind`` (None: every interface, as the
     stores) and published as the signed ``presence`` record with the ``host`` other nodes
-    reach this node at."""
+    reach this node at and this agent's ``node_id``."""
     server = PresenceServer(signer, run_id, bind, on_reject=on_reject).start()
-    store.set_record(RECORD, {"host": host, "port": server.port})
+    record: dict[str, Any] = {"host": host, "port": server.port}
+    if node_id:
+        record["node_id"] = node_id
+    store.set_record(RECORD, record)
     return server
 
 

@@ -109,6 +109,13 @@ def parse_record(body: dict[str, Any] | None) -> tuple[str, int] | None:
     return host, port
 
 
+def record_node(body: dict[str, Any] | None) -> str:
+    """The node id of the agent serving the ``presence`` record's server (the job's
+    writer on etcd-v3), or "" when the record names none or a malformed one."""
+    node_id = body.get("node_id") if isinstance(body, dict) else None
+    return node_id if isinstance(node_id, str) and 0 < len(node_id) <= 255 else ""
+
+
 class _Conn:
     __slots__ = ("buf", "bye", "deadline", "heard", "node_id", "nonce", "ping_s", "sock")
 
