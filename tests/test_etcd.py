@@ -33,7 +33,7 @@ from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
 from ftrun.control.store import JsonStore
 from tests.infra.etcd_cluster import EtcdCluster, etcd_missing_reason, loopback_etcd
 from tests.infra.procs import pid_alive
-from tests.launch import REPO, Launch, launcher
+from tests.launch import REPO, Launch, launcher, wait_until
 from tests.lines import Done, ElasticStep, find, parse, reached
 from tests.test_multinode import TOKEN, HostLaunch, _check_regroup_across_nodes
 
@@ -738,3 +738,44 @@ def test_lease_view_on_loopback_etcd() -> None:
             relay.close()
             for v in views:
                 assert v.stop(), "a lease view's thread outlived its stop"
+
+
+def test_a_writer_watch_revokes_only_the_dead_writers_lease() -> None:
+    """A survivor told that a node's agent died (``WriterWatch.nudge``: its presence port
+    refused) revokes the writer key's lease only while the key names that node: a nudge
+    naming another node changes nothing; one naming the holder frees the key at once (not
+    after the 3 s TTL), the survivor wins it, its election dated from the nudge, and the
+    revoked writer's own renewal finds its lease gone (it stops writing)."""
+    from ftrun.control.election import Election, WriterWatch
+
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
+
+        def connect() -> EtcdClient:
+            return connect_etcd(options, 10, op_timeout_s=10)
+        key = "ftrun/ww/writer"
+        writer = Election(connect, key, "writer-node", ttl_s=3)
+        assert writer.campaign() and writer.lease is not None
+        won: list[Election] = []
+        watch = WriterWatch(connect, key, "survivor", ttl_s=3, interval_s=60,
+                            on_won=won.append).start()  # it looks only when nudged
+        try:
+            watch.nudge("another-node")
+            wait_until(lambda: watch.looks >= 1, 10, "the watch's look after a nudge")
+            assert watch.revoked == 0 and not won
+            assert connect().time_to_live(writer.lease) > 0
+            nudged = time.time()
+            watch.nudge("writer-node")
+            wait_until(lambda: won, 10, "the survivor's election")
+            took = time.time() - nudged
+            print(f"nudge to the survivor holding the key: {took:.2f}s")
+            assert took < 3, took  # a revoke, not the TTL
+            assert watch.revoked == 1 and won[0].gone_at is not None
+            assert abs(won[0].gone_at - nudged) < 1.0
+            assert connect().time_to_live(writer.lease) == -1
+            assert connect()._range(key)[0] == b"survivor"
+            wait_until(lambda: writer.lost_at is not None, 10, "the revoked writer's stop")
+        finally:
+            watch.stop()
+            for election in (writer, *won):
+                election.resign(0.5)

@@ -158,6 +158,7 @@ class WriterWatch:
         self._wake = threading.Event()  # stop() or nudge(): look now
         self._dead: tuple[str, float] | None = None  # nudge(): node id, when seen dead
         self.revoked = 0  # leases this watch revoked
+        self.looks = 0  # reads of the key done (a nudge's answer is in by the next one)
         self._thread = threading.Thread(target=self._run, name="ftrun-writer-watch",
                                         daemon=True)
 
@@ -191,6 +192,7 @@ class WriterWatch:
                 if dead is not None and self._revoke_if_held(client, dead[0]):
                     holder = dead[0].encode()
                 held, _ = client._range(self.key)
+                self.looks += 1
                 if held is not None:
                     held_at, holder = time.time(), held
                     continue
