@@ -1501,7 +1501,7 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
 
 
 def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
-                    procs: int = 0) -> dict[str, Any]:
+                    procs: int = 0, end_watches: int | None = None) -> dict[str, Any]:
     """The etcd-v3 backend's store load: ``n`` simulated agents of scripts/loadgen.py
     (mode ``etcd``) on a one-member loopback etcd (tests/infra/etcd_cluster.py), each doing
     what an etcd-v3 agent's heartbeat does (ftrun.control.election.LeaseBeat: a lease of the
@@ -1510,8 +1510,13 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     etcd's v3 JSON gateway, and holding a presence connection with its pings. The writer
     is ftrun's own code in this process: a HeartbeatMonitor on the etcd-v3 client (its
     LeaseView watches the liveness keys) with the PresenceServer, scanned every
-    NodeWatch period. Not simulated: the agents' watches of the generation's end (a
-    stream per agent). Raises RuntimeError when the agents cannot be set up."""
+    NodeWatch period. ``end_watches`` of the agents (default all) also watch the
+    generation's end as an etcd-v3 agent's EndWatcher does (ftrun/control/endwatch.py over
+    EtcdClient.wait): each slice a read of the end key, then a watch stream from the
+    revision after it that the slice's read timeout ends by closing its connection, so
+    the next slice's read is on a new connection; after the window the writer appends the
+    end record and ``end_seen_by_all_s`` says when every watcher had verified it. Raises
+    RuntimeError when the agents cannot be set up."""
     import resource
 
     import psutil
@@ -1529,7 +1534,9 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     timeout_s = 5.0  # the etcd-v3 default (ftrun/cli.py): the lease's TTL
     op_timeout = _agent_op_timeout(timeout_s)
     scan_every = _scan_period(interval, timeout_s)
-    procs = procs or max(2, -(-2 * n // 7500))
+    procs = procs or max(2, -(-3 * n // 7500))
+    slice_s = _end_wait_slice(timeout_s)
+    watches = n if end_watches is None else min(n, end_watches)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     token, run_id = "bench-token", f"etcdload-{time.time_ns()}"
@@ -1553,7 +1560,8 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
                "etcd_root": options.prefix.rstrip("/") + "/", "ttl_s": int(timeout_s),
                "presence_port": presence.port, "token": token, "prefix": f"ftrun/{run_id}",
                "run_id": run_id, "interval": interval, "op_timeout": op_timeout,
-               "ping_s": min(PING_S, timeout_s / 8)}
+               "ping_s": min(PING_S, timeout_s / 8), "slice": slice_s,
+               "end_watch_below": watches}
         load_before = _load_average()
         began = time.monotonic()
         fleet = _loadgen().Fleet(cfg, list(range(n)), procs)
@@ -1585,8 +1593,10 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
             agents_cpu = sum(_cpu_s(pid) for pid in fleet.pids) - cpu.get("agents", 0.0)
             busy = _machine_busy_s() - cpu.get("machine", 0.0)
             load_window = _load_average()
-            fleet.send({"cmd": "finish", "end_by": time.time()})
-            reports = fleet.wait_for("report", 60)
+            written = time.time()
+            store.put_record("gen/0/end", {"kind": "bench", "time": written})
+            fleet.send({"cmd": "finish", "end_by": time.time() + 3 * slice_s + 15})
+            reports = fleet.wait_for("report", 3 * slice_s + 60)
         finally:
             fleet.close()
             monitor.close()
@@ -1599,20 +1609,35 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
                 into[key] = into.get(key, 0) + value
     rtt = [x for r in reports for x in r["heartbeat_s"]]
     beats_per_s = sorted(b for r in reports for b in r["beats_per_s"])
+    overrun_s = [x for r in reports for x in r["wait_overrun_s"]]
+    seen = sorted(t - written for r in reports for t in r["end_seen"])
+    watchers = sum(r["watchers"] for r in reports)
     return {
         "agents": n, "backend": "etcd-v3", "processes": procs,
         "harness": (f"{n} event-driven simulated agents (scripts/loadgen.py, mode etcd) in "
                     f"{procs} processes: each a lease of {timeout_s:g} s and its signed "
                     "liveness key, then a keepalive every interval, over an HTTP/1.1 "
                     "keep-alive connection of its own to a one-member loopback etcd's v3 "
-                    "gateway, and a presence connection with its pings; this process is the "
-                    "writer: ftrun's HeartbeatMonitor (LeaseView) with the PresenceServer; "
-                    "the agents' end watches are not simulated"),
-        "connections": n, "presence_connections": n, "interval_s": interval,
+                    "gateway, and a presence connection with its pings; "
+                    f"{watches} of them also an end watch as the EndWatcher's (each "
+                    f"{slice_s:.3g} s slice: a read, then a watch stream ended by closing its "
+                    "connection); this process is the writer: ftrun's HeartbeatMonitor "
+                    "(LeaseView) with the PresenceServer"),
+        "connections": n + watches, "presence_connections": n, "end_watchers": watches,
+        "end_wait_slice_s": slice_s, "interval_s": interval,
         "heartbeat_timeout_s": timeout_s, "window_s": round(window, 2),
         "setup_s": round(setup_s, 1), "agents_kept_a_lease_before_window": beaten,
-        "offered_req_per_s": round(n / interval, 1),
-        "achieved_req_per_s": round(sum(calls.values()) / window, 1),
+        # computed from the schedule: keepalives, and per watcher and slice a read and a
+        # watch (each on a new connection: ``end_watch_connects_offered_per_s``)
+        "offered_req_per_s": round(n / interval + 2 * watches / slice_s, 1),
+        "end_watch_connects_offered_per_s": round(watches / slice_s, 1),
+        "achieved_req_per_s": round(sum(r["requests"] for r in reports) / window, 1),
+        "requests_per_s_by_kind": {k: round(v / window, 1) for k, v in sorted(calls.items())},
+        "end_wait_overrun_p50_ms": _ms(_quantile(overrun_s, 0.5)),
+        "end_wait_overrun_p99_ms": _ms(_quantile(overrun_s, 0.99)),
+        "end_seen_by_all_s": round(seen[-1], 4) if seen and len(seen) == watchers else None,
+        "end_seen_median_s": round(statistics.median(seen), 4) if seen else None,
+        "end_not_seen": watchers - len(seen),
         "pings_offered_per_s": round(n / min(PING_S, timeout_s / 8), 1),
         "errors": errors,
         "keepalive_p50_ms": _ms(_quantile(rtt, 0.5)),
@@ -2165,7 +2190,8 @@ def measure_store_load(args: argparse.Namespace, result: dict[str, object]) -> N
     if args.store_load_backend == "etcd-v3":
         try:
             result["store_load_etcd"] = store_load_etcd(
-                n, args.interval, args.store_load_seconds, args.store_load_procs or 0)
+                n, args.interval, args.store_load_seconds, args.store_load_procs or 0,
+                args.store_load_end_watches)
         except RuntimeError as error:
             print(f"  store load (etcd-v3) at {n} agents could not run: {error}",
                   file=sys.stderr, flush=True)

@@ -29,13 +29,23 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   keep-alive connection of its own to etcd's v3 JSON gateway, a lease of the heartbeat
   timeout (``/v3/lease/grant``), the signed liveness record naming it put bound to it
   (``/v3/kv/put``), then a ``/v3/lease/keepalive`` every ``interval`` (one in flight; a
-  lease found expired is granted and put again); plus the presence connection. The end
-  watch (an etcd watch stream) is not simulated in this mode.
+  lease found expired is granted and put again); plus the presence connection, and (unless
+  ``end_watch`` is off, for agents below ``end_watch_below``) the EndWatcher's client on a
+  connection of its own as ``EtcdClient.wait`` makes it: each slice a read of
+  ``gen/<N>/end``, then a watch stream (``/v3/watch``) from the revision after it, which
+  the slice's read timeout ends by closing the connection (the next slice's read is on a
+  new one); an event ends the wait and the appended end record is read and verified.
 * **rendezvous** (``join`` command, :class:`ftrun.control.rendezvous.DynamicRendezvous`):
   the signed slot appended to ``gen/<N>/slots`` (one ``append``), then torch's ``get`` of
   the node's own assignment ``gen/<N>/as/<node id>`` (a ``wait`` in slices of
   ``WAIT_SLICE_S``, then the ``get``), verified (signature, ``Assignment.from_json``,
-  generation and node id).
+  generation and node id). With ``etcd_port`` (the etcd-v3 backend), as
+  ``ftrun.control.etcd.EtcdClient`` does it over a main HTTP connection of the agent's
+  own: the slot as a part key of its own (one put), a read of the assignment's range, a
+  watch stream from the revision after it (ended by closing the connection), the value
+  from the watch's event when it holds it whole (``etcdwire.watched_value``), else a read
+  on a new connection; a slice without it: a ``check`` of ``gen/<N>`` and the read again;
+  plus the lease beat on a second connection unless ``heartbeats`` is off.
 
 The wire protocol is torch 2.13's TCPStore protocol, read from torch's client for the
 design and checked here by capturing what torch's own client sends (tests/
@@ -617,6 +627,9 @@ class Agent:
         self.jc: HttpConn | None = HttpConn(gen, self, self._join_conn_live,
                                             self._join_failed) \
             if on_etcd and gen.mode == "rdzv" else None
+        # etcd-v3 store load: the EndWatcher's client (a read, then a watch per slice)
+        self.ewc: HttpConn | None = HttpConn(gen, self, self._ew_live, self._ew_failed) \
+            if gen.mode == "etcd" and gen.end_watch and index < gen.end_watch_below else None
         self.next_step: Callable[[], None] | None = None  # once jc is (re)connected
         self.step: Callable[[], None] | None = None  # jc's request now (again if it fails)
         self.lease = 0
@@ -635,7 +648,11 @@ class Agent:
         self.joined: list[Any] | str | None = None
 
     def conns(self) -> list[_Conn]:
-        return [c for c in (self.hb, self.ew, self.pres, self.http, self.jc) if c is not None]
+        return [c for c in (self.hb, self.ew, self.pres, self.http, self.jc, self.ewc)
+                if c is not None]
+
+    def watches_end(self) -> bool:
+        return (self.ew is not None or self.ewc is not None) and not self.frozen
 
     # etcd-v3: the beat is a lease kept alive (ftrun.control.election.LeaseBeat)
     def http_live(self) -> None:
@@ -784,15 +801,78 @@ class Agent:
         conn.request(msg_keys(WAIT, [key]) + msg_get(key), (1, lambda c, a: None),
                      (0, self._end_read))
 
-    def _end_read(self, conn: StoreConn, raw: bytes) -> None:
+    def _end_read(self, conn: StoreConn | None, raw: bytes) -> bool:
+        """The end is seen when the record's first valid line verifies; False if none."""
         gen = self.gen
         for line in raw.split(b"\n"):
             if line.strip():
                 with contextlib.suppress(ValueError):
                     gen.signer.unwrap(gen.prefix + gen.end_name, json.loads(line))
                     self.end_seen = gen.loop.now
-                    return
+                    return True
         gen.count_error("endwatch.end record not valid")
+        return False
+
+    # the end watch on etcd-v3 (EndWatcher over EtcdClient.wait: ftrun/control/endwatch.py)
+    def _ew_live(self) -> None:
+        """Each wait: a read of the end key; if missing, a watch from the revision after
+        it, which the slice's read timeout ends by closing the connection (the next wait
+        is on a new one, as the real client's is)."""
+        if self.frozen or self.end_seen or self.ewc is None:
+            return
+        self.ewc.post("/kv/range", span(self._ekey(self.gen.end_name)), self._ew_range)
+
+    def _ew_range(self, answer: dict[str, Any]) -> None:
+        gen, conn = self.gen, self.ewc
+        assert conn is not None
+        if gen.in_window(conn.sent_at):
+            gen.count("endwatch.range", 1)
+        if self.frozen:
+            return
+        kvs = answer.get("kvs") or []
+        if kvs:
+            self.fired = self.fired or gen.loop.now
+            if not self._end_read(None, joined_value(kvs)):
+                gen.loop.at(gen.loop.now + gen.slice_s, self._ew_live)  # a forged end only
+            return
+        revision = int((answer.get("header") or {}).get("revision", 0))
+        ekey = self._ekey(gen.end_name)
+        self.wait_no += 1
+        conn.stream("/watch", {"create_request": {
+            "key": b64(ekey), "range_end": b64(ekey + PARTS_END),
+            "start_revision": revision + 1}}, self._ew_event)
+        if gen.in_window(conn.sent_at):
+            gen.count("endwatch.watch", 1)
+        gen.loop.at(conn.sent_at + gen.slice_s, self._ew_due, self.wait_no)
+
+    def _ew_event(self, result: dict[str, Any]) -> None:
+        if not (result.get("events") or result.get("canceled")) or self.frozen:
+            return
+        assert self.ewc is not None
+        self.wait_no += 1  # this wait is over
+        self.fired = self.fired or self.gen.loop.now
+        self.ewc.close()
+        self.ewc.open()  # the end record is appended: read it on a new connection
+
+    def _ew_due(self, number: int) -> None:
+        conn = self.ewc
+        if conn is None or number != self.wait_no or self.frozen or self.end_seen:
+            return
+        self.wait_no += 1
+        if self.gen.in_window(self.gen.loop.now):
+            self.gen.count("endwatch.watch.timeout", 0)
+            self.gen.wait_overrun_s.append(self.gen.loop.now - conn.sent_at - self.gen.slice_s)
+        conn.close()
+        conn.open()
+
+    def _ew_failed(self, why: str) -> None:
+        """As the EndWatcher after a failed request: a new connection a slice later."""
+        conn = self.ewc
+        if conn is None or self.frozen or self.end_seen:
+            return
+        self.wait_no += 1
+        conn.close()
+        self.gen.loop.at(self.gen.loop.now + self.gen.slice_s, conn.open)
 
     # the rendezvous
     def join(self) -> None:
@@ -1176,7 +1256,7 @@ class Generator:
                 agent.join()
         elif what == "finish":
             end_by = float(cmd["end_by"])
-            watched = [a for a in self.agents if a.ew is not None and not a.frozen]
+            watched = [a for a in self.agents if a.watches_end()]
             while time.time() < end_by and not all(a.end_seen for a in watched):
                 self.loop.run_once(0.01)
             for agent in self.agents:
@@ -1204,7 +1284,7 @@ class Generator:
              "beats_per_s": [round(b / window, 3) for b in beats] if window > 0 else [],
              "fired": sorted(a.fired for a in self.agents if a.fired),
              "end_seen": sorted(a.end_seen for a in self.agents if a.end_seen),
-             "watchers": sum(1 for a in self.agents if a.ew is not None and not a.frozen),
+             "watchers": sum(1 for a in self.agents if a.watches_end()),
              "joined": [a.joined for a in self.agents if isinstance(a.joined, list)],
              "join_errors": sorted({a.joined for a in self.agents
                                     if isinstance(a.joined, str)})[:3],

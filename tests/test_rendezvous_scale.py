@@ -264,8 +264,10 @@ def test_simulated_etcd_agents_keep_leases_the_real_writer_sees_and_join_its_gen
     """The etcd-v3 store load's event-driven agents (scripts/loadgen.py, mode ``etcd``), 12
     in two processes, on a loopback etcd: each grants a lease, puts its signed liveness key
     bound to it and keeps it alive over its own HTTP connection, and pings on its presence
-    connection. ftrun's own writer (a HeartbeatMonitor whose LeaseView watches the
-    liveness keys) knows every one of them from its verified record and loses none. Then
+    connection, and watches the generation's end as the EndWatcher does on etcd (a read,
+    then a watch stream per slice). ftrun's own writer (a HeartbeatMonitor whose LeaseView
+    watches the liveness keys) knows every one of them from its verified record and loses
+    none; the end record the writer appends is seen and verified by every agent. Then
     the light rendezvous's etcd agents join a generation on the same etcd
     (:func:`_etcd_agents_join`)."""
     loadgen = _loadgen()
@@ -293,9 +295,14 @@ def test_simulated_etcd_agents_keep_leases_the_real_writer_sees_and_join_its_gen
             assert _until(lambda: set(monitor.leases.heard(ids)) == set(ids), 10), \
                 monitor.leases.heard(ids)  # type: ignore[union-attr]
             assert monitor.scan() == [] and presence.connected() == set(ids)
-            fleet.send({"cmd": "finish", "end_by": time.time()})
-            reports = fleet.wait_for("report", 10)
+            written = time.time()
+            store.put_record("gen/0/end", {"kind": "test"})
+            fleet.send({"cmd": "finish", "end_by": time.time() + 10})
+            reports = fleet.wait_for("report", 15)
             assert not any(r["errors"] for r in reports), reports
+            seen = [t for r in reports for t in r["end_seen"]]  # read back and verified
+            assert len(seen) == 12 and all(written <= t < written + 10 for t in seen), reports
+            assert sum(r["watchers"] for r in reports) == 12
         finally:
             fleet.close()
             monitor.close()
