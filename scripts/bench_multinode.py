@@ -1522,6 +1522,7 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     import psutil
 
     from ftrun.control.auth import Signer
+    from ftrun.control.errors import StoreError
     from ftrun.control.etcd import EtcdOptions, connect_etcd
     from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
     from ftrun.control.presence import PING_S
@@ -1580,12 +1581,16 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
             scans: list[float] = []
             lost: set[str] = set()
             cpu: dict[str, float] = {}
+            writer_failures: list[str] = []
             while time.time() < stop:
                 if not cpu and time.time() >= start:
                     cpu = {"etcd": _cpu_s(etcd_pid or 0), "host": _cpu_s(os.getpid()),
                            "agents": sum(_cpu_s(pid) for pid in fleet.pids),
                            "machine": _machine_busy_s()}
-                _timed_scan(monitor, ids, start, scans, lost, channel)
+                try:  # an overloaded etcd fails the writer's requests: counted, not fatal
+                    _timed_scan(monitor, ids, start, scans, lost, channel)
+                except StoreError as error:
+                    writer_failures.append(str(error)[:160])
                 time.sleep(scan_every)
             window = max(0.001, time.time() - start)
             etcd_cpu = _cpu_s(etcd_pid or 0) - cpu.get("etcd", 0.0)
@@ -1594,7 +1599,10 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
             busy = _machine_busy_s() - cpu.get("machine", 0.0)
             load_window = _load_average()
             written = time.time()
-            store.put_record("gen/0/end", {"kind": "bench", "time": written})
+            try:
+                store.put_record("gen/0/end", {"kind": "bench", "time": written})
+            except StoreError as error:
+                writer_failures.append(f"the end record: {str(error)[:160]}")
             fleet.send({"cmd": "finish", "end_by": time.time() + 3 * slice_s + 15})
             reports = fleet.wait_for("report", 3 * slice_s + 60)
         finally:
@@ -1653,6 +1661,8 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
         "agents_lost_by_monitor": len(lost),
         "agents_lost_sample": sorted(lost)[:5],
         **channel.keys(),
+        "writer_requests_failed": len(writer_failures),
+        "writer_failures_sample": writer_failures[:3],
         "presence_rejections": rejected[:3],
         "etcd_cores": round(etcd_cpu / window, 3),
         "writer_process_cores": round(host / window, 3),
