@@ -212,6 +212,16 @@ def test_simulated_agents_speak_the_real_protocols_to_the_real_leader(job_dir: P
         presence.close()
 
 
+def _forge_assignment(client: Any, prefix: str) -> None:
+    """node-3's assignment in generation 0, written without the job's token (a world of 1,
+    worker store 6.6.6.6:666): the agents must ignore it."""
+    forger = JsonStore(client, prefix, signer=Signer(b"not-the-token"))
+    forged = {"number": 0, "restart_count": 0, "node": asdict(_slot(3, 1).with_rank(0)),
+              "rank_offset": 0, "nnodes": 1, "world_size": 1,
+              "worker_store_host": "6.6.6.6", "worker_store_port": 666, "digest": "0" * 64}
+    forger.set_record(assignment_key(0, "node-3"), forged)
+
+
 def _check_joined(reports: list[dict[str, Any]], leader: Generation, n: int) -> list[str]:
     """The simulated agents' reports of a join: every one of the ``n - 1`` holds the rank
     the leader gave it (once each), the world of ``n`` and the worker store; their request
@@ -236,12 +246,7 @@ def test_simulated_agents_join_through_the_real_rendezvous(job_dir: Path) -> Non
     loadgen = _loadgen()
     server = serve_store(0, 30)
     port = int(server.port)  # type: ignore[attr-defined]
-    forger = JsonStore(connect_store("127.0.0.1", port, 10), "ftrun/rz",
-                       signer=Signer(b"not-the-token"))
-    forged = {"number": 0, "restart_count": 0, "node": asdict(_slot(3, 1).with_rank(0)),
-              "rank_offset": 0, "nnodes": 1, "world_size": 1,
-              "worker_store_host": "6.6.6.6", "worker_store_port": 666, "digest": "0" * 64}
-    forger.set_record(assignment_key(0, "node-3"), forged)
+    _forge_assignment(connect_store("127.0.0.1", port, 10), "ftrun/rz")
     n = 16
     fleet = loadgen.Fleet({"store_port": port, "token": TOKEN.decode(), "prefix": "ftrun/rz",
                            "mode": "rdzv", "number": 0, "id_prefix": "node-", "interval": 0.25,
@@ -319,12 +324,7 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
     takes it from the watch's event, verifies it and holds the rank the leader gave it. One agent's
     assignment is forged beforehand (without the token): it ignores it."""
     options = EtcdOptions.parse(endpoint, {})
-    forger = JsonStore(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej",
-                       signer=Signer(b"not-the-token"))
-    forged = {"number": 0, "restart_count": 0, "node": asdict(_slot(3, 1).with_rank(0)),
-              "rank_offset": 0, "nnodes": 1, "world_size": 1,
-              "worker_store_host": "6.6.6.6", "worker_store_port": 666, "digest": "0" * 64}
-    forger.set_record(assignment_key(0, "node-3"), forged)
+    _forge_assignment(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej")
     n = 12
     fleet = loadgen.Fleet({"mode": "rdzv", "store_port": 0, "number": 0, "id_prefix": "node-",
                            "etcd_port": int(endpoint.split(":")[1]),
