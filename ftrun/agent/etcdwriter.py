@@ -33,7 +33,7 @@ from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
 from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
-from ftrun.control.store import JsonStore, connect_store, serve_store
+from ftrun.control.store import JsonStore, connect_store, reconnect_store, serve_store
 
 if TYPE_CHECKING:
     from ftrun.control.election import Election
@@ -119,7 +119,7 @@ def generation_store(agent: Agent, generation: Generation, prefix: str) -> JsonS
         # dead host may still hold the connect lock, see control/store.py)
         return JsonStore(own, prefix, signer=Signer(load_secret()),
                          on_reject=agent._rejected_record)
-    connect = lambda: connect_store(host, port, op, op_timeout_s=op)  # noqa: E731
+    connect = lambda: reconnect_store(host, port, op, op_timeout_s=op)  # noqa: E731
     # the first connect waits longer: the writer may still be opening it, and a connect
     # to the last writer's dead host may hold the connect lock for an op timeout
     first = connect_store(host, port, agent.config.heartbeat_timeout_s * 3, op_timeout_s=op)
@@ -230,7 +230,7 @@ def moved_store(agent: Agent, generation: Generation, prefix: str) -> MovedStore
     agent.generation_writers[generation.number] = writer
     store = JsonStore(
         client, prefix, signer=secret,
-        reconnect=lambda: connect_store(host, port, op, op_timeout_s=op),
+        reconnect=lambda: reconnect_store(host, port, op, op_timeout_s=op),
         retry_s=agent.config.heartbeat_timeout_s * 3,
         lost=lambda: agent._lost_reason() is not None or
         writer_gone(agent, generation) is not None,

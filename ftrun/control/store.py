@@ -145,6 +145,27 @@ def connect_store(
             raise StoreError(f"cannot reach the store at {host}:{port}: {last_error}")
 
 
+def reconnect_store(host: str, port: int, timeout_s: float, *,
+                    op_timeout_s: float | None = None) -> TCPStore:
+    """:func:`connect_store` to a store that was up and may have died with its host's
+    agent: a plain connect first, so that a refused one (nothing listens there now) fails
+    at once with :class:`~ftrun.control.errors.StoreError` instead of being retried until
+    ``timeout_s`` as torch's client does for a store still starting (one no answer
+    within 2 s fails too). A caller that retries, as ``JsonStore``'s reconnect does, then
+    asks its ``lost()`` again after its pause, not after a whole connect timeout: an
+    etcd-v3 agent learns within 0.05 s that a new writer holds the job. Once the plain
+    connect found a listener, the client's own is bounded by a second: a store that died
+    in between (torch's client retries refused connects, silently, until its timeout)
+    costs that, and a worker then reads its store file again (seen: a worker held 3 s in
+    a connect to its dead writer's store, begun as the writer was being killed)."""
+    try:
+        socket.create_connection((host, port), timeout=min(2.0, timeout_s)).close()
+    except OSError as error:
+        raise StoreError(f"cannot reach the store at {host}:{port}: "
+                         f"{error.strerror or error}") from None
+    return connect_store(host, port, min(1.0, timeout_s), op_timeout_s=op_timeout_s)
+
+
 class _ConnectAttempt:
     """One TCPStore client construction, in a daemon thread (see :func:`connect_store`)."""
 

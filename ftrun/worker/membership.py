@@ -38,7 +38,13 @@ import torch.distributed as dist
 
 from ftrun import protocol as P
 from ftrun.control.auth import Signer, load_secret
-from ftrun.control.store import JsonStore, StoreError, StoreValueError, connect_store
+from ftrun.control.store import (
+    JsonStore,
+    StoreError,
+    StoreValueError,
+    connect_store,
+    reconnect_store,
+)
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
 
 POLL_S = 0.005  # between two looks at a record that a peer or the leader writes
@@ -224,11 +230,9 @@ class Membership:
 
         def connect(request_s: float = bound_s) -> dist.TCPStore:
             host, port = store_file_address(path, signer, key, env.generation)
-            try:  # a plain connect first: torch logs every failed one (a dead store's)
-                socket.create_connection((host, port), timeout=min(2.0, bound_s)).close()
-            except OSError as error:
-                raise StoreError(f"cannot reach the store at {host}:{port}: {error}") from None
-            return connect_store(host, port, min(2.0, bound_s), op_timeout_s=request_s)
+            # refused at once (torch would retry, and log, every failed connect to a dead
+            # store), and the next attempt reads the file again
+            return reconnect_store(host, port, min(2.0, bound_s), op_timeout_s=request_s)
         return connect
 
     # --- status and the heartbeat thread --------------------------------------------------
