@@ -15,9 +15,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from ftrun.control.auth import Signer
@@ -400,6 +402,22 @@ def _etcd_reads_cost_what_changed(endpoint: str) -> None:
     writer._post("/kv/put", {"key": writer._key(part), "value": "Zm9yZ2Vk"})  # a foreign put
     assert reader.get("slots") == fresh("slots") == b"forged;more"
     assert reader.read("nothing") is None
+
+    # a wait's slices: etcd's gateway ends each watch stream at its deadline (the
+    # Grpc-Timeout header), so the next slice's read and watch reuse the connection
+    etcd_port = int(endpoint.rsplit(":", 1)[1])
+
+    def connections() -> set[int]:  # this process's local ports to the etcd member
+        return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+                if c.raddr and c.raddr.port == etcd_port and c.status == "ESTABLISHED"}
+    assert reader.read("never") is None
+    before = connections()
+    for _ in range(3):
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="wait timeout"):
+            reader.wait(["never"], timedelta(seconds=0.3))
+        assert 0.25 < time.monotonic() - started < 5.0
+    assert connections() - before == set(), (before, connections())
 
     ranges = 'grpc_server_handled_total{grpc_code="OK",grpc_method="Range"'
 

@@ -504,7 +504,8 @@ class EtcdClient:
         in the calling thread until its first event: one stream per waiting client and no
         thread. etcd3gw's own ``watch_once`` starts a thread pool and a thread for every
         wait (4.7 ms of client CPU each, measured), which starved hundreds of agents of a
-        process (bench_multinode's light rendezvous on etcd failed at 128)."""
+        process (bench_multinode's light rendezvous on etcd failed at 128). The gateway ends
+        the stream itself at the deadline (``Grpc-Timeout``), so the connection is reused."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
@@ -512,32 +513,30 @@ class EtcdClient:
         span = self._span(key)
         request = {"create_request": {"key": span["key"], "range_end": span["range_end"],
                                       "start_revision": revision + 1}}
-        pending = b""
-        try:
+        pending, ended = b"", False  # ended: etcd ended the stream at its deadline
+        try:  # etcd's gateway ends the stream at Grpc-Timeout, cleanly: the connection stays
             with client.session.post(client.get_url("/watch"), json=request, stream=True,
-                                     timeout=(self._connect_s, left)) as response:
+                                     headers={"Grpc-Timeout": f"{max(1, int(left * 1000))}m"},
+                                     timeout=(self._connect_s, left + 0.5)) as response:
                 if response.status_code != requests.codes["ok"]:
                     self._failed_over(f"watch: HTTP {response.status_code} {response.reason}")
                     return None
                 for chunk in response.iter_content(chunk_size=None):
                     *lines, pending = (pending + chunk).split(b"\n")  # a message may span
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        result = json.loads(line).get("result") or {}
+                    for message in (json.loads(line) for line in lines if line.strip()):
+                        result = message.get("result") or {}
                         if result.get("events"):  # written: its value, or None to read it
                             return watched_value(self._root + key.encode(), result["events"])
                         if result.get("canceled"):
                             return None  # the watch ended: the caller reads again
-                    if time.monotonic() >= deadline:
-                        break
+                        ended = ended or (message.get("error") or {}).get("grpc_code") == 4
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
             # nothing written within the wait: a read timeout (requests raises it as a
             # ConnectionError from inside a stream) at the deadline; else the endpoint failed
             if time.monotonic() < deadline - 0.05:
                 self._failed_over(f"watch: {_short(error)}")
                 return None
-        if time.monotonic() < deadline:
+        if not ended and time.monotonic() < deadline:
             self._failed_over("watch: the stream ended")
             return None
         raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
