@@ -417,6 +417,7 @@ def _etcd_reads_cost_what_changed(endpoint: str) -> None:
         with pytest.raises(RuntimeError, match="wait timeout"):
             reader.wait(["never"], timedelta(seconds=0.3))
         assert 0.25 < time.monotonic() - started < 5.0
+    assert reader.read("never") is None  # on the same connection as the first read
     assert connections() - before == set(), (before, connections())
 
     ranges = 'grpc_server_handled_total{grpc_code="OK",grpc_method="Range"'
