@@ -87,7 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftrun.control.assignments import Assignment, NodeSlot
 from ftrun.control.auth import Signer
-from ftrun.control.etcdwire import PART, PARTS_END, b64, span, watched_value
+from ftrun.control.etcdwire import PART, PARTS_END, b64, deadline_error, span, watched_value
 from ftrun.control.etcdwire import joined as joined_value
 from ftrun.control.presence import presence_key
 
@@ -479,6 +479,9 @@ class HttpConn(_Conn):
         self.callback: Callable[[dict[str, Any]], None] | None = None
         self.streaming = False
         self.stream_head = False  # the stream's HTTP head was read
+        self.on_deadline: Callable[[], None] = lambda: None
+        self.deadline_seen = False  # the stream's deadline message came
+        self.last_message = b""
         self.lines = b""
         self.sent_at = 0.0
 
@@ -502,18 +505,23 @@ class HttpConn(_Conn):
         self.streaming, self.stream_head, self.lines = False, False, b""
 
     def post(self, path: str, body: dict[str, Any],
-             callback: Callable[[dict[str, Any]], None]) -> None:
+             callback: Callable[[dict[str, Any]], None], deadline_s: float = 0.0) -> None:
         data = json.dumps(body).encode()
         self.callback, self.sent_at = callback, self.gen.loop.now
-        head = (f"POST /v3{path} HTTP/1.1\r\nHost: {self.gen.host}\r\n"
+        timeout = f"Grpc-Timeout: {max(1, int(deadline_s * 1000))}m\r\n" if deadline_s else ""
+        head = (f"POST /v3{path} HTTP/1.1\r\nHost: {self.gen.host}\r\n{timeout}"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
         self.send(head.encode() + data)
 
     def stream(self, path: str, body: dict[str, Any],
-               on_message: Callable[[dict[str, Any]], None]) -> None:
-        """A streamed request (``/watch``): ``on_message(result)`` for each message."""
-        self.post(path, body, on_message)
+               on_message: Callable[[dict[str, Any]], None], deadline_s: float,
+               on_deadline: Callable[[], None]) -> None:
+        """A streamed request (``/watch``): ``on_message(result)`` for each message; the
+        gateway ends it at ``deadline_s`` (``Grpc-Timeout``, as ``EtcdClient`` asks), and
+        then ``on_deadline()`` runs with the connection ready for the next request."""
+        self.post(path, body, on_message, deadline_s)
         self.streaming, self.stream_head, self.lines = True, False, b""
+        self.on_deadline, self.deadline_seen = on_deadline, False
 
     def send_failed(self, why: str) -> None:
         self.close()
@@ -580,7 +588,7 @@ class HttpConn(_Conn):
                 self.failed(f"watch: {status[:60]}")
                 return
             self.stream_head, self.buf = True, rest
-        buf = self.buf
+        buf, ended = self.buf, False
         while True:
             line_end = buf.find(b"\r\n")
             if line_end < 0:
@@ -591,16 +599,30 @@ class HttpConn(_Conn):
             self.lines += buf[line_end + 2:line_end + 2 + size]
             buf = buf[line_end + 4 + size:]
             if size == 0:  # the gateway ended the stream
-                self.buf = b""
-                self.close()
-                self.failed("watch: the stream ended")
-                return
+                ended = True
+                break
         self.buf = buf
+        if ended:  # the last message (the deadline's error) has no newline
+            self.lines += b"\n"
         while b"\n" in self.lines and self.callback is not None and not self.closed:
             line, _, self.lines = self.lines.partition(b"\n")
             if line.strip():
                 answer = json.loads(line)
-                self.callback(answer.get("result") or {} if isinstance(answer, dict) else {})
+                self.last_message = line[:80]
+                if not isinstance(answer, dict):
+                    continue
+                if deadline_error(answer):  # the gateway ended it at the deadline
+                    self.deadline_seen = True
+                    continue
+                self.callback(answer.get("result") or {})
+        if ended and not self.closed:
+            if self.deadline_seen:  # a clean end at its deadline: the connection stays
+                self.streaming, self.callback, self.lines = False, None, b""
+                self.on_deadline()
+                return
+            self.buf = b""
+            self.close()
+            self.failed(f"watch: the stream ended after {self.last_message!r}")
 
 
 # --- one simulated agent --------------------------------------------------------------------
@@ -840,10 +862,22 @@ class Agent:
         self.wait_no += 1
         conn.stream("/watch", {"create_request": {
             "key": b64(ekey), "range_end": b64(ekey + PARTS_END),
-            "start_revision": revision + 1}}, self._ew_event)
+            "start_revision": revision + 1}}, self._ew_event, gen.slice_s, self._ew_ended)
         if gen.in_window(conn.sent_at):
             gen.count("endwatch.watch", 1)
-        gen.loop.at(conn.sent_at + gen.slice_s, self._ew_due, self.wait_no)
+        gen.loop.at(conn.sent_at + gen.slice_s + 0.5, self._ew_due, self.wait_no)
+
+    def _ew_ended(self) -> None:
+        """The gateway ended the slice's stream at its deadline: the next wait's read on
+        the same connection."""
+        gen = self.gen
+        if self.frozen or self.end_seen:
+            return
+        self.wait_no += 1
+        if gen.in_window(gen.loop.now) and self.ewc is not None:
+            gen.count("endwatch.watch.timeout", 0)
+            gen.wait_overrun_s.append(gen.loop.now - self.ewc.sent_at - gen.slice_s)
+        self._ew_live()
 
     def _ew_event(self, result: dict[str, Any]) -> None:
         if not (result.get("events") or result.get("canceled")) or self.frozen:
@@ -946,8 +980,11 @@ class Agent:
         self.waiting = True
         self.jc.stream("/watch", {"create_request": {
             "key": span["key"], "range_end": span["range_end"],
-            "start_revision": revision + 1}}, self._etcd_watched)
-        self.gen.loop.at(self.gen.loop.now + WAIT_SLICE_S, self._etcd_slice_due, self.wait_no)
+            "start_revision": revision + 1}}, self._etcd_watched, WAIT_SLICE_S,
+            self._etcd_slice_ended)
+        # the client's own bound (its read timeout), should the gateway not end the stream
+        self.gen.loop.at(self.gen.loop.now + WAIT_SLICE_S + 0.5, self._etcd_slice_due,
+                         self.wait_no)
 
     def _etcd_watched(self, result: dict[str, Any]) -> None:
         """A message of the watch: ``created`` alone goes on waiting; an event (or a
@@ -966,6 +1003,20 @@ class Agent:
             return
         self._reconnect(self.read_assignment_etcd)
 
+    def _etcd_slice_ended(self) -> None:
+        """The gateway ended the slice's stream at its deadline: as the rendezvous loop, a
+        ``check`` of ``gen/N`` and the read again, on the same connection."""
+        if not self.waiting or self.joined is not None:
+            return
+        self.waiting = False
+        self.wait_no += 1
+        self._request("/kv/txn", self._gen_check(), lambda a: self.read_assignment_etcd())
+
+    def _gen_check(self) -> dict[str, Any]:
+        key = self._ekey(f"gen/{self.gen.number}")
+        return {"compare": [], "failure": [], "success": [{"request_range": {
+            "key": b64(key), "range_end": b64(key + PARTS_END), "count_only": True}}]}
+
     def _etcd_slice_due(self, number: int) -> None:
         """A wait slice passed without the key: the stream's read timeout closes the
         connection; then, as the rendezvous loop does, a ``check`` of ``gen/N`` and the
@@ -973,10 +1024,7 @@ class Agent:
         if number != self.wait_no or not self.waiting or self.joined is not None:
             return
         self._end_watch()
-        key = self._ekey(f"gen/{self.gen.number}")
-        check = {"compare": [], "failure": [], "success": [{"request_range": {
-            "key": b64(key), "range_end": b64(key + PARTS_END), "count_only": True}}]}
-        self._reconnect(lambda: self._request("/kv/txn", check,
+        self._reconnect(lambda: self._request("/kv/txn", self._gen_check(),
                                               lambda a: self.read_assignment_etcd()))
 
     def _ekey(self, name: str) -> bytes:

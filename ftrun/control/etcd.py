@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import chain
 from typing import Any
 
 import requests
@@ -57,7 +58,7 @@ from ftrun.control.errors import StoreError
 from ftrun.control.etcdwire import PART as _PART
 from ftrun.control.etcdwire import PARTS_END as _PARTS_END
 from ftrun.control.etcdwire import TXN_OPS as _TXN_OPS
-from ftrun.control.etcdwire import AppendedReads, span, watched_value
+from ftrun.control.etcdwire import AppendedReads, deadline_error, span, watched_value
 from ftrun.control.etcdwire import b64 as _b64
 from ftrun.control.etcdwire import joined as _joined
 from ftrun.control.etcdwire import next_key as _next_key
@@ -521,15 +522,15 @@ class EtcdClient:
                 if response.status_code != requests.codes["ok"]:
                     self._failed_over(f"watch: HTTP {response.status_code} {response.reason}")
                     return None
-                for chunk in response.iter_content(chunk_size=None):
-                    *lines, pending = (pending + chunk).split(b"\n")  # a message may span
+                for chunk in chain(response.iter_content(chunk_size=None), [b"\n"]):
+                    *lines, pending = (pending + chunk).split(b"\n")  # the last: no newline
                     for message in (json.loads(line) for line in lines if line.strip()):
                         result = message.get("result") or {}
                         if result.get("events"):  # written: its value, or None to read it
                             return watched_value(self._root + key.encode(), result["events"])
                         if result.get("canceled"):
                             return None  # the watch ended: the caller reads again
-                        ended = ended or (message.get("error") or {}).get("grpc_code") == 4
+                        ended = ended or deadline_error(message)
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
             # nothing written within the wait: a read timeout (requests raises it as a
             # ConnectionError from inside a stream) at the deadline; else the endpoint failed

@@ -81,6 +81,15 @@ def watched_value(ekey: bytes, events: list[dict[str, Any]]) -> bytes | None:
     return unb64(kv.get("value", ""))
 
 
+def deadline_error(message: dict[str, Any]) -> bool:
+    """Whether a watch stream's message is the gateway ending it at the request's
+    ``Grpc-Timeout``: DEADLINE_EXCEEDED (4), or the same cause as UNKNOWN (2), which etcd
+    3.4's gateway also sends ("context deadline exceeded")."""
+    error = message.get("error")
+    return isinstance(error, dict) and (error.get("grpc_code") == 4 or "context deadline "
+                                        "exceeded" in str(error.get("message", "")))
+
+
 class AppendedReads:
     """What a client last read of appended keys (at most ``keys`` of them, the least
     recently read dropped first), so that the next read of such a key asks etcd only for
