@@ -25,11 +25,13 @@ that finds the key missing, then a watch stream from the revision after it, whic
 answers the moment the key is written), renewed every slice (0.83 s at the 5 s default).
 Measured (``scripts/bench_etcd.py``, one member on loopback): 2.4 requests per second per
 agent (a range and a watch per slice) and 4.9 ms of etcd CPU per second net of etcd's own
-idle CPU, about 2 ms per renewal; a lease keepalive beat costs 0.5 ms. A single stream held
-across slices would save most of that, but a stream alone cannot tell a frozen member from
-a quiet key (etcd's progress notifications are paced by the server, every 10 minutes by
-default, and the HTTP client closes a stream at its read timeout), so it would need a
-reader thread of its own and a probe per slice; not built.
+idle CPU, about 2 ms per renewal; a lease keepalive beat costs 0.5 ms. Each slice's stream
+was then ended by the client's read timeout, which closes its connection, so every renewal
+also connected again; since 2026-12-02 the gateway ends it at the slice's end itself
+(``Grpc-Timeout``) and the connection is reused. A single stream held across slices would
+save most of the rest, but a stream alone cannot tell a frozen member from a quiet key
+(etcd's progress notifications are paced by the server, every 10 minutes by default), so
+it would need a reader thread of its own and a probe per slice; not built.
 """
 
 from __future__ import annotations
