@@ -250,8 +250,7 @@ class EtcdClient:
             raise RuntimeError("etcd: a transaction answered fewer reads than asked")
         return values
 
-    #: A ``multi_set``'s transactions in flight at once, each on a connection of its own (a
-    #: generation's 4,096 assignments are 32: README "Scale of the control plane").
+    #: A ``multi_set``'s transactions in flight at once, each on a connection of its own.
     PARALLEL_TXNS = 4
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
@@ -467,8 +466,7 @@ class EtcdClient:
         return span(self._root + key.encode())
 
     def _range(self, key: str) -> tuple[bytes | None, int]:
-        """(value or None, the store's revision at the read); an appended key read before
-        is read from where the last read ended (``etcdwire.AppendedReads``)."""
+        """(value or None, the store's revision at the read): ``etcdwire.AppendedReads``."""
         ekey = self._root + key.encode()
         for _ in range(2):  # the second, if any, is a whole read
             result = self._post("/kv/range", self._appended.request(ekey))
@@ -531,6 +529,8 @@ class EtcdClient:
                         if result.get("canceled"):
                             return None  # the watch ended: the caller reads again
                         ended = ended or deadline_error(message)
+                    if time.monotonic() >= deadline + 0.5:  # messages but no end: bounded
+                        break
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
             # nothing written within the wait: a read timeout (requests raises it as a
             # ConnectionError from inside a stream) at the deadline; else the endpoint failed
