@@ -100,44 +100,45 @@
   agents their CPU after the record was 0.44-0.92 s with it, 0.15-0.20 s without).
   The process-per-agent figures of ``--only rendezvous`` are under
   ``rendezvous_s["ftrun_process"]``.
-* ``store_load`` (default ``--store-load-harness events``): N event-driven simulated agents
-  of scripts/loadgen.py (thousands per process, one ``selectors`` loop each; its module
-  docstring says what each agent sends: heartbeat, end-watch and presence connections in
-  torch's wire protocol and ftrun's, signed records) against the real leader in this
-  process (serve_store, serve_presence, HeartbeatMonitor at NodeWatch's cadence, the end
-  read every 0.1 s); keys as below, plus ``layout``, ``presence_connections``,
-  ``pings_offered_per_s``, ``leader_scan_store_read_median_ms``, the cores of the store
-  thread, presence thread and leader loop, and ``load_average``. With ``--store-load-harness
-  threads``, the light agents before it: N light
-  agents (default 1,000), spread over ``--store-load-procs`` processes (many per process),
-  each running ftrun's own HeartbeatSender (a signed ``set`` of ``hb/<id>`` and a ``check``
-  every ``--interval``) and EndWatcher (a server-side ``wait`` on ``gen/0/end`` held for the
-  agent's slice, min(1 s, request timeout / 2), renewed when it times out), each on a
-  TCPStore connection of its own made by ftrun's ``connect_store`` with the agent's request
-  timeout: 2 N connections (a real agent's third, idle main connection is left out; with
-  ``--end-poll`` the agents instead poll the end key every 0.1 s on their main connection,
-  as before the EndWatcher). This process serves the store, as the leader's agent does,
-  and runs the leader's loop on it: the end key every 0.1 s, and every half interval a
-  HeartbeatMonitor scan of all N heartbeats (one ``check`` + one N-key ``multi_get``) and
-  the newcomer check. Every request is counted by the client that makes it, as requests on
-  the wire (a wait that times out is two: WAIT, then torch's CANCEL_WAIT; seen with strace
-  on torch 2.13), inside a window of ``--store-load-seconds`` after every agent has beaten
-  once. Keys: ``achieved_req_per_s`` (served: requests that completed in the window, per
-  second) and ``requests_per_s_by_kind``; ``offered_req_per_s`` (computed, not measured:
-  what N agents' schedule sends per second, the leader's own requests left out);
+* ``store_load`` (default ``--store-load-harness events``): N event-driven simulated agents of
+  scripts/loadgen.py (thousands per process, one ``selectors`` loop each; its module docstring says
+  what each agent sends: heartbeat, end-watch and presence connections in torch's wire protocol and
+  ftrun's, signed records) against the real leader in this process (serve_store, serve_presence,
+  HeartbeatMonitor at NodeWatch's cadence, the end read every 0.1 s); keys as below, plus
+  ``layout``, ``presence_connections``, ``pings_offered_per_s``,
+  ``leader_scan_store_read_median_ms``, the cores of the store thread, presence thread and leader
+  loop, and ``load_average``. With ``--store-load-harness threads``, the light agents before it: N
+  light agents (default 1,000), spread over ``--store-load-procs`` processes (many per process),
+  each running ftrun's own HeartbeatSender (a signed ``set`` of ``hb/<id>`` and a ``check`` every
+  ``--interval``) and EndWatcher (a server-side ``wait`` on ``gen/0/end`` held for the agent's
+  slice, min(1 s, request timeout / 2), renewed when it times out), each on a TCPStore connection of
+  its own made by ftrun's ``connect_store`` with the agent's request timeout: 2 N connections (a
+  real agent's third, idle main connection is left out; with ``--end-poll`` the agents instead poll
+  the end key every 0.1 s on their main connection, as before the EndWatcher). This process serves
+  the store, as the leader's agent does, and runs the leader's loop on it: the end key every 0.1 s,
+  and every half interval a HeartbeatMonitor scan of all N heartbeats (one ``check`` + one N-key
+  ``multi_get``) and the newcomer check. Every request is counted by the client that makes it, as
+  requests on the wire (a wait that times out is two: WAIT, then torch's CANCEL_WAIT; seen with
+  strace on torch 2.13), inside a window of ``--store-load-seconds`` after every agent has beaten
+  once. Keys: ``achieved_req_per_s`` (served: requests that completed in the window, per second) and
+  ``requests_per_s_by_kind``; ``offered_req_per_s`` (computed, not measured: what N agents' schedule
+  sends per second, the leader's own requests left out);
   ``heartbeat_p50_ms``/``_p99_ms``/``_max_ms`` (a beat's set + check round trip);
-  ``beats_per_agent_per_s``; ``end_wait_overrun_*`` (a timed-out wait's return past its
-  slice); ``leader_scan_median_ms``/``_max_ms``; ``agents_lost_by_monitor`` (agents the
-  leader would have declared lost: false alarms); ``errors`` and ``reconnects``; after the
-  window the harness writes the end record and ``end_seen_by_all_s``/``_median_s`` say how
+  ``beats_per_agent_per_s``; ``end_wait_overrun_*`` (a timed-out wait's return past its slice);
+  ``leader_scan_median_ms``/``_max_ms``; ``agents_lost_by_monitor`` (agents the leader would have
+  declared lost: false alarms); ``agents_silent_on_store_channel`` and
+  ``store_channel_longest_silence_s`` (the heartbeats alone: the monitor's verdict needs the pings
+  silent too, so it cannot show beats that did not get through); ``errors`` and ``reconnects``;
+  after the window the harness writes the end record and ``end_seen_by_all_s``/``_median_s`` say how
   long the agents' held waits took to see it; ``store_host_cores``, ``agents_cores``,
-  ``other_work_cores`` (CPU in the window). For the store load the sandbox's 5 s
-  reverse-DNS stalls on store connects (TEST-INFRA.md; the store's one thread makes such a
-  lookup after every accept) are cut to 1 s with ``RES_OPTIONS`` unless it is set
-  (``resolver_options`` records it; the rendezvous and node-loss phases run without it,
-  so a run of every phase runs the store load in a fresh process of this script).
-  If N agents cannot be set up here, ``store_load_model`` holds the arithmetic for N,
-  labelled a model, and ``store_load`` the largest N (halving) that ran.
+  ``other_work_cores`` (CPU in the window). For the store load the sandbox's 5 s reverse-DNS stalls
+  on store connects (TEST-INFRA.md; the store's one thread makes such a lookup after every accept)
+  are cut to 1 s with ``RES_OPTIONS`` unless it is set (``resolver_options`` records it; the
+  rendezvous and node-loss phases run without it, so a run of every phase runs the store load in a
+  fresh process of this script). If N agents cannot be set up here (``loadgen.TooMany``: connections
+  not made or an event not said in time), ``store_load_model`` holds the arithmetic for N, labelled
+  a model, and ``store_load`` the largest N (halving) that ran; any other failure is reported as
+  ``store_load_error`` without halving.
 
 JSON: ``{"node_loss_recovery_s": {"ftrun": [...], "ftrun_regroup": [...], "torchrun": [...]},
 "node_loss_steps_lost": {...}, "rendezvous_s": {"ftrun": {N: s}, "torchrun": {N: s}}, ...}``
