@@ -57,6 +57,11 @@ NODE_LOSS_DECLARED_S = HB_TIMEOUT_S + 2.0
 #: 3.06-3.36 s. Without the release of the survivors' connections it was gloo's 60 s.
 NODE_LOSS_TO_PROGRESS_S = HB_TIMEOUT_S + 5.0
 TOKEN = "s3cret-token-for-tests"
+#: The namespace jobs' workers fork from a per-node server that imported torch and
+#: torch._dynamo (the optimizer's constructor imports it) once: these tests are about
+#: nodes, links and records, not cold starts, and each fresh worker costs ~3 s of CPU at
+#: every start, restart and re-form (test_preload.py and test_launcher.py cover cold ones).
+PRELOAD = ["--preload", "torch,torch._dynamo"]
 
 
 # --- records and heartbeats (no processes) ------------------------------------------------
@@ -403,14 +408,18 @@ class HostLaunch(Launch):
 
 
 def _job(net, job_dir: Path, nnodes: str, steps: int, *extra: str, token: str | None = TOKEN,
-         hosts=None, step_sleep: float = 0.05, heartbeat=HB):  # type: ignore[no-untyped-def]
+         hosts=None, step_sleep: float = 0.05, heartbeat=HB,  # type: ignore[no-untyped-def]
+         preload: bool = False):
+    """One worker per node of scripts/train_ddp.py; ``preload`` where workers restart (with
+    one worker per node and no restart, a fork server imports what the worker would)."""
     script = job_dir / "train_ddp.py"
     if not script.exists():
         copy_train_script(job_dir)
     leader = net["h1"]
     args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsjob",
-            "--rdzv-conf", "last_call_timeout=15", *heartbeat, "--max-restarts", "3", *extra]
+            "--rdzv-conf", "last_call_timeout=15", *heartbeat, "--max-restarts", "3",
+            *(PRELOAD if preload else []), *extra]
     train = [str(script), "--steps", str(steps), "--step-sleep", str(step_sleep),
             "--checkpoint-dir", str(job_dir), "--checkpoint-every", "10"]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": token or ""}
@@ -455,11 +464,17 @@ def _wait_all_succeed(nodes: list[Launch], timeout: float) -> None:
 
 def _stop_all(nodes: list[Launch]) -> None:
     """SIGTERM to every agent still running: each forwards it and exits 128+SIGTERM (an
-    agent that had already ended was checked by its test)."""
+    agent that had already ended was checked by its test). The first node is the store
+    host's: it is stopped last, once the others have exited, because an agent whose store
+    went away first spends seconds on requests to it before exiting (3.5-4 s here, against
+    about 1 s this way)."""
     running = [node for node in nodes if node.proc.poll() is None]
-    for node in running:
-        node.proc.send_signal(signal.SIGTERM)
-    codes = [node.wait(60) for node in running]
+    for group in (running[1:], running[:1]):
+        for node in group:
+            node.proc.send_signal(signal.SIGTERM)
+        for node in group:
+            node.wait(60)
+    codes = [node.proc.returncode for node in running]
     if any(code != 128 + signal.SIGTERM for code in codes):
         own = ["\n".join(x for x in node.lines if "step=" not in x)[-3000:] for node in running]
         raise AssertionError(f"exit codes {codes}, expected {128 + signal.SIGTERM} each:\n"
@@ -477,7 +492,7 @@ def net(infra_leak_check, netns_network):  # type: ignore[no-untyped-def]
 def test_netns_node_cut_off_is_declared_lost_then_rejoins(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     """h3's link goes down: the leader sees its heartbeat stop, the survivors go on with two
     nodes, h3's agent exits 3; the link comes back and a new agent on h3 joins the job."""
-    nodes = _job(net, job_dir, "2:3", 100000)
+    nodes = _job(net, job_dir, "2:3", 100000, preload=True)
     for node in nodes:
         node.wait_step(3, 150)
     leader, _, cut = nodes
@@ -496,7 +511,7 @@ def test_netns_node_cut_off_is_declared_lost_then_rejoins(job_dir: Path, net) ->
     print(f"link cut to loss declared: {detected:.2f}s")
     assert detected < NODE_LOSS_DECLARED_S, detected
     net.restore_link(net["h3"])
-    (newcomer,) = _job(net, job_dir, "2:3", 100000, hosts=[net["h3"]])
+    (newcomer,) = _job(net, job_dir, "2:3", 100000, hosts=[net["h3"]], preload=True)
     nodes.append(newcomer)
     newcomer.wait_for(lambda lines: any(s.world == 3 for s in find(lines, Start)), 120,
                       "h3 rejoined")
@@ -509,8 +524,8 @@ def test_netns_node_cut_off_is_declared_lost_then_rejoins(job_dir: Path, net) ->
 def test_netns_agent_sigkilled_survivors_regroup(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     """h3's agent is SIGKILLed (its workers die with it): h1 and h2 re-form a job of two
     nodes, finish the training from the checkpoint with the same parameters, and exit 0."""
-    steps = 80
-    nodes = _job(net, job_dir, "2:3", steps)
+    steps = 40  # the kill comes after step 3: over 30 steps after the restart
+    nodes = _job(net, job_dir, "2:3", steps, preload=True)
     for node in nodes:
         node.wait_step(3, 150)
     victim = nodes[2]
@@ -529,14 +544,17 @@ def test_netns_agent_sigkilled_survivors_regroup(job_dir: Path, net) -> None:  #
 
 
 def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2,  # type: ignore[no-untyped-def]
-                 hosts=None, steps: int = 100000):
-    """Three nodes of scripts/train_elastic.py (the worker API) with in-process regroup."""
+                 hosts=None, steps: int = 100000, preload: bool = True):
+    """Three nodes of scripts/train_elastic.py (the worker API) with in-process regroup.
+    ``preload``: not where a worker's replacement must join after the survivors' regroup
+    (a forked one can be ready before it is published, and is then in it)."""
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
     leader = net["h1"]
     args = ["--nnodes", "2:3", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsregroup",
-            "--rdzv-conf", "last_call_timeout=15", *HB, "--recovery", "regroup", *extra]
+            "--rdzv-conf", "last_call_timeout=15", *HB, "--recovery", "regroup",
+            *(PRELOAD if preload else []), *extra]
     train = [str(script), "--steps", str(steps), "--hidden", "64", "--step-sleep", "0.05"]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
     return [HostLaunch(host, [*args, "--local-addr", host.addr, *train], env=env, cwd=job_dir)
@@ -593,7 +611,7 @@ def test_netns_regroup_job_that_lost_a_node_finishes_and_every_agent_exits_0(  #
     """A regroup job loses h3, the survivors go on in place and finish their steps: both
     agents exit 0 at once (the leader does not wait for the dropped node to be done, which
     it never will be, until join_timeout)."""
-    nodes = _elastic_job(net, job_dir, steps=250)
+    nodes = _elastic_job(net, job_dir, steps=100)  # the kill after step 10: 90 steps after
     for node in nodes:
         node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
                       "steps everywhere")
@@ -682,7 +700,7 @@ def test_netns_worker_killed_on_one_node_is_replaced_in_place(job_dir: Path, net
     """One worker on h2 is SIGKILLed: its agent reports it, every node confirms before the
     leader publishes 5 ranks, and h2's replacement later joins to make 6 again; no
     process but the victim is restarted."""
-    nodes = _elastic_job(net, job_dir)
+    nodes = _elastic_job(net, job_dir, preload=False)
     for node in nodes:
         node.wait_for(lambda lines: len(find(lines, ElasticStep)) >= 10, 180,
                       "steps everywhere")
@@ -738,7 +756,9 @@ def test_netns_link_flap_shorter_than_heartbeat_timeout_changes_nothing(  # type
     """h2's link is down for 1.5 s (the heartbeat timeout is 3 s): TCP carries the workers
     and the agents over the gap; no node is declared lost, nothing restarts, and the job
     ends with one set of parameters."""
-    nodes = _job(net, job_dir, "3", 120, step_sleep=0.02)
+    # 80 steps: after the flap (at step 5) the job runs on for over the heartbeat timeout
+    # (at least 0.05 s a step, 0.15 s at a load of 5), so a late false verdict is still seen
+    nodes = _job(net, job_dir, "3", 80, step_sleep=0.02)
     for node in nodes:
         node.wait_step(5, 150)
     net.cut_link(net["h2"])
