@@ -60,6 +60,11 @@ FROZEN_KILL_BOUND_S = 0.4
 #: Past the stop grace: SIGKILL, reaping, ftrun's own exit. Measured 0.47-1.13 s over a 1 s
 #: grace, median 0.68 s (5 runs, load 5).
 SHUTDOWN_OVER_GRACE_S = 3.0
+#: For tests about what happens around restarts, not about cold starts: the workers fork
+#: from a per-node server that imported torch and torch._dynamo (the optimizer's
+#: constructor imports it) once, instead of ~3 s of CPU per fresh worker at every start
+#: and restart (cold restarts: test_killed_worker_restarts_and_resumes_from_checkpoint).
+PRELOAD = ["--preload", "torch,torch._dynamo"]
 
 
 def _env_by_rank(launch: Launch) -> dict[str, dict[str, str]]:
@@ -160,7 +165,7 @@ def test_many_consecutive_restarts_always_recover(job_dir: Path, port: list[str]
     script = copy_train_script(job_dir)
     kills = 5
     run = Launch(
-        [*port, "--nproc-per-node", "2", "--max-restarts", str(kills), str(script),
+        [*port, "--nproc-per-node", "2", "--max-restarts", str(kills), *PRELOAD, str(script),
          "--steps", "100000", "--step-sleep", "0.02"],
         cwd=job_dir,
     )
@@ -190,8 +195,8 @@ def test_many_consecutive_restarts_always_recover(job_dir: Path, port: list[str]
 def test_restarts_exhausted_prints_summary_with_root_cause(job_dir: Path) -> None:
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "3", "--max-restarts", "1", str(script), "--steps", "50",
-         "--fail-at-step", "3", "--fail-rank", "1"],
+        ["--nproc-per-node", "3", "--max-restarts", "1", *PRELOAD, str(script), "--steps",
+         "50", "--fail-at-step", "3", "--fail-rank", "1"],
         cwd=job_dir,
     )
     assert run.wait(180) == 1, run.output
@@ -289,7 +294,7 @@ def test_static_multi_node_on_localhost_restarts_both_nodes(job_dir: Path) -> No
     script = copy_train_script(job_dir)
     port = 29651
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(port), "--max-restarts", "1"]
+              "--master-port", str(port), "--max-restarts", "1", *PRELOAD]
     train = [str(script), "--steps", "40", "--step-sleep", "0.03"]
     nodes = [
         Launch([*common, "--node-rank", str(rank), *train], cwd=job_dir) for rank in (0, 1)
