@@ -481,6 +481,7 @@ class HttpConn(_Conn):
         self.stream_head = False  # the stream's HTTP head was read
         self.on_deadline: Callable[[], None] = lambda: None
         self.deadline_seen = False  # the stream's deadline message came
+        self.deadline_answer = False  # the stream was answered 504 (its deadline)
         self.last_message = b""
         self.lines = b""
         self.sent_at = 0.0
@@ -503,6 +504,7 @@ class HttpConn(_Conn):
         self.buf, self.callback, self.sock, self.closed, self.live = b"", None, None, \
             False, False
         self.streaming, self.stream_head, self.lines = False, False, b""
+        self.deadline_answer = False
 
     def post(self, path: str, body: dict[str, Any],
              callback: Callable[[dict[str, Any]], None], deadline_s: float = 0.0) -> None:
@@ -544,6 +546,10 @@ class HttpConn(_Conn):
         if self.streaming:
             self._stream_read()
             return
+        self._answer()
+
+    def _answer(self) -> None:
+        """A whole answer in ``buf`` so far: its JSON to the callback."""
         head, sep, rest = self.buf.partition(b"\r\n\r\n")
         if not sep:
             return
@@ -568,6 +574,11 @@ class HttpConn(_Conn):
         self.buf = b""
         callback, self.callback = self.callback, None
         status = head.split(b"\r\n", 1)[0].decode("latin-1")
+        if self.deadline_answer:  # a watch's 504: its deadline came before the stream
+            self.deadline_answer = False
+            if deadline_error(json.loads(body or b"{}")):
+                self.on_deadline()
+                return
         if not status.startswith("HTTP/1.1 200"):
             self.failed(status[:60])
             return
@@ -583,6 +594,10 @@ class HttpConn(_Conn):
             if not sep:
                 return
             status = head.split(b"\r\n", 1)[0].decode("latin-1")
+            if status.startswith("HTTP/1.1 504"):  # its deadline came before the stream began
+                self.streaming, self.deadline_answer = False, True
+                self._answer()  # an ordinary answer: its body says why
+                return
             if not status.startswith("HTTP/1.1 200"):
                 self.close()
                 self.failed(f"watch: {status[:60]}")

@@ -24,6 +24,7 @@ import pytest
 
 from ftrun.control.auth import Signer
 from ftrun.control.etcd import EtcdOptions, connect_etcd
+from ftrun.control.etcdwire import deadline_error
 from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import (
     DynamicRendezvous,
@@ -419,6 +420,13 @@ def _etcd_reads_cost_what_changed(endpoint: str) -> None:
         assert 0.25 < time.monotonic() - started < 5.0
     assert reader.read("never") is None  # on the same connection as the first read
     assert connections() - before == set(), (before, connections())
+    # the gateway's two ways of saying a wait's deadline came (etcd 3.4, seen here): the
+    # stream's last message, or a 504 answer when it came before the stream began
+    assert deadline_error({"error": {"grpc_code": 2, "http_code": 500,
+                                     "message": "context deadline exceeded"}})
+    assert deadline_error({"error": "context deadline exceeded", "code": 4,
+                           "message": "context deadline exceeded"})
+    assert not deadline_error({"error": {"grpc_code": 14, "message": "unavailable"}})
 
     ranges = 'grpc_server_handled_total{grpc_code="OK",grpc_method="Range"'
 

@@ -512,12 +512,12 @@ class EtcdClient:
         span = self._span(key)
         request = {"create_request": {"key": span["key"], "range_end": span["range_end"],
                                       "start_revision": revision + 1}}
-        pending, ended = b"", False  # ended: etcd ended the stream at its deadline
-        try:  # etcd's gateway ends the stream at Grpc-Timeout, cleanly: the connection stays
+        pending, ended = b"", False  # ended: the gateway ended it at its Grpc-Timeout
+        try:
             with client.session.post(client.get_url("/watch"), json=request, stream=True,
                                      headers={"Grpc-Timeout": f"{max(1, int(left * 1000))}m"},
                                      timeout=(self._connect_s, left + 0.5)) as response:
-                if response.status_code != requests.codes["ok"]:
+                if response.status_code not in (200, 504):  # 504: the deadline, its body
                     self._failed_over(f"watch: HTTP {response.status_code} {response.reason}")
                     return None
                 for chunk in chain(response.iter_content(chunk_size=None), [b"\n"]):

@@ -84,10 +84,15 @@ def watched_value(ekey: bytes, events: list[dict[str, Any]]) -> bytes | None:
 def deadline_error(message: dict[str, Any]) -> bool:
     """Whether a watch stream's message is the gateway ending it at the request's
     ``Grpc-Timeout``: DEADLINE_EXCEEDED (4), or the same cause as UNKNOWN (2), which etcd
-    3.4's gateway also sends ("context deadline exceeded")."""
+    3.4's gateway also sends ("context deadline exceeded"); in a stream's last message
+    (``{"error": {"grpc_code", "message", ...}}``) or as the body of a 504 answer, when the
+    deadline came before the stream began (``{"error": text, "code", "message"}``)."""
     error = message.get("error")
-    return isinstance(error, dict) and (error.get("grpc_code") == 4 or "context deadline "
-                                        "exceeded" in str(error.get("message", "")))
+    if isinstance(error, dict):
+        code, text = error.get("grpc_code"), error.get("message", "")
+    else:
+        code, text = message.get("code"), message.get("message", error)
+    return code == 4 or "context deadline exceeded" in str(text)
 
 
 class AppendedReads:
