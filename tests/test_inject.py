@@ -136,6 +136,17 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(
         said = capsys.readouterr()
         return code, said.out, said.err
 
+    seen: list[dict] = []  # the last status view caught_up() read
+
+    def caught_up(faults_seen: int) -> bool:
+        """Whether ``ftrun status`` shows two ranks again and ``faults_seen`` faults: the
+        leader refreshes the job's record every second (ftrun/agent/inject.py), and
+        ``ftrun inject`` checks a rank against the world size in it."""
+        code, out, err = here("status", "--json", run_id, secret="inject-test-secret")
+        assert code == 0, err
+        seen[:] = [json.loads(out)]
+        return seen[0]["world_size"] == 2 and len(seen[0]["faults"]) == faults_seen
+
     for args, secret, says in ((("explode", "rank=1"), "inject-test-secret",
                                 "unknown fault kind 'explode'"),
                                (("kill", "rank=2"), "inject-test-secret",
@@ -167,6 +178,8 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(
     # another matter).
     faults = (("raise", 0, "exit code 1", RAISE_DETECT_S), ("hang", 1, "stalled", HANG_DETECT_S))
     for joined, (kind, rank, cause, bound) in enumerate(faults, start=1):
+        wait_until(lambda n=joined - 1: caught_up(n), 30,
+                   f"ftrun status showing two ranks and {joined - 1} faults")
         stepping = {s.pid for s in find(run.lines, ElasticStep)}
         if joined == 1:  # through the binary
             done = inject(kind, f"rank={rank}", secret="inject-test-secret")
@@ -201,12 +214,8 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(
 
     code, _, err = here("status", "--json", run_id)
     assert code == 2 and "set FTRUN_JOB_TOKEN" in err, err
-    wait_until(lambda: len(json.loads(here("status", "--json", run_id,
-                                           secret="inject-test-secret")[1])
-                           ["faults"]) == len(faults), 30, "the status record's faults")
-    code, out, err = here("status", "--json", run_id, secret="inject-test-secret")
-    assert code == 0, err
-    view = json.loads(out)
+    wait_until(lambda: caught_up(len(faults)), 30, "the status record's faults, two ranks")
+    view = seen[0]
     records = [e for e in _events(events) if e["event"] == "fault"]
     assert view["run_id"] == run_id and view["world_size"] == 2 and view["age_s"] < 10
     assert view["epoch"] >= len(faults)  # a member epoch per regroup (and per join)
