@@ -482,6 +482,7 @@ class HttpConn(_Conn):
         self.on_deadline: Callable[[], None] = lambda: None
         self.deadline_seen = False  # the stream's deadline message came
         self.deadline_answer = False  # the stream was answered 504 (its deadline)
+        self.deadline_at = 0.0
         self.last_message = b""
         self.lines = b""
         self.sent_at = 0.0
@@ -524,6 +525,7 @@ class HttpConn(_Conn):
         self.post(path, body, on_message, deadline_s)
         self.streaming, self.stream_head, self.lines = True, False, b""
         self.on_deadline, self.deadline_seen = on_deadline, False
+        self.deadline_at = self.sent_at + deadline_s
 
     def send_failed(self, why: str) -> None:
         self.close()
@@ -631,7 +633,9 @@ class HttpConn(_Conn):
                     continue
                 self.callback(answer.get("result") or {})
         if ended and not self.closed:
-            if self.deadline_seen:  # a clean end at its deadline: the connection stays
+            # a clean end at its deadline (the gateway at times ends it without its deadline
+            # message; as the client, an end past the deadline is the wait's timeout)
+            if self.deadline_seen or self.gen.loop.now >= self.deadline_at:
                 self.streaming, self.callback, self.lines = False, None, b""
                 self.on_deadline()
                 return
