@@ -686,7 +686,9 @@ def test_lease_view_on_loopback_etcd() -> None:
         idle = view(endpoint, 30.0, 60.0)  # its watch waits 30 s unless stop() ends it
         views = (direct, failover, stuck, idle)
         try:
-            deadline = time.monotonic() + 20
+            # each phase's own deadline: loose (a functional wait, not a latency bound; a
+            # single 20 s one for all of them failed at load average 8-11)
+            deadline = time.monotonic() + 30
             while not all(v.state("a") == "live" and v.revision for v in views):
                 assert time.monotonic() < deadline, [(v.state("a"), v.revision) for v in views]
                 time.sleep(0.05)
@@ -694,16 +696,19 @@ def test_lease_view_on_loopback_etcd() -> None:
             for i in range(100):  # unrelated writes: the store's revision moves, hb/ not
                 client.set(f"ftrun/job/other/{i}", "x")
             moved_to = client._range("ftrun/job/other/0")[1]
+            deadline = time.monotonic() + 30
             while direct.revision <= moved_to:
                 assert time.monotonic() < deadline, (start, direct.revision, moved_to)
                 time.sleep(0.05)
             print(f"watch start revision {start} -> {direct.revision} (store at {moved_to})")
             gone = LeaseBeat(30.0)
             gone(store, "hb/z")
+            deadline = time.monotonic() + 30
             while direct.state("z") != "live":
                 assert time.monotonic() < deadline, direct.state("z")
                 time.sleep(0.05)
             client.revoke(gone.lease)  # its key goes with it: the view reads the lease, gone
+            deadline = time.monotonic() + 30
             while direct.state("z") != "expired":
                 assert time.monotonic() < deadline, direct.state("z")
                 time.sleep(0.05)
