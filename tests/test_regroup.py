@@ -165,10 +165,8 @@ def _events(job_dir: Path) -> list[dict]:
 
 
 def _fault_free_checksum(tmp_path_factory: pytest.TempPathFactory, steps: int) -> str:
-    """The final checksum of a fault-free run; its workers fork from one import of torch
-    and torch._dynamo (--preload): only its arithmetic matters, not how it started."""
     directory = tmp_path_factory.mktemp("faultfree")
-    run = _launch(directory, "--preload", "torch,torch._dynamo", steps=steps)
+    run = _launch(directory, steps=steps)
     assert run.wait(240) == 0, run.output
     return find(run.lines, Done)[0].param_sum
 
