@@ -271,3 +271,36 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2(job_dir: Path) -> None:
     assert done.stderr.count("\n") == 1 and f"--metrics-port {port}: cannot listen" \
         in done.stderr, done.stderr
     assert "step=" not in done.stdout  # nothing started
+
+
+def test_the_job_record_says_a_new_world_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's ``ftrun/job`` record, which ``ftrun inject`` checks a rank against,
+    says a new world at the inject thread's next tick, not at its once-a-second refresh:
+    a request right after a regroup was refused ("rank 1 does not exist: the job has 1
+    ranks"). The refresh is pushed out to a minute here, so only the change can write it."""
+    import time
+
+    from ftrun.agent import inject
+    from ftrun.agent.events import Event, EventLog
+    from ftrun.control.store import connect_store, serve_store
+
+    monkeypatch.setattr(inject, "JOB_EVERY_S", 60.0)
+    server = serve_store(0, 10.0)
+    signer = Signer(b"job-record-secret")
+    reader = JsonStore(server, "ftrun", signer=signer)
+    events = EventLog("vm")
+    injector = inject.Injector(None, events, say=lambda *a, **k: None, node_rank=lambda: 0)
+    events.emit(Event.GENERATION, generation=0, world_size=1, nnodes=1)
+    injector.start(lambda: JsonStore(connect_store("127.0.0.1", server.port, 10.0),
+                                     "ftrun/rec", signer=signer), {"run_id": "rec"})
+
+    def world() -> object:
+        return (reader.get_record(inject.JOB_KEY) or {}).get("world_size")
+    try:
+        wait_until(lambda: world() == 1, 10, "the first job record")
+        events.emit(Event.EPOCH, epoch=1, members=["0.0", "1.0"])
+        changed = time.monotonic()
+        wait_until(lambda: world() == 2, 10, "the job record of the new world")
+        print(f"the job record said the new world {time.monotonic() - changed:.2f}s after it")
+    finally:
+        injector.stop()

@@ -34,7 +34,7 @@ thread looks at its schedule every 0.1 s, and at the store (one ``add`` of 0) ev
 request reaches a worker on another node within about 2 s. Only the leader sees the job's
 steps: another node's agent with scheduled faults still due reads the step from the job
 record every 0.25 s instead (a step trigger fires there up to ~1.3 s late: the record is
-refreshed every second).
+refreshed every second, and at once when the world changes).
 """
 
 from __future__ import annotations
@@ -241,16 +241,21 @@ class Injector:
         handled = 0
         next_poll = 0.0
         job_due = 0.0
+        written: tuple[int, int] | None = None  # the world size and nodes the record says
         while not self._stop.wait(TICK_S):
             self._fire_due()
-            if open_store is None or time.monotonic() < next_poll:
+            # a new world is written at the next tick, not at the next refresh: ftrun inject
+            # checks a rank against it (a fast request after a regroup was refused)
+            reshaped = job is not None and (self.world_size, self.nnodes) != written
+            if open_store is None or (time.monotonic() < next_poll and not reshaped):
                 continue
             next_poll = time.monotonic() + self._poll_s
             try:
                 if store is None:
                     store = open_store()
-                if job is not None and time.monotonic() >= job_due:
+                if job is not None and (time.monotonic() >= job_due or reshaped):
                     job_due = time.monotonic() + JOB_EVERY_S
+                    written = (self.world_size, self.nnodes)
                     record = {**job, "world_size": self.world_size, "nnodes": self.nnodes}
                     if self._status is not None:
                         record.update(self._status())
