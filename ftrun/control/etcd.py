@@ -54,16 +54,8 @@ import requests
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
 
+from ftrun.control import etcdwire as wire
 from ftrun.control.errors import StoreError
-from ftrun.control.etcdwire import PART as _PART
-from ftrun.control.etcdwire import PARTS_END as _PARTS_END
-from ftrun.control.etcdwire import TXN_OPS as _TXN_OPS
-from ftrun.control.etcdwire import AppendedReads, deadline_error, span, watched_value
-from ftrun.control.etcdwire import b64 as _b64
-from ftrun.control.etcdwire import joined as _joined
-from ftrun.control.etcdwire import next_key as _next_key
-from ftrun.control.etcdwire import short as _short
-from ftrun.control.etcdwire import unb64 as _unb64
 
 DEFAULT_PREFIX = "/ftrun"
 DEFAULT_ETCD_PORT = 2379
@@ -189,7 +181,7 @@ class EtcdClient:
                                              session=session))
         self._current = 0
         self._root = options.prefix.rstrip("/").encode() + b"/"
-        self._appended = AppendedReads()
+        self._appended = wire.AppendedReads()
         self._helpers: list[EtcdClient] = []  # multi_set's other connections
 
     # --- torch's TCPStore surface ---------------------------------------------------------
@@ -214,9 +206,9 @@ class EtcdClient:
     def set(self, key: str, value: str | bytes) -> None:
         """Replace the value (appended parts included: gone, as with torch's ``set``)."""
         ekey = self._root + key.encode()
-        self._txn([], [{"request_delete_range": {"key": _b64(ekey + _PART),
-                                                 "range_end": _b64(ekey + _PARTS_END)}},
-                       {"request_put": {"key": _b64(ekey), "value": _b64(value)}}], [])
+        self._txn([], [{"request_delete_range": {"key": wire.b64(ekey + wire.PART),
+                                                 "range_end": wire.b64(ekey + wire.PARTS_END)}},
+                       {"request_put": {"key": wire.b64(ekey), "value": wire.b64(value)}}], [])
 
     def get(self, key: str) -> bytes:
         """The value; a missing key is waited for up to the timeout (as torch's ``get``)."""
@@ -230,13 +222,13 @@ class EtcdClient:
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists (a value or an appended part), in one transaction per
-        ``_TXN_OPS`` keys."""
+        ``wire.TXN_OPS`` keys."""
         responses = self._reads([{**self._span(k), "count_only": True} for k in keys])
         counts = [int(r.get("response_range", {}).get("count", 0)) for r in responses]
         return len(counts) == len(keys) and all(counts)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of keys that exist, in one transaction per ``_TXN_OPS`` keys (a
+        """The values of keys that exist, in one transaction per ``wire.TXN_OPS`` keys (a
         missing key: RuntimeError, callers check first, as with torch whose ``multi_get``
         would wait)."""
         responses = self._reads([self._span(k) for k in keys])
@@ -245,7 +237,7 @@ class EtcdClient:
             kvs = response.get("response_range", {}).get("kvs") or []
             if not kvs:
                 raise RuntimeError(f"etcd: key {name!r} does not exist")
-            values.append(_joined(kvs))
+            values.append(wire.joined(kvs))
         if len(values) != len(keys):
             raise RuntimeError("etcd: a transaction answered fewer reads than asked")
         return values
@@ -254,14 +246,14 @@ class EtcdClient:
     PARALLEL_TXNS = 4
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        """``set`` of each key, in transactions of at most ``_TXN_OPS`` keys, up to
+        """``set`` of each key, in transactions of at most ``wire.TXN_OPS`` keys, up to
         ``PARALLEL_TXNS`` at once (this client and helper clients of the same options, made
         on first use). Each request is bounded as the client's; RuntimeError (the first
         failure) when any transaction failed on every endpoint: some keys may be set."""
         pairs = list(zip(keys, values, strict=True))
-        chunks = [[{"request_put": {"key": self._key(k), "value": _b64(v)}}
-                   for k, v in pairs[start:start + _TXN_OPS]]
-                  for start in range(0, len(pairs), _TXN_OPS)]
+        chunks = [[{"request_put": {"key": self._key(k), "value": wire.b64(v)}}
+                   for k, v in pairs[start:start + wire.TXN_OPS]]
+                  for start in range(0, len(pairs), wire.TXN_OPS)]
         while len(self._helpers) < min(len(chunks), self.PARALLEL_TXNS) - 1:
             self._helpers.append(EtcdClient(self.options, self._timeout_s,
                                             connect_timeout_s=self._connect_s))
@@ -291,17 +283,17 @@ class EtcdClient:
         expected_b = expected.encode() if isinstance(expected, str) else expected
         if expected_b:
             compare = [{"key": ekey, "target": "VALUE", "result": "EQUAL",
-                        "value": _b64(expected_b)}]
+                        "value": wire.b64(expected_b)}]
         else:
             compare = [{"key": ekey, "target": "CREATE", "result": "EQUAL",
                         "create_revision": "0"}]
-        result = self._txn(compare, [{"request_put": {"key": ekey, "value": _b64(desired)}}],
+        result = self._txn(compare, [{"request_put": {"key": ekey, "value": wire.b64(desired)}}],
                            [{"request_range": {"key": ekey}}])
         if result.get("succeeded"):
             return desired.encode() if isinstance(desired, str) else desired
         kvs = (result.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
         # torch returns ``expected`` when the key is missing and expected is not empty
-        return _unb64(kvs[0].get("value", "")) if kvs else expected_b
+        return wire.unb64(kvs[0].get("value", "")) if kvs else expected_b
 
     def add(self, key: str, amount: int) -> int:
         """Add to the integer the key holds (0 if missing); the new value."""
@@ -317,8 +309,8 @@ class EtcdClient:
         """One part key of its own (see the module docstring): one request, no contention.
         The id is random: a retried request that had landed adds its part twice, which
         readers of appended records already tolerate (the first valid record wins)."""
-        part = self._root + key.encode() + _PART + os.urandom(8).hex().encode()
-        self._post("/kv/put", {"key": _b64(part), "value": _b64(value)})
+        part = self._root + key.encode() + wire.PART + os.urandom(8).hex().encode()
+        self._post("/kv/put", {"key": wire.b64(part), "value": wire.b64(value)})
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists; RuntimeError('wait timeout after ...') on timeout."""
@@ -336,10 +328,10 @@ class EtcdClient:
 
     def list_keys(self) -> list[str]:
         """Every key under the job's prefix, without it (a key with appended parts once)."""
-        result = self._post("/kv/range", {"key": _b64(self._root),
-                                          "range_end": _b64(_next_key(self._root)),
+        result = self._post("/kv/range", {"key": wire.b64(self._root),
+                                          "range_end": wire.b64(wire.next_key(self._root)),
                                           "keys_only": True})
-        names = [_unb64(kv["key"])[len(self._root):].partition(_PART)[0]
+        names = [wire.unb64(kv["key"])[len(self._root):].partition(wire.PART)[0]
                  .decode(errors="replace") for kv in result.get("kvs") or []]
         return list(dict.fromkeys(names))
 
@@ -367,16 +359,17 @@ class EtcdClient:
 
     def put_leased(self, key: str, value: str | bytes, lease: int) -> None:
         """Put ``value`` bound to ``lease``: etcd deletes the key when the lease ends."""
-        self._post("/kv/put", {"key": self._key(key), "value": _b64(value),
+        self._post("/kv/put", {"key": self._key(key), "value": wire.b64(value),
                                "lease": str(lease)})
 
     def range_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
         """Every key that starts with ``prefix`` (without the job's root): [(key, value,
         lease or 0)], and the store's revision at the read."""
         start = self._root + prefix.encode()
-        result = self._post("/kv/range", {"key": _b64(start), "range_end": _b64(_next_key(start))})
-        found = [(_unb64(kv["key"])[len(self._root):].decode(errors="replace"),
-                  _unb64(kv.get("value", "")), int(kv.get("lease", 0)))
+        result = self._post("/kv/range", {"key": wire.b64(start),
+                                          "range_end": wire.b64(wire.next_key(start))})
+        found = [(wire.unb64(kv["key"])[len(self._root):].decode(errors="replace"),
+                  wire.unb64(kv.get("value", "")), int(kv.get("lease", 0)))
                  for kv in result.get("kvs") or []]
         return found, int(result.get("header", {}).get("revision", 0))
 
@@ -393,7 +386,8 @@ class EtcdClient:
         for an idle slice), or the start revision was compacted: the caller reads again."""
         client = self._clients[self._current]
         start = self._root + prefix.encode()
-        request = {"create_request": {"key": _b64(start), "range_end": _b64(_next_key(start)),
+        request = {"create_request": {"key": wire.b64(start),
+                                      "range_end": wire.b64(wire.next_key(start)),
                                       "start_revision": start_revision}}
         deadline = time.monotonic() + slice_s
         following, created = start_revision, 0
@@ -411,10 +405,10 @@ class EtcdClient:
                                            f"{result.get('compact_revision', '?')})")
                     for event in result.get("events") or []:
                         kv = event.get("kv") or {}
-                        key = _unb64(kv.get("key", ""))[len(self._root):].decode(
+                        key = wire.unb64(kv.get("key", ""))[len(self._root):].decode(
                             errors="replace")
                         value = None if event.get("type") == "DELETE" else \
-                            _unb64(kv.get("value", ""))
+                            wire.unb64(kv.get("value", ""))
                         on_event(key, value, int(kv.get("lease", 0)))
                         following = max(following, int(kv.get("mod_revision", 0)) + 1)
                     if result.get("created"):
@@ -432,7 +426,7 @@ class EtcdClient:
             if time.monotonic() < deadline - 0.05 or not created:
                 failed = self.endpoint
                 self._current = (self._current + 1) % len(self._clients)
-                raise RuntimeError(f"etcd watch at {failed}: {_short(error)}") from None
+                raise RuntimeError(f"etcd watch at {failed}: {wire.short(error)}") from None
         return following, created
 
     def keep_alive(self, lease: int) -> int:
@@ -448,22 +442,22 @@ class EtcdClient:
         ekey = self._key(key)
         result = self._txn([{"key": ekey, "target": "CREATE", "result": "EQUAL",
                              "create_revision": "0"}],
-                           [{"request_put": {"key": ekey, "value": _b64(value),
+                           [{"request_put": {"key": ekey, "value": wire.b64(value),
                                              "lease": str(lease)}}],
                            [{"request_range": {"key": ekey}}])
         if result.get("succeeded"):
             return value.encode() if isinstance(value, str) else value
         kvs = (result.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
-        return _unb64(kvs[0].get("value", "")) if kvs else b""
+        return wire.unb64(kvs[0].get("value", "")) if kvs else b""
 
     # --- plumbing -------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
-        return _b64(self._root + key.encode())
+        return wire.b64(self._root + key.encode())
 
     def _span(self, key: str) -> dict[str, Any]:
         """A range over ``key`` and its appended parts, oldest first."""
-        return span(self._root + key.encode())
+        return wire.span(self._root + key.encode())
 
     def _range(self, key: str) -> tuple[bytes | None, int]:
         """(value or None, the store's revision at the read): ``etcdwire.AppendedReads``."""
@@ -480,7 +474,7 @@ class EtcdClient:
         for _ in range(_CAS_TRIES):
             result = self._post("/kv/range", {"key": ekey})
             kvs = result.get("kvs") or []
-            old = _unb64(kvs[0].get("value", "")) if kvs else None
+            old = wire.unb64(kvs[0].get("value", "")) if kvs else None
             new = change(old)
             if kvs:
                 guard = {"key": ekey, "target": "MOD", "result": "EQUAL",
@@ -488,7 +482,7 @@ class EtcdClient:
             else:
                 guard = {"key": ekey, "target": "CREATE", "result": "EQUAL",
                          "create_revision": "0"}
-            done = self._txn([guard], [{"request_put": {"key": ekey, "value": _b64(new)}}], [])
+            done = self._txn([guard], [{"request_put": {"key": ekey, "value": wire.b64(new)}}], [])
             if done.get("succeeded"):
                 return new
         raise RuntimeError(f"etcd: key {key!r} changed under {_CAS_TRIES} tries of an update")
@@ -525,17 +519,17 @@ class EtcdClient:
                     for message in (json.loads(line) for line in lines if line.strip()):
                         result = message.get("result") or {}
                         if result.get("events"):  # written: its value, or None to read it
-                            return watched_value(self._root + key.encode(), result["events"])
+                            return wire.watched_value(self._root + key.encode(), result["events"])
                         if result.get("canceled"):
                             return None  # the watch ended: the caller reads again
-                        ended = ended or deadline_error(message)
+                        ended = ended or wire.deadline_error(message)
                     if time.monotonic() >= deadline + 0.5:  # messages but no end: bounded
                         break
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
             # nothing written within the wait: a read timeout (requests raises it as a
             # ConnectionError from inside a stream) at the deadline; else the endpoint failed
             if time.monotonic() < deadline - 0.05:
-                self._failed_over(f"watch: {_short(error)}")
+                self._failed_over(f"watch: {wire.short(error)}")
                 return None
         if not ended and time.monotonic() < deadline:
             self._failed_over("watch: the stream ended")
@@ -543,11 +537,11 @@ class EtcdClient:
         raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")
 
     def _reads(self, ranges: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The responses of range requests, in transactions of at most ``_TXN_OPS`` (etcd's
+        """The responses of range requests, in transactions of at most ``wire.TXN_OPS`` (etcd's
         default ``--max-txn-ops``: a leader's read of 512 heartbeats in one was refused)."""
         responses: list[dict[str, Any]] = []
-        for start in range(0, len(ranges), _TXN_OPS):
-            part = ranges[start:start + _TXN_OPS]
+        for start in range(0, len(ranges), wire.TXN_OPS):
+            part = ranges[start:start + wire.TXN_OPS]
             result = self._txn([], [{"request_range": r} for r in part], [])
             responses.extend(result.get("responses") or [])
         return responses
@@ -565,9 +559,9 @@ class EtcdClient:
             try:
                 return dict(client.post(client.get_url(path), json=payload))
             except etcd_errors.PreconditionFailedError as error:
-                raise RuntimeError(f"etcd refused {path}: {_short(error)}") from None
+                raise RuntimeError(f"etcd refused {path}: {wire.short(error)}") from None
             except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
-                failures.append(f"{self.endpoint}: {_short(error)}")
+                failures.append(f"{self.endpoint}: {wire.short(error)}")
                 self._current = (self._current + 1) % len(self._clients)
         raise RuntimeError("no etcd endpoint answered (" + "; ".join(failures) + ")")
 
