@@ -997,6 +997,20 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(1000 * value, 2)
 
 
+def _spread_ms(name: str, samples: list[float]) -> dict[str, float | None]:
+    """``<name>_p50_ms``, ``<name>_p99_ms`` and ``<name>_max_ms`` of ``samples`` (s)."""
+    return {f"{name}_p50_ms": _ms(_quantile(samples, 0.5)),
+            f"{name}_p99_ms": _ms(_quantile(samples, 0.99)),
+            f"{name}_max_ms": _ms(max(samples, default=None))}
+
+
+def _beat_rates(beats_per_s: list[float]) -> dict[str, float | None]:
+    """The slowest and the median agent's beats per second (``beats_per_s`` sorted)."""
+    if not beats_per_s:
+        return {"min": None, "median": None}
+    return {"min": round(beats_per_s[0], 3), "median": round(statistics.median(beats_per_s), 3)}
+
+
 def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float = 20.0,
                procs: int = 8, end_poll: bool = False,
                end_watches: int | None = None) -> dict[str, Any]:
@@ -1155,12 +1169,8 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
         "requests_per_s_by_kind": {k: round(v / window, 1) for k, v in sorted(calls.items())},
         "errors": errors,
         "reconnects": reconnects,
-        "heartbeat_p50_ms": _ms(_quantile(heartbeat_s, 0.5)),
-        "heartbeat_p99_ms": _ms(_quantile(heartbeat_s, 0.99)),
-        "heartbeat_max_ms": _ms(max(heartbeat_s, default=None)),
-        "beats_per_agent_per_s": {"min": round(beats_per_s[0], 3) if beats_per_s else None,
-                                  "median": round(statistics.median(beats_per_s), 3)
-                                  if beats_per_s else None},
+        **_spread_ms("heartbeat", heartbeat_s),
+        "beats_per_agent_per_s": _beat_rates(beats_per_s),
         "end_wait_overrun_p50_ms": _ms(_quantile(overrun_s, 0.5)),
         "end_wait_overrun_p99_ms": _ms(_quantile(overrun_s, 0.99)),
         "leader_scan_median_ms": _ms(statistics.median(scans)) if scans else None,
@@ -1469,12 +1479,8 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
         "errors": errors,
         "reconnects": reconnects,
         "presence_rejections": rejected[:3],
-        "heartbeat_p50_ms": _ms(_quantile(heartbeat_s, 0.5)),
-        "heartbeat_p99_ms": _ms(_quantile(heartbeat_s, 0.99)),
-        "heartbeat_max_ms": _ms(max(heartbeat_s, default=None)),
-        "beats_per_agent_per_s": {"min": beats_per_s[0] if beats_per_s else None,
-                                  "median": statistics.median(beats_per_s)
-                                  if beats_per_s else None},
+        **_spread_ms("heartbeat", heartbeat_s),
+        "beats_per_agent_per_s": _beat_rates(beats_per_s),
         "end_wait_overrun_p50_ms": _ms(_quantile(overrun_s, 0.5)),
         "end_wait_overrun_p99_ms": _ms(_quantile(overrun_s, 0.99)),
         "leader_scan_every_s": scan_every,
@@ -1649,12 +1655,8 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
         "end_not_seen": watchers - len(seen),
         "pings_offered_per_s": round(n / min(PING_S, timeout_s / 8), 1),
         "errors": errors,
-        "keepalive_p50_ms": _ms(_quantile(rtt, 0.5)),
-        "keepalive_p99_ms": _ms(_quantile(rtt, 0.99)),
-        "keepalive_max_ms": _ms(max(rtt, default=None)),
-        "beats_per_agent_per_s": {"min": beats_per_s[0] if beats_per_s else None,
-                                  "median": statistics.median(beats_per_s)
-                                  if beats_per_s else None},
+        **_spread_ms("keepalive", rtt),
+        "beats_per_agent_per_s": _beat_rates(beats_per_s),
         "writer_scan_every_s": scan_every,
         "writer_scan_median_ms": _ms(statistics.median(scans)) if scans else None,
         "writer_scan_max_ms": _ms(max(scans, default=None)),
