@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -38,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from ftrun.agent.processes import die_with_parent, shared_worker_env
+from ftrun.agent.processes import die_with_parent, readable, shared_worker_env
 from ftrun.config import LaunchConfig
 
 _MAX_LINE = 1 << 16
@@ -173,8 +172,7 @@ class ForkServer:
     def _collect(self, timeout_s: float) -> bool:
         """Read what the server sent (exit notices are kept, replies queued). False when the
         server closed its end."""
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
-        if not ready:
+        if not readable([self._sock.fileno()], timeout_s):
             return True
         try:
             data = self._sock.recv(_MAX_LINE)
@@ -245,7 +243,7 @@ class ForkedChild:
         return self.returncode
 
     def _exited(self) -> bool:
-        if self._pidfd >= 0 and not select.select([self._pidfd], [], [], 0)[0]:
+        if self._pidfd >= 0 and not readable([self._pidfd], 0.0):
             return False
         if self.exited_at is None:
             self.exited_at = time.time()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from ftrun.agent import etcdwriter
+from ftrun.agent import etcdwriter, fdlimit
 from ftrun.agent.events import Event, EventLog, WorkerExit
 from ftrun.agent.faults import FaultBook, explain_exits
 from ftrun.agent.forkserver import ForkServer
@@ -200,6 +200,7 @@ class Agent:
             self.events.close()
 
     def _run(self) -> int:
+        fdlimit.raise_for(self.config, self.say)  # before any store or worker starts
         if self.metrics is not None:
             assert self.config.metrics_port is not None
             try:

@@ -34,6 +34,7 @@ from typing import IO, Any, Protocol
 
 import psutil
 
+from ftrun.agent import fdlimit
 from ftrun.agent.stacks import stack_source
 from ftrun.config import LaunchConfig, Std
 
@@ -61,10 +62,13 @@ class WorkerLaunch:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: SIGKILL us when the agent dies."""
+    """Runs in the child between fork and exec: SIGKILL us when the agent dies, and the
+    open-file limit the agent was started with (ftrun.agent.fdlimit: the agent's own may
+    have been raised for the stores it serves)."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect
         os._exit(1)
+    fdlimit.restore_in_child()
 
 
 class Child(Protocol):
@@ -226,6 +230,21 @@ def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std,
                 handle.close()
 
 
+def readable(fds: Sequence[int], timeout_s: float) -> list[int]:
+    """The fds of ``fds`` that are readable (or hung up) within ``timeout_s``; [] when
+    interrupted by a signal. ``poll``, not ``select``: an agent that serves a large job's
+    stores holds thousands of descriptors, and ``select`` refuses any numbered 1024 or
+    above (the leader crashed spawning a worker whose pidfd got such a number)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    try:
+        events = poller.poll(max(timeout_s, 0.0) * 1000.0)
+    except InterruptedError:
+        return []
+    return [fd for fd, _ in events]
+
+
 def wait_any(
     workers: Iterable[WorkerProcess], timeout_s: float, extra_fds: Sequence[int] = ()
 ) -> list[int]:
@@ -235,14 +254,11 @@ def wait_any(
     """
     live = [w for w in workers if w.returncode is None and w.pidfd >= 0]
     fds = [w.pidfd for w in live] + list(extra_fds)
-    try:
-        readable, _, _ = select.select(fds, [], [], max(timeout_s, 0.0))
-    except InterruptedError:
-        readable = []
+    ready = readable(fds, timeout_s)
     for worker in live:
-        if worker.pidfd in readable:
+        if worker.pidfd in ready:
             worker.poll()
-    return [fd for fd in readable if fd in extra_fds]
+    return [fd for fd in ready if fd in extra_fds]
 
 
 def stop(workers: Sequence[WorkerProcess], sig: int, grace_s: float) -> None:

@@ -1,0 +1,96 @@
+"""An agent with thousands of descriptors: what the store host of a large job holds.
+
+The agent that serves a multi-node job's stores holds about eight descriptors per other
+node plus one per remote worker (ftrun/agent/fdlimit.py), so at about 150 nodes of eight
+workers its new descriptors are numbered above 1023. Two things must hold then, checked
+here with real agents and workers:
+
+* its watch loop still sees its workers: ``select`` refuses any descriptor numbered 1024
+  or above, and the agent crashed ("filedescriptor out of range in select()", exit 70) as
+  soon as a worker's pidfd got such a number; it now uses ``poll``;
+* a multi-node agent raises its own soft open-file limit to the hard one, and says so
+  when even that is too small for the job's largest size, while its workers keep the
+  limit the agent was started with (as under torchrun).
+
+A real store host with 1,100 connections is more than this machine spares for a test; the
+agent is instead started with 1,100 inherited descriptors, which puts every descriptor it
+opens after them above 1023, the same numbers a large job's store host gives out.
+"""
+
+from __future__ import annotations
+
+import resource
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.launch import launcher
+
+_FILLER = 1100  # inherited descriptors: the agent's own are numbered above them
+_WORKER = """\
+import os, resource
+from pathlib import Path
+parent = Path(f"/proc/{os.getppid()}/limits").read_text()
+line = next(x for x in parent.splitlines() if x.startswith("Max open files"))
+print("nofile worker", *resource.getrlimit(resource.RLIMIT_NOFILE),
+      "parent", *line.split()[3:5], flush=True)
+command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(bytes(1))
+print("parent command", *(part.decode() for part in command[:4]), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("spawn", ["exec", "fork-server"])
+def test_an_agent_with_descriptors_above_1023_watches_its_workers(
+        job_dir: Path, spawn: str) -> None:
+    """Both ways a worker is started (exec, or forked by the fork server of ``--preload``):
+    the job ends 0 and the worker's line is printed, by a worker of the way asked for.
+    Before ``poll``, both exited 70."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < _FILLER + 200:
+        pytest.skip(f"the open-file limit here ({soft}) leaves no room for {_FILLER} more")
+    script = job_dir / "worker.py"
+    script.write_text(_WORKER)
+    preload = ["--preload", "json"] if spawn == "fork-server" else []
+    filler = [open("/dev/null", "rb") for _ in range(_FILLER)]  # noqa: SIM115
+    try:
+        done = subprocess.run(
+            [launcher(), "--nproc-per-node", "1", *preload, str(script)],
+            pass_fds=[f.fileno() for f in filler], capture_output=True, text=True,
+            cwd=job_dir, timeout=120)
+    finally:
+        for handle in filler:
+            handle.close()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "nofile worker" in done.stdout, done.stdout + done.stderr
+    forked = "ftrun.zygote" in done.stdout  # the worker's parent: the fork server
+    assert forked == (spawn == "fork-server"), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("nnodes", "warned"), [("1:1000", True), ("1:2", False)])
+def test_a_multinode_agent_raises_its_open_file_limit_but_not_its_workers(
+        job_dir: Path, nnodes: str, warned: bool) -> None:
+    """Started with a soft limit of 512 and a hard one of 4096: the agent (the worker's
+    parent) runs with 4096, the worker with 512. A job that may grow to 1,000 nodes needs
+    about 9,256 descriptors on its store host, so the agent says the limit is too small;
+    one of at most 2 nodes does not hear that."""
+    script = job_dir / "worker.py"
+    script.write_text(_WORKER)
+    done = subprocess.run(
+        [launcher(), "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-conf",
+         "last_call_timeout=1", str(script)],
+        capture_output=True, text=True, cwd=job_dir, timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, 4096)))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "nofile worker 512 4096 parent 4096 4096" in done.stdout, output
+    said = "the open-file limit (4096, the hard limit) is below" in output
+    assert said == warned, output
