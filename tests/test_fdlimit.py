@@ -1,7 +1,7 @@
 """An agent with thousands of descriptors: what the store host of a large job holds.
 
 The agent that serves a multi-node job's stores holds about eight descriptors per other
-node plus one per remote worker (ftrun/agent/fdlimit.py), so at about 150 nodes of eight
+node plus one per remote worker (ftrun/agent/fdlimit.py), so at about 70 nodes of eight
 workers its new descriptors are numbered above 1023. Two things must hold then, checked
 here with real agents and workers:
 

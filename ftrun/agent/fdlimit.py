@@ -4,7 +4,7 @@ The agent that serves a multi-node job's stores (the c10d leader, the etcd-v3 wr
 holds about ``PER_NODE_FDS`` descriptors for every other node (its control-store
 clients, the presence connection) and one more for each of that node's workers (their
 member beats). A soft limit of 1024, the default of many distributions and of anything
-systemd starts, is spent at about a hundred nodes of eight workers: ``accept`` fails with
+systemd starts, is spent at about 70 nodes of eight workers (15 each): ``accept`` fails with
 EMFILE, and the other agents see a store that refuses them or never answers, which looks
 like a lost host. So a multi-node agent raises its own soft limit to its hard limit at
 start, as servers do (etcd does; Go's runtime does it for every program), and says so
