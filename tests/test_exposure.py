@@ -17,6 +17,7 @@ import ipaddress
 import os
 import signal
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,31 @@ def test_serve_store_listens_on_the_address_it_is_given() -> None:
     # a name that is not this host's and no --local-addr: every interface (the agent warns)
     assert store_bind_address(single_node=False, rdzv_host="192.0.2.254",
                               local_addr=None) is None
+
+
+_REPLICA_SERVER = """\
+import sys
+from pathlib import Path
+from ftrun.agent.snapshots import NodeSnapshots
+snapshots = NodeSnapshots("exposure", sys.argv[1], Path(sys.argv[2]), serve=True)
+assert snapshots.server is not None, snapshots.error
+print(*snapshots.server._server.server_address[:2], flush=True)
+snapshots.close()
+"""
+
+
+def test_netns_replica_server_listens_on_the_nodes_address(
+        tmp_path: Path, infra_leak_check, netns_network) -> None:  # type: ignore[no-untyped-def]
+    """A multi-node regroup job's snapshot replica server, with no ``--local-addr``,
+    listens where its host name resolves (h1's address; before, on every interface),
+    and on loopback when the name is loopback; each a real server in the namespace."""
+    h1 = netns_network["h1"]
+    for name, expected in ((h1.addr, h1.addr), ("127.0.0.1", "127.0.0.1")):
+        done = h1.run([sys.executable, "-c", _REPLICA_SERVER, name, str(tmp_path)],
+                      env={**os.environ, "FTRUN_JOB_TOKEN": TOKEN}, timeout=60)
+        assert done.returncode == 0, done.stderr
+        address, port = done.stdout.split()
+        assert address == expected and int(port) > 0, (name, done.stdout)
 
 
 def test_netns_single_node_stores_are_loopback_only_while_a_multinode_job_works(

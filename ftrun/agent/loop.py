@@ -119,8 +119,7 @@ class Agent:
         # on several nodes (in-process recovery) its replica server too (buddy copies).
         serve = not config.is_single_node and config.recovery is not Recovery.RESTART
         self.snapshots = NodeSnapshots(self.run_id, self.hostname,
-                                       serve_on=(config.local_addr or "") if serve else None,
-                                       advertise=config.local_addr)
+                                       serve=serve, advertise=config.local_addr)
         if self.snapshots.error:
             self.say(self.snapshots.error, style="yellow")
         if self.metrics is not None and self.snapshots.path is not None:

@@ -23,16 +23,20 @@ import shutil
 from pathlib import Path
 
 from ftrun.control.auth import Signer, TokenError, load_secret
+from ftrun.hostnet import store_bind_address
 from ftrun.snapshot import memory, replica
 
 
 class NodeSnapshots:
     """This agent's snapshot directory (created at start, removed at exit) and, with
-    ``serve_on`` (the address to listen on, "" for every interface; ``advertise``: the
-    name other nodes reach it by), the replica server."""
+    ``serve``, the replica server. It is reached by ``advertise`` (``--local-addr``; else
+    ``host``, the host name) and listens on the address that name resolves to here, as the
+    stores do (``ftrun.hostnet.store_bind_address``): on every interface only when that is
+    loopback or not an address of this node (a Debian ``127.0.1.1 hostname`` line: the
+    others resolve the name to another address)."""
 
     def __init__(self, run_id: str, host: str, root: Path = memory.ROOT, *,
-                 serve_on: str | None = None, advertise: str | None = None) -> None:
+                 serve: bool = False, advertise: str | None = None) -> None:
         self.path: Path | None = None
         self.error: str | None = None
         self.server: replica.ReplicaServer | None = None
@@ -44,8 +48,10 @@ class NodeSnapshots:
         except OSError as error:  # no /dev/shm: sharded recovery is unavailable, say why
             self.error = f"cannot create the snapshot memory in {root}: {error}"
             return
-        if serve_on is None:
+        if not serve:
             return
+        serve_on = store_bind_address(single_node=False, rdzv_host=self._advertise,
+                                      local_addr=advertise) or ""
         try:
             self.server = replica.ReplicaServer(self.path, run_id, Signer(load_secret()),
                                                 serve_on, cap=memory.cap_bytes())
