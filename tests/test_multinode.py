@@ -9,6 +9,7 @@ deadline; the machine these run on has two cores.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ import pytest
 
 from ftrun.cli import config_from_args
 from ftrun.config import ConfigError
-from ftrun.control.auth import Signer
+from ftrun.control.auth import AuthError, Signer
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.control.store import JsonStore, connect_store, serve_store
 from tests.launch import REPO, Launch, copy_train_script, launcher, wait_until
@@ -99,6 +100,44 @@ def test_signed_records_first_valid_wins_and_bind_their_key(store) -> None:  # t
     plain.set_record("latest", {"number": 4})
     assert plain.get_record("latest") == {"number": 4}
     assert JsonStore(store, "ftrun/other", signer=Signer(b"x")).get_record("latest") is None
+
+
+def test_a_stored_record_is_checked_on_its_bytes_and_anything_else_the_long_way() -> None:
+    """``Signer.unwrap_line``: a record as ``line`` stores it verifies on its bytes; the
+    same body signed but stored in another JSON form still verifies (through ``unwrap``);
+    a changed body, a record of another key, or another job's MAC does not."""
+    signer = Signer(TOKEN.encode())
+    body = {"beats": 12, "steps": 3, "note": "caf\u00e9 \u2713", "nested": {"a": [1, 2]}}
+    stored = signer.line("ftrun/x/status/0.1", body).encode()
+    assert signer.unwrap_line("ftrun/x/status/0.1", stored) == body
+    spaced = json.dumps(signer.wrap("ftrun/x/status/0.1", body), indent=1).encode()
+    assert signer.unwrap_line("ftrun/x/status/0.1", spaced) == body
+    changed = stored.replace(b'"beats":12', b'"beats":99')
+    assert changed != stored
+    for key, raw, why in (("ftrun/x/status/0.1", changed, "bad MAC"),
+                          ("ftrun/x/status/0.2", stored, "bad MAC"),
+                          ("ftrun/x/status/0.1",
+                           Signer(b"guess").line("ftrun/x/status/0.1", body).encode(),
+                           "bad MAC")):
+        with pytest.raises(AuthError, match=why):
+            signer.unwrap_line(key, raw)
+
+
+def test_long_key_lists_are_read_in_parts_in_order(store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``check`` and ``multi_get`` of more keys than ``KEYS_PER_REQUEST`` (one request of
+    thousands of keys costs torch's store time that grows faster than their number): every
+    record comes back, in the order asked; a key missing from a later part is still seen
+    as missing (None), the others read."""
+    monkeypatch.setattr(JsonStore, "KEYS_PER_REQUEST", 3)
+    jstore = JsonStore(store, "ftrun/parts", signer=Signer(TOKEN.encode()))
+    names = [f"status/{i}" for i in range(11)]
+    jstore.set_records({n: {"i": i} for i, n in enumerate(names)})
+    assert jstore.read_records(names) == [{"i": i} for i in range(11)]
+    assert jstore.get_records(names[::-1]) == [{"i": i} for i in reversed(range(11))]
+    assert jstore.exist_all(names) and not jstore.exist_all([*names, "status/none"])
+    with_missing = [*names[:8], "status/none", *names[8:]]
+    assert jstore.get_records(with_missing) == [*({"i": i} for i in range(8)), None,
+                                                *({"i": i} for i in range(8, 11))]
 
 
 def test_heartbeat_monitor_uses_its_own_clock_and_ignores_replays(store) -> None:  # type: ignore[no-untyped-def]

@@ -382,8 +382,8 @@ class JsonStore:
         if not names:
             return []
         keys = [self.key(n) for n in names]
-        if self._call("check", keys):
-            values = self._call("multi_get", keys)
+        if self._check(keys):
+            values = self._multi_get(keys)
             if seen is None:
                 return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
             found: list[dict[str, Any] | None] = []
@@ -397,15 +397,31 @@ class JsonStore:
 
     def exist_all(self, names: list[str]) -> bool:
         """Whether every one of these keys exists (one round trip)."""
-        return not names or bool(self._call("check", [self.key(n) for n in names]))
+        return self._check([self.key(n) for n in names])
 
     def read_records(self, names: list[str]) -> list[dict[str, Any] | None]:
         """:meth:`set_record` records of keys known to exist, in one ``multi_get`` (torch's
         ``multi_get`` waits for a missing key, so callers check first)."""
         if not names:
             return []
-        values = self._call("multi_get", [self.key(n) for n in names])
+        values = self._multi_get([self.key(n) for n in names])
         return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
+
+    #: Keys per ``check`` or ``multi_get`` request. torch's TCPStore answers one request of
+    #: n keys in time that grows faster than n: 4,096 keys took 0.136 s in one request and
+    #: 0.011 s in requests of 512, 32,768 keys 2.7 s against 0.12 s (status records of
+    #: 140 bytes on loopback); a leader reads every node's heartbeat and every member's
+    #: status each tick (scripts/bench_member_statuses.py).
+    KEYS_PER_REQUEST = 512
+
+    def _check(self, keys: list[str]) -> bool:
+        step = self.KEYS_PER_REQUEST
+        return all(self._call("check", keys[i:i + step]) for i in range(0, len(keys), step))
+
+    def _multi_get(self, keys: list[str]) -> list[bytes]:
+        step = self.KEYS_PER_REQUEST
+        return [value for i in range(0, len(keys), step)
+                for value in self._call("multi_get", keys[i:i + step])]
 
     def present_records(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
         """Name -> record (None when invalid) for those of ``names`` that exist.
@@ -482,7 +498,7 @@ class JsonStore:
 
     def check_record(self, name: str, raw: bytes) -> dict[str, Any] | None:
         try:
-            return self.signer.unwrap(self.key(name), json.loads(raw))
+            return self.signer.unwrap_line(self.key(name), raw)
         except (AuthError, UnicodeDecodeError, json.JSONDecodeError) as error:
             self._reject(name, str(error))
             return None
