@@ -31,10 +31,10 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   (``/v3/kv/put``), then a ``/v3/lease/keepalive`` every ``interval`` (one in flight; a
   lease found expired is granted and put again); plus the presence connection, and (unless
   ``end_watch`` is off, for agents below ``end_watch_below``) the EndWatcher's client on a
-  connection of its own as ``EtcdClient.wait`` makes it: each slice a read of
-  ``gen/<N>/end``, then a watch stream (``/v3/watch``) from the revision after it, which
-  the slice's read timeout ends by closing the connection (the next slice's read is on a
-  new one); an event ends the wait and the appended end record is read and verified.
+  connection of its own as ``EtcdClient.wait`` makes it: a read of ``gen/<N>/end``, then
+  each slice a watch stream (``/v3/watch``) from the revision after that read (no read
+  again: ``etcdwire.MissedAt``), which the gateway ends at the slice's deadline; an event
+  ends the wait and the appended end record is read and verified.
 * **rendezvous** (``join`` command, :class:`ftrun.control.rendezvous.DynamicRendezvous`):
   the signed slot appended to ``gen/<N>/slots`` (one ``append``), then torch's ``get`` of
   the node's own assignment ``gen/<N>/as/<node id>`` (a ``wait`` in slices of
@@ -43,9 +43,10 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   ``ftrun.control.etcd.EtcdClient`` does it over a main HTTP connection of the agent's
   own: the slot as a part key of its own (one put), a read of the assignment's range, a
   watch stream from the revision after it (ended by closing the connection), the value
-  from the watch's event when it holds it whole (``etcdwire.watched_value``), else a read
-  on a new connection; a slice without it: a ``check`` of ``gen/<N>`` and the read again;
-  plus the lease beat on a second connection unless ``heartbeats`` is off.
+  from the watch's event when it holds it whole and is not replayed (``etcdwire.
+  WaitStream``), else a read on a new connection; a slice without it: a ``check`` of
+  ``gen/<N>`` and the next slice's watch from the same revision with no read (``etcdwire.
+  MissedAt``); plus the lease beat on a second connection unless ``heartbeats`` is off.
 
 The wire protocol is torch 2.13's TCPStore protocol, read from torch's client for the
 design and checked here by capturing what torch's own client sends (tests/
@@ -87,7 +88,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftrun.control.assignments import Assignment, NodeSlot
 from ftrun.control.auth import Signer
-from ftrun.control.etcdwire import PART, PARTS_END, b64, deadline_error, span, watched_value
+from ftrun.control.etcdwire import (
+    PART,
+    PARTS_END,
+    MissedAt,
+    WaitStream,
+    b64,
+    deadline_error,
+    span,
+)
 from ftrun.control.etcdwire import joined as joined_value
 from ftrun.control.presence import presence_key
 
@@ -682,6 +691,10 @@ class Agent:
         self.frozen = False
         self.wait_no = 0
         self.waiting = False  # an end wait (or an assignment wait) is held
+        # etcd-v3 waits, as EtcdClient's: where the last read found the key missing (the
+        # next slice watches from there with no read), and what the slice's watch said
+        self.missed = MissedAt()
+        self.wait_stream = WaitStream(b"", False)
         self.cancelling = False
         self.fired = 0.0  # when the end wait came back with the key
         self.end_seen = 0.0  # when the verified end record was in hand
@@ -857,11 +870,16 @@ class Agent:
     # the end watch on etcd-v3 (EndWatcher over EtcdClient.wait: ftrun/control/endwatch.py)
     def _ew_live(self) -> None:
         """Each wait: a read of the end key; if missing, a watch from the revision after
-        it, which the slice's read timeout ends by closing the connection (the next wait
-        is on a new one, as the real client's is)."""
+        it, which the gateway ends at the slice's deadline; the next slice's watch from the
+        same revision with no read (``EtcdClient``'s ``etcdwire.MissedAt``)."""
         if self.frozen or self.end_seen or self.ewc is None:
             return
-        self.ewc.post("/kv/range", span(self._ekey(self.gen.end_name)), self._ew_range)
+        ekey = self._ekey(self.gen.end_name)
+        revision = self.missed.since(ekey, 0, self.gen.loop.now)
+        if revision is not None:
+            self._ew_watch(revision, True)
+            return
+        self.ewc.post("/kv/range", span(ekey), self._ew_range)
 
     def _ew_range(self, answer: dict[str, Any]) -> None:
         gen, conn = self.gen, self.ewc
@@ -877,8 +895,15 @@ class Agent:
                 gen.loop.at(gen.loop.now + gen.slice_s, self._ew_live)  # a forged end only
             return
         revision = int((answer.get("header") or {}).get("revision", 0))
+        self.missed.hold(self._ekey(gen.end_name), revision, 0, gen.loop.now)
+        self._ew_watch(revision, False)
+
+    def _ew_watch(self, revision: int, replay: bool) -> None:
+        gen, conn = self.gen, self.ewc
+        assert conn is not None
         ekey = self._ekey(gen.end_name)
         self.wait_no += 1
+        self.wait_stream = WaitStream(ekey, replay)
         conn.stream("/watch", {"create_request": {
             "key": b64(ekey), "range_end": b64(ekey + PARTS_END),
             "start_revision": revision + 1}}, self._ew_event, gen.slice_s, self._ew_ended)
@@ -893,17 +918,20 @@ class Agent:
         if self.frozen or self.end_seen:
             return
         self.wait_no += 1
+        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
         if gen.in_window(gen.loop.now) and self.ewc is not None:
             gen.count("endwatch.watch.timeout", 0)
             gen.wait_overrun_s.append(gen.loop.now - self.ewc.sent_at - gen.slice_s)
         self._ew_live()
 
     def _ew_event(self, result: dict[str, Any]) -> None:
-        if not (result.get("events") or result.get("canceled")) or self.frozen:
+        if self.frozen or not self.wait_stream.take({"result": result})[0]:
             return
         assert self.ewc is not None
-        self.wait_no += 1  # this wait is over
-        self.fired = self.fired or self.gen.loop.now
+        self.wait_no += 1  # this wait is over: written (or canceled: compacted), read it
+        self.missed.forget(self.wait_stream.ekey)
+        if result.get("events"):
+            self.fired = self.fired or self.gen.loop.now
         self.ewc.close()
         self.ewc.open()  # the end record is appended: read it on a new connection
 
@@ -912,6 +940,7 @@ class Agent:
         if conn is None or number != self.wait_no or self.frozen or self.end_seen:
             return
         self.wait_no += 1
+        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
         if self.gen.in_window(self.gen.loop.now):
             self.gen.count("endwatch.watch.timeout", 0)
             self.gen.wait_overrun_s.append(self.gen.loop.now - conn.sent_at - self.gen.slice_s)
@@ -919,11 +948,13 @@ class Agent:
         conn.open()
 
     def _ew_failed(self, why: str) -> None:
-        """As the EndWatcher after a failed request: a new connection a slice later."""
+        """As the EndWatcher after a failed request: a new connection (a new client, which
+        reads first) a slice later."""
         conn = self.ewc
         if conn is None or self.frozen or self.end_seen:
             return
         self.wait_no += 1
+        self.missed.forget(self.wait_stream.ekey)
         conn.close()
         self.gen.loop.at(self.gen.loop.now + self.gen.slice_s, conn.open)
 
@@ -976,10 +1007,21 @@ class Agent:
 
     def read_assignment_etcd(self) -> None:
         """torch's ``get`` as ``EtcdClient.get`` does it: a read; if the key is missing, a
-        watch from the revision after the read."""
+        watch from the revision after the read; where the last slice's read found it
+        missing, the watch from that revision with no read (``etcdwire.MissedAt``)."""
         if self.joined is not None:
             return
-        self._request("/kv/range", self._span(), self._etcd_read)
+        assert self.jc is not None
+        revision = self.missed.since(self._assignment_ekey(), 0, self.gen.loop.now)
+        if revision is None:
+            self._request("/kv/range", self._span(), self._etcd_read)
+        elif not self.jc.live:  # closed meanwhile: made again once reconnected
+            self._reconnect(self.read_assignment_etcd)
+        else:
+            self._etcd_watch(revision, True)
+
+    def _assignment_ekey(self) -> bytes:
+        return self._ekey(f"gen/{self.gen.number}/as/{self.node_id}")
 
     def _etcd_read(self, answer: dict[str, Any]) -> None:
         kvs = answer.get("kvs") or []
@@ -988,15 +1030,21 @@ class Agent:
             raw = joined_value(kvs)
             self._take_assignment(raw, self.read_assignment_etcd)
             return
+        revision = int((answer.get("header") or {}).get("revision", 0))
+        self.missed.hold(self._assignment_ekey(), revision, 0, self.gen.loop.now)
+        self._etcd_watch(revision, False)
+
+    def _etcd_watch(self, revision: int, replay: bool) -> None:
+        """The slice's watch of the assignment from the revision after ``revision``."""
         if time.time() > self.gen.deadline:
             self.joined = "timed out waiting for the assignment"
             return
-        revision = int((answer.get("header") or {}).get("revision", 0))
         span = self._span()
         assert self.jc is not None
         self.step = None
         self.wait_no += 1
         self.waiting = True
+        self.wait_stream = WaitStream(self._assignment_ekey(), replay)
         self.jc.stream("/watch", {"create_request": {
             "key": span["key"], "range_end": span["range_end"],
             "start_revision": revision + 1}}, self._etcd_watched, WAIT_SLICE_S,
@@ -1009,13 +1057,16 @@ class Agent:
         """A message of the watch: ``created`` alone goes on waiting; an event (or a
         cancel) ends the wait, and the connection with it (a stream is ended only by
         closing it: the real client's next request makes a new connection). The value is
-        taken from the event when it tells it whole (``EtcdClient.get`` through
-        ``etcdwire.watched_value``), else read again on a new connection."""
-        if not (result.get("events") or result.get("canceled")) or not self.waiting:
+        taken from the event when it tells it whole and is not a replayed one
+        (``EtcdClient.get`` through ``etcdwire.WaitStream``), else read again on a new
+        connection."""
+        if not self.waiting:
+            return
+        over, value = self.wait_stream.take({"result": result})
+        if not over:
             return
         self._end_watch()
-        value = watched_value(self._ekey(f"gen/{self.gen.number}/as/{self.node_id}"),
-                              result.get("events") or [])
+        self.missed.forget(self.wait_stream.ekey)
         if value is not None:  # the leader's put, whole in the event: no second read
             self.gen.count("rdzv.assignment from the watch event", 0)
             self._take_assignment(value, lambda: self._reconnect(self.read_assignment_etcd))
@@ -1029,6 +1080,7 @@ class Agent:
             return
         self.waiting = False
         self.wait_no += 1
+        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
         self._request("/kv/txn", self._gen_check(), lambda a: self.read_assignment_etcd())
 
     def _gen_check(self) -> dict[str, Any]:
@@ -1042,6 +1094,7 @@ class Agent:
         read again."""
         if number != self.wait_no or not self.waiting or self.joined is not None:
             return
+        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
         self._end_watch()
         self._reconnect(lambda: self._request("/kv/txn", self._gen_check(),
                                               lambda a: self.read_assignment_etcd()))
@@ -1076,6 +1129,7 @@ class Agent:
             return
         step = self.step if self.step is not None else self.read_assignment_etcd
         self.waiting = False
+        self.missed.forget(self._assignment_ekey())  # a new client (JsonStore's) reads first
         if time.time() > self.gen.deadline:
             self.joined = f"etcd request failed: {why}"[:200]
             return

@@ -491,3 +491,70 @@ def test_the_load_generators_harness_keeps_early_events_and_tells_failures_from_
                                        "ids": [0, 1], "end_watch_below": below})
         generator.loop.sel.close()
         assert [a.ew is not None for a in generator.agents] == watching, below
+
+
+@pytest.mark.skipif(etcd_missing_reason() is not None, reason=etcd_missing_reason() or "")
+def test_a_renewed_etcd_wait_costs_no_read_and_misses_no_write() -> None:
+    """A wait in slices (the rendezvous's) on etcd-v3: the first slice reads the key, the
+    next ones only watch from the revision that read found it missing at (etcd's count of
+    Range calls does not move). A write made while no watch is open, between two slices,
+    is seen by the next one, and as what the key holds then (two sets: the second; a set
+    then a delete: still missing); a put while a renewed watch is open is taken from its
+    event with no read; a compacted revision, another endpoint, or a key last read more
+    than ``MissedAt``'s ``max_lag`` revisions before the store's is read again."""
+    ranges = 'grpc_server_handled_total{grpc_code="OK",grpc_method="Range"'
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(f"{endpoint},{endpoint}", {})  # one member, twice
+        reader, writer = (connect_etcd(options, 10, op_timeout_s=5) for _ in range(2))
+
+        def reads_in(step: Callable[[], object]) -> tuple[object, float]:
+            before = _etcd_metric(endpoint, ranges)
+            result = step()
+            return result, _etcd_metric(endpoint, ranges) - before
+
+        def slice_(key: str) -> bool:  # one slice: whether the key exists
+            try:
+                reader.wait([key], timedelta(seconds=0.3))
+                return True
+            except RuntimeError as error:
+                assert "wait timeout after" in str(error), error
+                return False
+        assert reads_in(lambda: slice_("as/a")) == (False, 1)
+        assert reads_in(lambda: [slice_("as/a") for _ in range(3)]) == ([False] * 3, 0)
+        writer.set("as/a", "first")  # between two slices, with no watch open
+        writer.set("as/a", "second")
+        reader.set_timeout(timedelta(seconds=5))
+        started = time.monotonic()
+        assert reader.get("as/a") == b"second" and time.monotonic() - started < 2.0
+        assert slice_("as/b") is False  # put and deleted between slices: still missing
+        writer.set("as/b", "gone")
+        writer.delete_key("as/b")
+        assert reads_in(lambda: slice_("as/b")) == (False, 1)  # the replayed put: read
+        assert reads_in(lambda: slice_("as/b")) == (False, 0)  # from the new read on
+
+        watchers = _etcd_metric(endpoint, "etcd_debugging_mvcc_watcher_total")
+
+        def put_once_watched() -> None:  # only once the renewed watch is in place
+            _until(lambda: _etcd_metric(endpoint, "etcd_debugging_mvcc_watcher_total")
+                   > watchers, 10)
+            writer.multi_set(["as/b"], ["live"])
+        timer = threading.Thread(target=put_once_watched)
+        timer.start()
+        assert reads_in(lambda: reader.get("as/b")) == (b"live", 0)
+        timer.join()
+
+        assert slice_("as/c") is False and slice_("as/d") is False
+        writer.set("as/d", "before the compaction")
+        writer.set("other", "moves the revision on: as/c's watch would start before it")
+        revision = writer.range_prefix("as/")[1]
+        writer._post("/kv/compaction", {"revision": str(revision), "physical": True})
+        assert reads_in(lambda: slice_("as/c")) == (False, 1)  # canceled: read again
+        assert reads_in(lambda: slice_("as/d")) == (True, 1)
+        assert reads_in(lambda: slice_("as/c")) == (False, 0)
+        reader._current = 1  # failed over to the other endpoint: read there first
+        assert reads_in(lambda: slice_("as/c")) == (False, 1)
+        for i in range(300):  # a busy store: etcd would replay all of it, read again
+            writer._post("/kv/put", {"key": writer._key(f"busy/{i}"), "value": "eA=="})
+        assert reads_in(lambda: slice_("as/c")) == (False, 0)  # its watch saw the store
+        assert reads_in(lambda: slice_("as/c")) == (False, 1)
+        assert reads_in(lambda: slice_("as/c")) == (False, 0)

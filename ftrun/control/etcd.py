@@ -19,7 +19,7 @@ rendezvous, heartbeats, end watches) run unchanged on etcd:
 * ``check`` and ``multi_get`` are one transaction each (one round trip for many keys);
 * ``wait`` (and ``get`` of a missing key, which waits as torch's does) is a watch from the
   revision just after the read that found the key missing, so no write is missed, bounded
-  by the timeout;
+  by the timeout; the next wait of the key watches from there with no read (its slices);
 * every key lives under the job's key prefix (``etcd_prefix`` in ``--rdzv-conf``).
 
 The client is etcd3gw (etcd's v3 JSON gateway, ``/v3/`` on etcd 3.4+; the path is
@@ -89,8 +89,10 @@ class EtcdOptions:
         for part in (p.strip() for p in endpoint.split(",")):
             if not part:
                 continue
-            host, port = _split_host_port(part)
-            endpoints.append((host, port))
+            try:
+                endpoints.append(wire.host_port(part, DEFAULT_ETCD_PORT))
+            except ValueError as error:  # one line naming the value
+                raise EtcdConfigError(str(error)) from None
         if not endpoints:
             raise EtcdConfigError("--rdzv-endpoint: the etcd-v3 backend needs HOST[:PORT],... "
                                   "(the etcd cluster's client endpoints)")
@@ -117,23 +119,6 @@ class EtcdOptions:
 
     def describe(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
-
-
-def _split_host_port(part: str) -> tuple[str, int]:
-    if part.startswith("["):  # [v6]:port
-        host, _, rest = part[1:].partition("]")
-        port_text = rest.removeprefix(":")
-    elif part.count(":") == 1:
-        host, port_text = part.split(":")
-    else:
-        host, port_text = part, ""
-    if not host:
-        raise EtcdConfigError(f"--rdzv-endpoint {part!r}: no host")
-    if not port_text:
-        return host, DEFAULT_ETCD_PORT
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise EtcdConfigError(f"--rdzv-endpoint {part!r}: the port is not in 1..65535")
-    return host, int(port_text)
 
 
 class _Session(requests.Session):
@@ -182,6 +167,7 @@ class EtcdClient:
         self._current = 0
         self._root = options.prefix.rstrip("/").encode() + b"/"
         self._appended = wire.AppendedReads()
+        self._missed = wire.MissedAt()  # a renewed wait's watch needs no read first
         self._helpers: list[EtcdClient] = []  # multi_set's other connections
 
     # --- torch's TCPStore surface ---------------------------------------------------------
@@ -213,12 +199,7 @@ class EtcdClient:
     def get(self, key: str) -> bytes:
         """The value; a missing key is waited for up to the timeout (as torch's ``get``)."""
         wait_s = self._get_wait_s if self._get_wait_s is not None else self._timeout_s
-        deadline = time.monotonic() + wait_s
-        while True:  # a missing key: the value the watch saw written, when it tells it whole
-            found, revision = self._range(key)
-            found = found if found is not None else self._watch_create(key, revision, deadline)
-            if found is not None:
-                return found
+        return self._until_written(key, time.monotonic() + wait_s)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists (a value or an appended part), in one transaction per
@@ -314,13 +295,10 @@ class EtcdClient:
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists; RuntimeError('wait timeout after ...') on timeout."""
-        limit = timeout.total_seconds() if timeout is not None else self._timeout_s
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None
+                                       else self._timeout_s)
         for key in keys:
-            while True:
-                found, revision = self._range(key)
-                if found is not None or self._watch_create(key, revision, deadline):
-                    break
+            self._until_written(key, deadline)
 
     def delete_key(self, key: str) -> bool:
         result = self._post("/kv/deleterange", self._span(key))
@@ -487,11 +465,35 @@ class EtcdClient:
                 return new
         raise RuntimeError(f"etcd: key {key!r} changed under {_CAS_TRIES} tries of an update")
 
-    def _watch_create(self, key: str, revision: int, deadline: float) -> bytes | None:
+    def _until_written(self, key: str, deadline: float) -> bytes:
+        """The key's value once it exists: a read, and while it is missing a watch from the
+        revision after it; no read where the last wait found it missing (``etcdwire.
+        MissedAt``: a fact that no failure undoes). RuntimeError('wait timeout after ...')
+        at the deadline; other RuntimeErrors as the requests'."""
+        ekey = self._root + key.encode()
+        while True:
+            revision = self._missed.since(ekey, self._current, time.monotonic())
+            stream = wire.WaitStream(ekey, replay=revision is not None)
+            if revision is None:
+                found, revision = self._range(key)
+                if found is not None:
+                    return found
+                self._missed.hold(ekey, revision, self._current, time.monotonic())
+            try:
+                found = self._watch_create(key, revision, deadline, stream)
+            except RuntimeError:  # a timeout: kept unless the store moved far on
+                self._missed.moved(ekey, stream.created)
+                raise
+            self._missed.forget(ekey)  # written, canceled (compacted) or failed over: read
+            if found is not None:
+                return found
+
+    def _watch_create(self, key: str, revision: int, deadline: float,
+                      stream: wire.WaitStream) -> bytes | None:
         """Return once ``key`` is written after ``revision`` (or something else happened to
         it: the caller reads again): the key's value when the watch's event tells it whole
-        (``etcdwire.watched_value``: the caller found the key missing at ``revision``), else
-        None; RuntimeError('wait timeout after ...') at the deadline.
+        (``stream``: ``etcdwire.WaitStream`` says when), else None;
+        RuntimeError('wait timeout after ...') at the deadline.
 
         The watch stream (the gateway's ``/watch``, at the URL etcd3gw discovered) is read
         in the calling thread until its first event: one stream per waiting client and no
@@ -506,7 +508,7 @@ class EtcdClient:
         span = self._span(key)
         request = {"create_request": {"key": span["key"], "range_end": span["range_end"],
                                       "start_revision": revision + 1}}
-        pending, ended = b"", False  # ended: the gateway ended it at its Grpc-Timeout
+        pending = b""
         try:
             with client.session.post(client.get_url("/watch"), json=request, stream=True,
                                      headers={"Grpc-Timeout": f"{max(1, int(left * 1000))}m"},
@@ -517,12 +519,9 @@ class EtcdClient:
                 for chunk in chain(response.iter_content(chunk_size=None), [b"\n"]):
                     *lines, pending = (pending + chunk).split(b"\n")  # the last: no newline
                     for message in (json.loads(line) for line in lines if line.strip()):
-                        result = message.get("result") or {}
-                        if result.get("events"):  # written: its value, or None to read it
-                            return wire.watched_value(self._root + key.encode(), result["events"])
-                        if result.get("canceled"):
-                            return None  # the watch ended: the caller reads again
-                        ended = ended or wire.deadline_error(message)
+                        over, value = stream.take(message)  # written or canceled: over
+                        if over:
+                            return value
                     if time.monotonic() >= deadline + 0.5:  # messages but no end: bounded
                         break
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
@@ -531,7 +530,7 @@ class EtcdClient:
             if time.monotonic() < deadline - 0.05:
                 self._failed_over(f"watch: {wire.short(error)}")
                 return None
-        if not ended and time.monotonic() < deadline:
+        if not stream.ended and time.monotonic() < deadline:
             self._failed_over("watch: the stream ended")
             return None
         raise RuntimeError(f"wait timeout after {int(left * 1000)}ms (etcd key {key!r})")

@@ -19,6 +19,11 @@ Why the two reads (measured with ``scripts/bench_multinode.py --only rendezvous-
   value is the key's whole value at that revision (the range was empty before it), so the
   wait needs no second read on a new connection (a stream is ended only by closing its
   connection).
+* :class:`MissedAt` and :class:`WaitStream`: a wait in slices (the rendezvous's, 2 s) read
+  the key and made a watch every slice. The client keeps the revision at which its read
+  found the key missing, and the next slice's watch starts after it with no read: etcd
+  replays a write made between two slices as the watch's first event (which is then read:
+  it may have been undone since).
 
 No I/O here: the client (``etcd.py``) sends the requests these build and passes back what
 etcd answered.
@@ -79,6 +84,85 @@ def watched_value(ekey: bytes, events: list[dict[str, Any]]) -> bytes | None:
     if unb64(kv.get("key", "")) != ekey:
         return None
     return unb64(kv.get("value", ""))
+
+
+class WaitStream:
+    """One wait's watch stream, as its messages come (``EtcdClient._watch_create`` feeds it;
+    scripts/loadgen.py's etcd agents too): the watch of ``ekey``'s span from the revision
+    after one that found it missing. With ``replay`` that revision is one an earlier wait
+    kept (:class:`MissedAt`): an event at or before the store's revision when etcd made the
+    watch (its "created" answer) may predate this wait and have been undone since."""
+
+    def __init__(self, ekey: bytes, replay: bool) -> None:
+        self.ekey, self.replay = ekey, replay
+        self.created = 0  # the store's revision in the "created" answer (0: none yet)
+        self.ended = False  # the gateway ended the stream at its Grpc-Timeout
+
+    def take(self, message: dict[str, Any]) -> tuple[bool, bytes | None]:
+        """(over, value): over once the key was written or the watch canceled (a compacted
+        revision); value: the key's whole value when the event tells it
+        (:func:`watched_value`) and is not a replayed one, else None: the caller reads."""
+        result = message.get("result") or {}
+        if result.get("created"):
+            self.created = int((result.get("header") or {}).get("revision", 0))
+        events = result.get("events") or []
+        if events:
+            first = int((events[0].get("kv") or {}).get("mod_revision", 0))
+            if self.replay and (not self.created or first <= self.created):
+                return True, None
+            return True, watched_value(self.ekey, events)
+        if result.get("canceled"):
+            return True, None
+        self.ended = self.ended or deadline_error(message)
+        return False, None
+
+
+class MissedAt:
+    """Where a client's waits last found each key missing: the store's revision at that read
+    and the endpoint it was read from (at most ``keys`` keys, each for ``horizon_s``). The
+    next wait's watch starts from that revision + 1 without a read: etcd replays a write
+    made since, also one made while no watch was open (between two slices), as its first
+    event. A wait of a rendezvous costs etcd a watch per slice, not a read and a watch.
+
+    Why the bounds: etcd replays a watch from an old revision by scanning every write
+    since, holding its watch lock, which its writes take too (3.4's ``syncWatchers``; the
+    likely cause, not profiled, of what was seen without the lag bound: with 2,048 agents
+    renewing from the revisions of their offers, the leader's record came 6.7 and 7.9 s
+    after the last join in 2 of 3 runs, 1.8-3.5 s otherwise). So a key is read again once
+    a slice's watch saw the store ``max_lag`` revisions past it (a busy store: as without
+    this), or ``horizon_s`` after its read; a compacted revision cancels the watch (the
+    caller reads again). A revision is the whole cluster's, so it stays valid on another
+    member, but a failover also reads again (one read; a member of another cluster would
+    mislead the watch). Used by one thread, as the client."""
+
+    def __init__(self, horizon_s: float = 30.0, max_lag: int = 256, keys: int = 64) -> None:
+        self._held: OrderedDict[bytes, tuple[int, int, float]] = OrderedDict()
+        self._horizon_s, self._max_lag, self._keys = horizon_s, max_lag, keys
+
+    def since(self, ekey: bytes, endpoint: int, now: float) -> int | None:
+        """The revision ``ekey`` was missing at, read from ``endpoint`` within the horizon
+        before ``now``; None: read the key."""
+        held = self._held.get(ekey)
+        if held is None or held[1] != endpoint or now - held[2] > self._horizon_s:
+            self._held.pop(ekey, None)
+            return None
+        return held[0]
+
+    def hold(self, ekey: bytes, revision: int, endpoint: int, now: float) -> None:
+        self._held.pop(ekey, None)
+        self._held[ekey] = (revision, endpoint, now)
+        while len(self._held) > self._keys:
+            self._held.popitem(last=False)
+
+    def moved(self, ekey: bytes, revision: int) -> None:
+        """A slice's watch of ``ekey`` ended with no event, etcd's revision ``revision`` when
+        it made it (0: not known): read the key next time if that is past ``max_lag``."""
+        held = self._held.get(ekey)
+        if held is not None and (not revision or revision - held[0] > self._max_lag):
+            del self._held[ekey]
+
+    def forget(self, ekey: bytes) -> None:
+        self._held.pop(ekey, None)
 
 
 def deadline_error(message: dict[str, Any]) -> bool:
@@ -143,6 +227,25 @@ class AppendedReads:
 
     def forget(self, ekey: bytes) -> None:
         self._held.pop(ekey, None)
+
+
+def host_port(part: str, default_port: int) -> tuple[str, int]:
+    """``host``, ``host:port`` or ``[v6]:port`` as (host, port); ValueError naming ``part``
+    (``--rdzv-endpoint``'s words) when it has no host or a port out of 1..65535."""
+    if part.startswith("["):  # [v6]:port
+        host, _, rest = part[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif part.count(":") == 1:
+        host, port_text = part.split(":")
+    else:
+        host, port_text = part, ""
+    if not host:
+        raise ValueError(f"--rdzv-endpoint {part!r}: no host")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"--rdzv-endpoint {part!r}: the port is not in 1..65535")
+    return host, int(port_text)
 
 
 def short(error: BaseException) -> str:
