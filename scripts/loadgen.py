@@ -861,7 +861,7 @@ class Agent:
         for line in raw.split(b"\n"):
             if line.strip():
                 with contextlib.suppress(ValueError):
-                    gen.signer.unwrap(gen.prefix + gen.end_name, json.loads(line))
+                    gen.signer.unwrap_line(gen.prefix + gen.end_name, line)
                     self.end_seen = gen.loop.now
                     return True
         gen.count_error("endwatch.end record not valid")
@@ -1171,7 +1171,7 @@ class Agent:
         gen = self.gen
         name = f"gen/{gen.number}/as/{self.node_id}"
         try:
-            own = Assignment.from_json(gen.signer.unwrap(gen.prefix + name, json.loads(raw)))
+            own = Assignment.from_json(gen.signer.unwrap_line(gen.prefix + name, raw))
         except ValueError as error:  # AuthError, StoreValueError, JSONDecodeError
             gen.count_error(f"rdzv.ignored an assignment: {str(error)[:80]}")
             if time.time() > gen.deadline:
