@@ -48,11 +48,12 @@ def port_bind_error(port: int) -> OSError | None:
 LOOPBACK = "127.0.0.1"
 
 
-def local_bind_address(host: str) -> str | None:
-    """The first address ``host`` resolves to that can be bound on this machine, or None
-    (not an address of this machine, or a name that does not resolve)."""
+def local_bind_address(host: str, family: int = socket.AF_UNSPEC) -> str | None:
+    """The first address ``host`` resolves to (of ``family``, any by default) that can be
+    bound on this machine, or None (not an address of this machine, or a name that does
+    not resolve)."""
     try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        infos = socket.getaddrinfo(host, None, family, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError):
         return None
     for family, _, _, _, address in infos:

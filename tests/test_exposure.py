@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import shutil
 import signal
 import struct
 import sys
@@ -101,8 +102,9 @@ import sys
 from pathlib import Path
 from ftrun.agent.snapshots import NodeSnapshots
 snapshots = NodeSnapshots("exposure", sys.argv[1], Path(sys.argv[2]), serve=True)
-assert snapshots.server is not None, snapshots.error
+assert snapshots.server is not None, snapshots.warning
 print(*snapshots.server._server.server_address[:2], flush=True)
+print(snapshots.warning, flush=True)
 snapshots.close()
 """
 
@@ -110,15 +112,29 @@ snapshots.close()
 def test_netns_replica_server_listens_on_the_nodes_address(
         tmp_path: Path, infra_leak_check, netns_network) -> None:  # type: ignore[no-untyped-def]
     """A multi-node regroup job's snapshot replica server, with no ``--local-addr``,
-    listens where its host name resolves (h1's address; before, on every interface),
-    and on loopback when the name is loopback; each a real server in the namespace."""
+    listens where the node's host name resolves (before: on every interface), each a real
+    server in a namespace host whose own hosts file names it (``ip netns exec`` mounts
+    /etc/netns/NAME/hosts over /etc/hosts): a name for h1's address listens there; a name
+    on a Debian-style 127.0.1.1 line listens on every interface, and says so (the other
+    nodes resolve that name elsewhere); a loopback literal listens on loopback."""
     h1 = netns_network["h1"]
-    for name, expected in ((h1.addr, h1.addr), ("127.0.0.1", "127.0.0.1")):
-        done = h1.run([sys.executable, "-c", _REPLICA_SERVER, name, str(tmp_path)],
-                      env={**os.environ, "FTRUN_JOB_TOKEN": TOKEN}, timeout=60)
-        assert done.returncode == 0, done.stderr
-        address, port = done.stdout.split()
-        assert address == expected and int(port) > 0, (name, done.stdout)
+    etc = Path("/etc/netns") / h1.netns
+    etc.mkdir(parents=True, exist_ok=True)
+    try:
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{h1.addr} node-h1\n"
+                                   "127.0.1.1 node-deb\n")
+        for name, expected, warned in (("node-h1", h1.addr, False),
+                                       ("node-deb", "0.0.0.0", True),
+                                       ("127.0.0.1", "127.0.0.1", False)):
+            done = h1.run([sys.executable, "-c", _REPLICA_SERVER, name, str(tmp_path)],
+                          env={**os.environ, "FTRUN_JOB_TOKEN": TOKEN}, timeout=60)
+            assert done.returncode == 0, done.stderr
+            address, port = done.stdout.split()[:2]
+            assert address == expected and int(port) > 0, (name, done.stdout)
+            said = "served on every interface" in done.stdout
+            assert said == warned, (name, done.stdout)
+    finally:
+        shutil.rmtree(etc, ignore_errors=True)
 
 
 def test_netns_single_node_stores_are_loopback_only_while_a_multinode_job_works(

@@ -1,8 +1,8 @@
 """An agent with thousands of descriptors: what the store host of a large job holds.
 
 The agent that serves a multi-node job's stores holds about eight descriptors per other
-node plus one per remote worker (ftrun/agent/fdlimit.py), so at about 70 nodes of eight
-workers its new descriptors are numbered above 1023. Two things must hold then, checked
+node plus one or two per remote worker (ftrun/fdlimit.py), so at a few dozen nodes of
+eight workers its new descriptors are numbered above 1023. Two things must hold then, checked
 here with real agents and workers:
 
 * its watch loop still sees its workers: ``select`` refuses any descriptor numbered 1024
@@ -19,6 +19,8 @@ opens after them above 1023, the same numbers a large job's store host gives out
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import socket
 import subprocess
@@ -53,12 +55,14 @@ def test_an_agent_with_descriptors_above_1023_watches_its_workers(
     """Both ways a worker is started (exec, or forked by the fork server of ``--preload``):
     the job ends 0 and the worker's line is printed, by a worker of the way asked for.
     Before ``poll``, both exited 70."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < _FILLER + 200:
-        pytest.skip(f"the open-file limit here ({soft}) leaves no room for {_FILLER} more")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = _FILLER + 500
+    if hard != resource.RLIM_INFINITY and hard < room:
+        pytest.skip(f"the hard open-file limit here ({hard}) leaves no room for {_FILLER} more")
     script = job_dir / "worker.py"
     script.write_text(_WORKER)
     preload = ["--preload", "json"] if spawn == "fork-server" else []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, room), hard))  # CI may give 1024
     filler = [open("/dev/null", "rb") for _ in range(_FILLER)]  # noqa: SIM115
     try:
         done = subprocess.run(
@@ -68,6 +72,7 @@ def test_an_agent_with_descriptors_above_1023_watches_its_workers(
     finally:
         for handle in filler:
             handle.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "nofile worker" in done.stdout, done.stdout + done.stderr
     forked = "ftrun.zygote" in done.stdout  # the worker's parent: the fork server
@@ -78,9 +83,12 @@ def test_an_agent_with_descriptors_above_1023_watches_its_workers(
 def test_a_multinode_agent_raises_its_open_file_limit_but_not_its_workers(
         job_dir: Path, nnodes: str, warned: bool) -> None:
     """Started with a soft limit of 512 and a hard one of 4096: the agent (the worker's
-    parent) runs with 4096, the worker with 512. A job that may grow to 1,000 nodes needs
-    about 9,256 descriptors on its store host, so the agent says the limit is too small;
-    one of at most 2 nodes does not hear that."""
+    parent) runs with 4096, the worker with 512. A job that may grow to 1,000 nodes of one
+    worker needs about 10,256 descriptors on its store host (2 per worker: ``auto`` may
+    regroup), so the agent says the limit is too small; one of at most 2 nodes does not."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard open-file limit here ({hard}) is below the test's 4096")
     script = job_dir / "worker.py"
     script.write_text(_WORKER)
     done = subprocess.run(
@@ -94,3 +102,50 @@ def test_a_multinode_agent_raises_its_open_file_limit_but_not_its_workers(
     assert "nofile worker 512 4096 parent 4096 4096" in done.stdout, output
     said = "the open-file limit (4096, the hard limit) is below" in output
     assert said == warned, output
+
+
+def test_doctor_judges_the_limit_the_workers_get() -> None:
+    """A multi-node agent runs its health gate (``host.nofile`` among the quick checks)
+    after raising its own limit: the check reads the limit the process started with, the
+    workers' (``ftrun.fdlimit.workers_limit``), not the one it runs with now."""
+    from ftrun.doctor.host import check_nofile
+    from ftrun.fdlimit import workers_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    started = workers_limit()
+    now = 1000 if started[0] != 1000 else 1001
+    resource.setrlimit(resource.RLIMIT_NOFILE, (now, hard))
+    try:
+        detail = check_nofile(None).detail  # type: ignore[arg-type]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert f"open files {started[0]} " in detail and f"open files {now} " not in detail, detail
+
+
+def test_readable_answers_as_select_did_for_any_descriptor_number() -> None:
+    """``processes.readable``: nothing within the timeout, a readable pipe, a pipe whose
+    writer closed (hung up: readable, as ``select`` said), one numbered above 1023 (which
+    ``select`` refused), and a closed descriptor raises (``select`` raised too)."""
+    from ftrun.agent.processes import readable
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard open-file limit here ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    read_end, write_end = os.pipe()
+    high = os.dup2(read_end, 1100)
+    try:
+        assert readable([read_end, high], 0.05) == []
+        os.write(write_end, b"x")
+        assert sorted(readable([read_end, high], 5.0)) == [read_end, high]
+        os.read(read_end, 1)
+        os.close(write_end)
+        assert sorted(readable([read_end, high], 5.0)) == [read_end, high]  # hung up
+        os.close(high)
+        with pytest.raises(OSError):
+            readable([high], 0.05)
+    finally:
+        for fd in (read_end, write_end, high):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -132,7 +132,17 @@ def test_long_key_lists_are_read_in_parts_in_order(store, monkeypatch) -> None: 
     jstore = JsonStore(store, "ftrun/parts", signer=Signer(TOKEN.encode()))
     names = [f"status/{i}" for i in range(11)]
     jstore.set_records({n: {"i": i} for i, n in enumerate(names)})
+    sizes: list[int] = []
+    real_call = JsonStore._call
+
+    def counted(self: JsonStore, method: str, *args: object) -> object:
+        if method == "multi_get":
+            sizes.append(len(args[0]))  # type: ignore[arg-type]
+        return real_call(self, method, *args)
+
+    monkeypatch.setattr(JsonStore, "_call", counted)
     assert jstore.read_records(names) == [{"i": i} for i in range(11)]
+    assert sizes == [3, 3, 3, 2], sizes  # the store's requests, not one of 11 keys
     assert jstore.get_records(names[::-1]) == [{"i": i} for i in reversed(range(11))]
     assert jstore.exist_all(names) and not jstore.exist_all([*names, "status/none"])
     with_missing = [*names[:8], "status/none", *names[8:]]

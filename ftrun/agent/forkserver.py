@@ -172,6 +172,8 @@ class ForkServer:
     def _collect(self, timeout_s: float) -> bool:
         """Read what the server sent (exit notices are kept, replies queued). False when the
         server closed its end."""
+        if self._sock.fileno() < 0:  # closed here (close()): nothing more will come
+            return False
         if not readable([self._sock.fileno()], timeout_s):
             return True
         try:

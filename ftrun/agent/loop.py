@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from ftrun.agent import etcdwriter, fdlimit
+from ftrun import fdlimit
+from ftrun.agent import etcdwriter
 from ftrun.agent.events import Event, EventLog, WorkerExit
 from ftrun.agent.faults import FaultBook, explain_exits
 from ftrun.agent.forkserver import ForkServer
@@ -120,8 +121,8 @@ class Agent:
         serve = not config.is_single_node and config.recovery is not Recovery.RESTART
         self.snapshots = NodeSnapshots(self.run_id, self.hostname,
                                        serve=serve, advertise=config.local_addr)
-        if self.snapshots.error:
-            self.say(self.snapshots.error, style="yellow")
+        if self.snapshots.warning:
+            self.say(self.snapshots.warning, style="yellow")
         if self.metrics is not None and self.snapshots.path is not None:
             self.metrics.watch_snapshots(self.snapshots.path)
         os.environ.update(self.snapshots.env())

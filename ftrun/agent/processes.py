@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import errno
 import os
 import re
 import select
@@ -34,7 +35,7 @@ from typing import IO, Any, Protocol
 
 import psutil
 
-from ftrun.agent import fdlimit
+from ftrun import fdlimit
 from ftrun.agent.stacks import stack_source
 from ftrun.config import LaunchConfig, Std
 
@@ -63,7 +64,7 @@ class WorkerLaunch:
 
 def die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec: SIGKILL us when the agent dies, and the
-    open-file limit the agent was started with (ftrun.agent.fdlimit: the agent's own may
+    open-file limit the agent was started with (ftrun.fdlimit: the agent's own may
     have been raised for the stores it serves)."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect
@@ -238,10 +239,13 @@ def readable(fds: Sequence[int], timeout_s: float) -> list[int]:
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
-    try:
-        events = poller.poll(max(timeout_s, 0.0) * 1000.0)
+    try:  # poll's bound is a C int of milliseconds (about 24.8 days)
+        events = poller.poll(min(max(timeout_s, 0.0) * 1000.0, 2**31 - 1))
     except InterruptedError:
         return []
+    closed = [fd for fd, event in events if event & select.POLLNVAL]
+    if closed:  # as select did: a closed fd is the caller's bug, not a readable one
+        raise OSError(errno.EBADF, f"fds {closed} are not open")
     return [fd for fd, _ in events]
 
 

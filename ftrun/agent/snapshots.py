@@ -19,26 +19,42 @@ survives.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import shutil
+import socket
 from pathlib import Path
 
 from ftrun.control.auth import Signer, TokenError, load_secret
-from ftrun.hostnet import store_bind_address
+from ftrun.hostnet import local_bind_address, store_bind_address
 from ftrun.snapshot import memory, replica
+
+
+def _bind_address(name: str, local_addr: str | None) -> str:
+    """Where the replica server listens ("": every interface); see :class:`NodeSnapshots`."""
+    address = store_bind_address(single_node=False, rdzv_host=name, local_addr=local_addr)
+    if address is not None and ":" in address:
+        ipv4 = local_bind_address(name, socket.AF_INET)
+        if ipv4 is not None and not ipaddress.ip_address(ipv4).is_loopback:
+            return ipv4
+    return address or ""
 
 
 class NodeSnapshots:
     """This agent's snapshot directory (created at start, removed at exit) and, with
-    ``serve``, the replica server. It is reached by ``advertise`` (``--local-addr``; else
-    ``host``, the host name) and listens on the address that name resolves to here, as the
-    stores do (``ftrun.hostnet.store_bind_address``): on every interface only when that is
-    loopback or not an address of this node (a Debian ``127.0.1.1 hostname`` line: the
-    others resolve the name to another address)."""
+    ``serve``, the replica server; ``warning``: what to tell the user at start, or None.
+
+    The server is reached by ``advertise`` (``--local-addr``; else ``host``, the host name)
+    and listens on the address that name resolves to here, as the stores do
+    (``ftrun.hostnet.store_bind_address``), its IPv4 address when it has both (the server
+    listened on IPv4 only before, and a peer's connect falls back from an IPv6 address to
+    an IPv4 one, not the other way); on every interface only when that name is loopback
+    here or not this node's (a Debian ``127.0.1.1 hostname`` line: the others resolve it
+    to another address), which the warning says."""
 
     def __init__(self, run_id: str, host: str, root: Path = memory.ROOT, *,
                  serve: bool = False, advertise: str | None = None) -> None:
         self.path: Path | None = None
-        self.error: str | None = None
+        self.warning: str | None = None
         self.server: replica.ReplicaServer | None = None
         self.run_id = run_id
         self._advertise = advertise or host
@@ -46,17 +62,20 @@ class NodeSnapshots:
         try:
             self.path = memory.create(run_id, host, root)
         except OSError as error:  # no /dev/shm: sharded recovery is unavailable, say why
-            self.error = f"cannot create the snapshot memory in {root}: {error}"
+            self.warning = f"cannot create the snapshot memory in {root}: {error}"
             return
         if not serve:
             return
-        serve_on = store_bind_address(single_node=False, rdzv_host=self._advertise,
-                                      local_addr=advertise) or ""
+        serve_on = _bind_address(self._advertise, advertise)
+        if not serve_on:
+            self.warning = (f"snapshot replicas are served on every interface: "
+                            f"{self._advertise!r} is not an address of this node other nodes "
+                            "can reach (set --local-addr to listen on that one only)")
         try:
             self.server = replica.ReplicaServer(self.path, run_id, Signer(load_secret()),
                                                 serve_on, cap=memory.cap_bytes())
         except (OSError, TokenError, memory.SnapshotMemoryError) as error:
-            self.error = f"cannot serve snapshot replicas on {serve_on or '*'}: {error}"
+            self.warning = f"cannot serve snapshot replicas on {serve_on or '*'}: {error}"
 
     def env(self) -> dict[str, str]:
         """What the workers get: the directory's path (nothing when it could not be made)
