@@ -243,6 +243,29 @@ def test_a_restart_names_the_root_cause_not_the_exit_seen_first() -> None:
     assert [(f.rank, f.cause) for f in same.summary().faults] == [(1, "exit code 1")]
 
 
+def test_a_job_without_a_restart_left_names_the_root_cause_too() -> None:
+    """The same race when no restart is left: the ``stop`` event carries the root's fields
+    and the record and the summary's first failure name rank 1, not rank 0 (seen in a
+    clean-clone CI run: "first failure: rank 0 exit code 1: ... Connection closed by
+    peer" while the root cause printed under it was rank 1)."""
+    book = FaultBook().replay([
+        {"ts": 0.0, "event": "started"},
+        {"ts": 5.0, "event": "failure", "member": "0.0", "rank": 0, "pid": 10,
+         "returncode": 1, "detected": 5.0},
+        {"ts": 5.1, "event": "stop", "reason": "failed", "restarts": 0, "rank": 1,
+         "pid": 11, "returncode": -15, "message": "RuntimeError: boom"},
+    ])
+    (record,) = book.summary().faults
+    assert (record.rank, record.pid, record.path) == (1, 11, "none"), record
+    assert book.summary().first_cause == "rank 1 killed by SIGTERM: RuntimeError: boom", \
+        book.summary().first_cause
+    plain = FaultBook().replay([  # a stop without root fields (a signal) changes nothing
+        {"ts": 5.0, "event": "failure", "rank": 0, "pid": 10, "returncode": 1},
+        {"ts": 5.1, "event": "stop", "reason": "signal", "signal": "SIGTERM"},
+    ])
+    assert [(f.rank, f.path) for f in plain.summary().faults] == [(0, "none")]
+
+
 def test_overlapping_faults_count_their_downtime_once() -> None:
     book = FaultBook().replay([
         {"ts": 0.0, "event": "started"},

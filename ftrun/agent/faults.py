@@ -425,12 +425,17 @@ class FaultBook:
                                   node=_str(ev.get("node")))]
         for record in pending:
             record.path = "restart"
+        self._name_root(pending, ev)
+
+    @staticmethod
+    def _name_root(pending: list[FaultRecord], ev: dict[str, Any]) -> None:
+        """The agent's root cause (a ``restart`` or ``stop`` event's root fields,
+        outcome.root_fields) may be another rank than the exit it saw first (a rank that
+        raised can exit after the peer its exception broke: outcome.mark_root_cause): the
+        one record of that generation then names the root, with its own error."""
         root_pid, code = _int(ev.get("pid")), _int(ev.get("returncode"))
         if len(pending) == 1 and root_pid is not None and code is not None \
                 and pending[0].pid not in (None, root_pid):
-            # The agent's root cause is another rank than the exit it saw first (a rank that
-            # raised can exit after the peer its exception broke: outcome.mark_root_cause):
-            # the record names the root, with its own error.
             record, message = pending[0], _str(ev.get("message"))
             record.rank, record.pid, record.member = _int(ev.get("rank")), root_pid, None
             record.cause = describe_returncode(code) + (
@@ -451,9 +456,11 @@ class FaultBook:
         if ev.get("reason") in ("failed", "signal", "store lost", "rendezvous"):
             self.ended = ts
             self.succeeded = False
-            for record in self.faults:
-                if record.recovered is None and record.path is None:
-                    record.path = "none"
+            pending = [f for f in self.faults if f.recovered is None and f.path is None]
+            for record in pending:
+                record.path = "none"
+            if ev.get("reason") == "failed":  # no restart left: the same root as a restart's
+                self._name_root(pending, ev)
 
     def _done(self, ts: float, ev: dict[str, Any]) -> None:
         self.ended = ts

@@ -561,7 +561,8 @@ class Agent:
         restarts = self.config.max_restarts
         with contextlib.suppress(StoreError):
             rdzv.shut_down({"reason": "max restarts exhausted", "node_rank": self.node_rank})
-        self.events.emit(Event.STOP, reason="failed", restarts=restarts)
+        self.events.emit(Event.STOP, reason="failed", restarts=restarts,
+                         **root_fields(next((e for e in result.exits if e.first), None)))
         print_failure_summary(
             self.console,
             failures,
