@@ -285,6 +285,11 @@ def test_a_worker_leaves_a_dead_store_for_the_one_its_agent_names(job_dir: Path,
         beats = threading.Thread(target=membership.heartbeat, args=(stop,), daemon=True)
         beats.start()
         os.kill(dead.pid, signal.SIGSTOP)
+        # the stop is asynchronous: every thread of the store host is stopped (state T)
+        # before a request is sent, or a loaded machine may still answer it
+        _wait_until(lambda: all(
+            (task / "stat").read_text().rpartition(")")[2].split()[0] == "T"
+            for task in Path(f"/proc/{dead.pid}/task").iterdir()), 10, "stopped store host")
 
         there = JsonStore(new, PREFIX, signer=signer)
         there.set_record("probe", {"held": "by the new store"})
