@@ -2,7 +2,8 @@
 """Per-call overhead of the NCCL shim, measured against the NCCL test double (no GPU needed).
 
 A C loop (tests/shim_helpers/scenario.c, "bench") calls ncclCommCount -- a cheap intercepted
-function -- N times, then launches N/10 all-reduces, in three set-ups:
+function -- N times in blocks of 1,000 and reports the fastest block (the call's cost without
+the scheduler's preemptions), then launches N/10 all-reduces, in three set-ups:
   direct   no shim
   inert    shim preloaded, no control page (what a child process of a worker pays)
   active   shim preloaded and attached; the communicator is in its registry

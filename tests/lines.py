@@ -327,8 +327,8 @@ def check_regroup_invariants(
       committed a later step (it went on after the regroup).
 
     On request: ``world``, some generation formed with that many ranks; ``finished``, the
-    job ran to that many steps and every rank of the final world printed ``done`` with the
-    same parameters; ``loss_falls``, the mean loss of the last 8 steps is below that of the
+    job ran to that many steps and every rank of the final world (the last generation's,
+    whether or not it committed a step) printed ``done`` with the same parameters; ``loss_falls``, the mean loss of the last 8 steps is below that of the
     first 8 (the recovery did not derail training).
 
     Raises AssertionError naming the generation, rank and line that break an invariant.
@@ -367,7 +367,11 @@ def check_regroup_invariants(
     if finished is not None:
         done = select(records, Done)
         assert steps, "no step committed"
-        final_world = steps[-1].world
+        # A replacement admitted at the last step boundary forms a generation that commits
+        # no step: its regroup lines, not the last step, give the final world.
+        last_formed = max(regroups, key=lambda r: r.gen)
+        final_world = (last_formed.world if last_formed.gen > steps[-1].gen
+                       else steps[-1].world)
         assert len(done) == final_world, (
             f"{len(done)} ranks printed done, the final world has {final_world}:\n  "
             + "\n  ".join(d.where() for d in done))

@@ -54,9 +54,10 @@ RESTART_BOUND_S = 30.0
 #: A SIGSTOPped worker, when the job stops: killed at once instead of after the grace
 #: (60 s in the test). From the other worker's crash to the frozen one's end: 0.002-0.010 s
 #: with one outlier of 0.141 s (22 runs, load 1-3, the crash tests running beside); next to
-#: three training workers at load 2-8, 0.011-0.073 s, median 0.045 s (10 runs). 0.4 s is
-#: under 10x that loaded median and about 3x the worst figure seen.
-FROZEN_KILL_BOUND_S = 0.4
+#: three training workers at load 2-8, 0.011-0.073 s, median 0.045 s (10 runs); 0.51 s in
+#: one clean-clone CI run at load 6 (2026-12-02). What the bound tells apart is at once
+#: against the 60 s grace: 3 s is 6x the worst figure seen and 20x under the grace.
+FROZEN_KILL_BOUND_S = 3.0
 #: Past the stop grace: SIGKILL, reaping, ftrun's own exit. Measured 0.47-1.13 s over a 1 s
 #: grace, median 0.68 s (5 runs, load 5).
 SHUTDOWN_OVER_GRACE_S = 3.0

@@ -124,6 +124,22 @@ def test_checker_fails_on_the_wrong_world_or_ending(shrunk: list[Line]) -> None:
         check_regroup_invariants([r for r in shrunk if not isinstance(r, Regroup)])
 
 
+def test_checker_final_world_counts_a_joiner_admitted_at_the_last_step(
+        shrunk: list[Line]) -> None:
+    """Seen in CI: the replacement's generation formed after the survivors' last step, so
+    no step carries its world; its regroup lines do, and its done line belongs."""
+    done = select(shrunk, Done)
+    last = max(select(shrunk, Regroup), key=lambda r: r.gen)
+    world = last.world + 1
+    joined = [dataclasses.replace(last, gen=last.gen + 1, rank=rank, world=world, step=STEPS)
+              for rank in range(world)]
+    joiner_done = dataclasses.replace(done[0], rank=world - 1)
+    check_regroup_invariants([*shrunk, *joined, joiner_done], finished=STEPS)
+    with pytest.raises(AssertionError, match=f"{len(done)} ranks printed done, the final "
+                                             f"world has {world}"):
+        check_regroup_invariants([*shrunk, *joined], finished=STEPS)
+
+
 def test_checker_survivor_must_step_past_the_fault(shrunk: list[Line]) -> None:
     survivors = _survivors(shrunk)
     check_regroup_invariants(shrunk, survivors=dict.fromkeys(survivors, STEPS - 1))

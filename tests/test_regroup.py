@@ -53,6 +53,10 @@ ELASTIC = REPO / "scripts" / "train_elastic.py"
 DIE_BEFORE_VOTE = REPO / "tests" / "scripts" / "die_before_vote.py"
 TOLERANCE = 1e-5  # relative: the reduction order changes with the world size
 TOKEN = "regroup-test-secret"  # a test that reads the job's store passes the job this secret
+# Workers forked from a fork server that imported torch and torch._dynamo (DDP's constructor
+# imports it): each started worker costs no imports, 4 s of CPU on this 2-core machine
+# otherwise, and these tests start dozens. The spawn path is tested by the launcher's tests.
+PRELOAD = ("--preload", "torch,torch._dynamo")
 
 # Recovery bounds, in seconds. Each is under 10 x the figure measured here unloaded, so a
 # ten-fold regression fails (keeping a failed backend's sockets open made the first one
@@ -74,14 +78,15 @@ def _script(job_dir: Path) -> Path:
 
 def _launch(job_dir: Path, *flags: str, steps: int = 120, extra: tuple[str, ...] = (),
             nproc: int = 4, env: dict[str, str] | None = None,
-            via: Path | None = None) -> Launch:
+            via: Path | None = None, preload: bool = True) -> Launch:
     """train_elastic.py under ftrun; ``via``: a test script that runs it (its first
-    argument is the copy of train_elastic.py)."""
+    argument is the copy of train_elastic.py); ``preload=False`` for a test that reads a
+    worker's environment in /proc (a forked worker's is its fork server's)."""
     events = job_dir / "events.jsonl"
     program = [str(via), str(_script(job_dir))] if via else [str(_script(job_dir))]
     return Launch(
         ["--nproc-per-node", str(nproc), "--recovery", "regroup", "--events-file", str(events),
-         *flags, *program, "--steps", str(steps), "--hidden", "128", *extra],
+         *(PRELOAD if preload else ()), *flags, *program, "--steps", str(steps), "--hidden", "128", *extra],
         cwd=job_dir, env=env,
     )
 
@@ -219,7 +224,7 @@ def test_member_dying_after_the_others_voted_aborts_the_step_on_every_survivor(
     in the next member epoch and commits it exactly once; parameters stay identical."""
     run = _launch(job_dir, steps=100000, env={"FTRUN_JOB_TOKEN": TOKEN}, via=DIE_BEFORE_VOTE,
                   extra=("--die-at-step", str(DIE_AT), "--die-rank", "1",
-                         "--step-sleep", "0.01"))
+                         "--step-sleep", "0.01"), preload=False)
     victim = _pid_at_step(run, 1, rank=1)
     pids = {_pid_at_step(run, 1, rank=r) for r in (0, 2, 3)}
     committed = run.wait_for(  # step 20, committed by every survivor
@@ -450,7 +455,7 @@ def test_forged_regroup_records_change_nothing(job_dir: Path) -> None:
     the job's done record and a newer generation pointer: the job goes on in generation 0
     with every member, and its steps stay consistent."""
     run = _launch(job_dir, steps=100000, extra=("--step-sleep", "0.02"),
-                  env={"FTRUN_JOB_TOKEN": TOKEN})
+                  env={"FTRUN_JOB_TOKEN": TOKEN}, preload=False)
     host, port, prefix = _control(_pid_at_step(run, 5, rank=0))
     for rank in (1, 2, 3):
         _pid_at_step(run, 5, rank=rank)
