@@ -39,6 +39,11 @@ from tests.launch import REPO, Launch, copy_train_script
 from tests.lines import Start, find
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
+# The end-to-end jobs' workers fork from a fork server that imported torch and torch._dynamo
+# (DDP's constructor imports it): a started worker then costs no imports (4 s of CPU on this
+# 2-core machine). Stacks, CPU progress and restarts are judged the same on either path; the
+# jobs with the NCCL shim start their workers as torchrun does.
+PRELOAD = ("--preload", "torch,torch._dynamo")
 
 
 # --- end to end ---------------------------------------------------------------------------
@@ -52,7 +57,7 @@ def test_a_hung_rank_is_named_and_the_job_restarts_in_seconds(
     fault handler writes when the agent aborts the workers."""
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "2", "--recovery", recovery, "--max-restarts", "1",
+        [*PRELOAD, "--nproc-per-node", "2", "--recovery", recovery, "--max-restarts", "1",
          str(script), "--steps", "60", "--step-sleep", "0.02", "--fail-at-step", "20",
          "--fail-rank", "1", "--fail-mode", "hang", "--fail-once-marker",
          str(job_dir / "hung-once")],
@@ -90,7 +95,7 @@ def test_a_hang_across_nodes_is_named_with_its_node_from_every_nodes_view(
     while rank 0 waits for it in DDP's backward. Neither node can judge alone (node 1 sees
     only an idle rank, node 0 only a waiting one); node 0 judges both nodes' views."""
     script = copy_train_script(job_dir)
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+    common = [*PRELOAD, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
               "--master-port", "29691", "--recovery", "restart", "--max-restarts", "1"]
     train = [str(script), "--steps", "40", "--step-sleep", "0.02", "--fail-at-step", "15",
              "--fail-rank", "1", "--fail-mode", "hang", "--fail-once-marker",
@@ -119,7 +124,7 @@ def test_a_hang_across_nodes_is_named_with_its_node_from_every_nodes_view(
 def test_a_hang_with_no_restart_left_names_the_culprit_in_the_summary(job_dir: Path) -> None:
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "2", "--recovery", "restart", str(script), "--steps", "100000",
+        [*PRELOAD, "--nproc-per-node", "2", "--recovery", "restart", str(script), "--steps", "100000",
          "--step-sleep", "0.02", "--fail-at-step", "10", "--fail-rank", "0",
          "--fail-mode", "hang"],
         cwd=job_dir,
@@ -134,7 +139,7 @@ def test_every_rank_inside_communication_is_a_hang_after_three_timeouts(job_dir:
     behind, so nobody is named: a hang after three timeouts, and the job restarts."""
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
+        [*PRELOAD, "--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
          "--hang-timeout", "1", str(script), "--steps", "25", "--step-sleep", "0.02",
          "--fail-at-step", "10", "--fail-rank", "1", "--fail-mode", "block",
          "--fail-once-marker", str(job_dir / "blocked-once")],
@@ -161,7 +166,7 @@ def test_a_slow_step_is_not_a_hang(job_dir: Path) -> None:
     all-reduce: a late remote read, given three timeouts, so not a hang either."""
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "2", "--recovery", "restart", "--hang-timeout", "2",
+        [*PRELOAD, "--nproc-per-node", "2", "--recovery", "restart", "--hang-timeout", "2",
          str(script), "--steps", "45", "--slow-step-at", "10", "--slow-step-s", "6",
          "--net-wait-at", "40", "--net-wait-s", "4"],  # 30 steps apart: two spells
         cwd=job_dir,
@@ -175,7 +180,7 @@ def test_a_long_checkpoint_write_is_not_a_hang(job_dir: Path) -> None:
     next collective: the writer's CPU and I/O count as work."""
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "2", "--recovery", "restart", "--hang-timeout", "2",
+        [*PRELOAD, "--nproc-per-node", "2", "--recovery", "restart", "--hang-timeout", "2",
          str(script), "--steps", "20", "--write-at", "10", "--write-s", "6",
          "--write-dir", str(job_dir)],
         cwd=job_dir,
@@ -187,7 +192,7 @@ def test_a_long_checkpoint_write_is_not_a_hang(job_dir: Path) -> None:
 def test_a_frozen_worker_restarts_the_job_at_once(job_dir: Path) -> None:
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
+        [*PRELOAD, "--nproc-per-node", "2", "--recovery", "restart", "--max-restarts", "1",
          "--shutdown-timeout", "60", str(script), "--steps", "100000", "--step-sleep", "0.02"],
         cwd=job_dir,
     )
