@@ -31,6 +31,10 @@ STEPS = 8
 # 3.5-4.5 s (the replacement's start: importing torch). 10x that fails.
 RECOVERY_BOUND_S = 45.0
 JOB_TIMEOUT_S = 240.0
+# The workers fork from a fork server that imported torch and what FSDP2 and DTensor need
+# (torch._dynamo too): each of a test's nine worker starts costs no imports (4.5 s of CPU on
+# this 2-core machine otherwise). Snapshots and restores run in the forked workers alike.
+PRELOAD = ("--preload", "torch,torch._dynamo,torch.distributed.fsdp,torch.distributed.tensor")
 
 _reference: dict[tuple[str, ...], str] = {}
 
@@ -42,7 +46,7 @@ def _run(job_dir: Path, args: list[str], name: str,
         shutil.copy(SCRIPT, script)
     work = job_dir / name
     work.mkdir()
-    launch = Launch(["--nproc-per-node", "4", "--recovery", "regroup", str(script),
+    launch = Launch(["--nproc-per-node", "4", "--recovery", "regroup", *PRELOAD, str(script),
                      "--steps", str(STEPS), "--kill-dir", str(work), *args], env=env)
     code = launch.wait(JOB_TIMEOUT_S)
     return code, launch
