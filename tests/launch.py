@@ -23,6 +23,14 @@ import psutil
 from tests.lines import Step, find, parse_line
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+#: For a test about what happens around starts, faults and restarts, not about cold starts:
+#: its workers fork from a per-node fork server that imported torch and torch._dynamo (DDP's
+#: and the optimizer's constructors import it) once. A fresh worker costs about 4 s of CPU
+#: on a 2-core machine at every start, restart and replacement, and the suite starts
+#: hundreds; cold starts are covered by the launcher's and preload's own tests.
+PRELOAD = ("--preload", "torch,torch._dynamo")
 TRAIN_SCRIPT = REPO / "scripts" / "train_ddp.py"
 BIN = Path(sys.executable).parent
 

@@ -328,8 +328,9 @@ def check_regroup_invariants(
 
     On request: ``world``, some generation formed with that many ranks; ``finished``, the
     job ran to that many steps and every rank of the final world (the last generation's,
-    whether or not it committed a step) printed ``done`` with the same parameters; ``loss_falls``, the mean loss of the last 8 steps is below that of the
-    first 8 (the recovery did not derail training).
+    whether or not it committed a step) printed ``done`` with the same parameters;
+    ``loss_falls``, the mean loss of the last 8 steps is below that of the first 8 (the
+    recovery did not derail training).
 
     Raises AssertionError naming the generation, rank and line that break an invariant.
     """

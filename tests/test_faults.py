@@ -31,7 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftrun.agent.faults import FaultBook
-from tests.launch import REPO, Launch, wait_until
+from tests.launch import PRELOAD, REPO, Launch, wait_until
 from tests.lines import ElasticStep, Regroup, find
 
 ELASTIC = REPO / "scripts" / "train_elastic.py"
@@ -82,6 +82,9 @@ def _copy(script: Path, job_dir: Path) -> Path:
 
 def test_a_killed_worker_gets_one_record_a_line_and_the_success_summary(job_dir: Path) -> None:
     events = job_dir / "events.jsonl"
+    # Started as torchrun starts them, not forked (tests.launch.PRELOAD): a forked
+    # replacement can be ready before the survivors' epoch forms and is then in it, and this
+    # test reads the regroup to world 2 and the join as two steps.
     run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", "--events-file",
                   str(events), "--metrics-port", "0", str(_copy(ELASTIC, job_dir)), "--steps",
                   "90", "--hidden", "128", "--step-sleep", "0.05"], cwd=job_dir)
@@ -152,7 +155,7 @@ def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: P
     # One restart left: the failure restarts every worker and the record says how long.
     events = job_dir / "events.jsonl"
     run = Launch(["--nproc-per-node", "2", "--recovery", "auto", "--max-restarts", "1",
-                  "--events-file", str(events), str(script), "--steps", "12",
+                  *PRELOAD, "--events-file", str(events), str(script), "--steps", "12",
                   "--fail-at-step", "4", "--fail-rank", "1",
                   "--fail-once-marker", str(job_dir / "failed-once")], cwd=job_dir)
     assert run.wait(240) == 0, run.output
@@ -173,7 +176,7 @@ def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: P
     # No restart left: never "restarting all", then the failure summary and the record.
     events = job_dir / "events0.jsonl"
     run = Launch(["--nproc-per-node", "2", "--recovery", "auto", "--max-restarts", "0",
-                  "--events-file", str(events), str(script), "--steps", "12",
+                  *PRELOAD, "--events-file", str(events), str(script), "--steps", "12",
                   "--fail-at-step", "4", "--fail-rank", "1"], cwd=job_dir)
     assert run.wait(240) == 1, run.output
     assert "restarting all" not in run.output

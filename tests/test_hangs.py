@@ -35,15 +35,10 @@ from ftrun.agent.hangs import (
 from ftrun.agent.ncclprogress import NcclProgress
 from ftrun.agent.stacks import Frame, Stack, read_stack, stack_from_fault_dump, stack_source
 from ftrun.control.errors import StoreValueError
-from tests.launch import REPO, Launch, copy_train_script
+from tests.launch import PRELOAD, REPO, Launch, copy_train_script
 from tests.lines import Start, find
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
-# The end-to-end jobs' workers fork from a fork server that imported torch and torch._dynamo
-# (DDP's constructor imports it): a started worker then costs no imports (4 s of CPU on this
-# 2-core machine). Stacks, CPU progress and restarts are judged the same on either path; the
-# jobs with the NCCL shim start their workers as torchrun does.
-PRELOAD = ("--preload", "torch,torch._dynamo")
 
 
 # --- end to end ---------------------------------------------------------------------------
@@ -124,8 +119,8 @@ def test_a_hang_across_nodes_is_named_with_its_node_from_every_nodes_view(
 def test_a_hang_with_no_restart_left_names_the_culprit_in_the_summary(job_dir: Path) -> None:
     script = copy_train_script(job_dir)
     run = Launch(
-        [*PRELOAD, "--nproc-per-node", "2", "--recovery", "restart", str(script), "--steps", "100000",
-         "--step-sleep", "0.02", "--fail-at-step", "10", "--fail-rank", "0",
+        [*PRELOAD, "--nproc-per-node", "2", "--recovery", "restart", str(script),
+         "--steps", "100000", "--step-sleep", "0.02", "--fail-at-step", "10", "--fail-rank", "0",
          "--fail-mode", "hang"],
         cwd=job_dir,
     )

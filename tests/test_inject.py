@@ -32,7 +32,7 @@ from ftrun.control.auth import Signer
 from ftrun.control.store import JsonStore
 from ftrun.faultspec import parse_schedule
 from ftrun.jobref import registry_dir
-from tests.launch import REPO, Launch, launcher, wait_until
+from tests.launch import PRELOAD, REPO, Launch, launcher, wait_until
 from tests.lines import ElasticStep, find
 
 ELASTIC = REPO / "scripts" / "train_elastic.py"
@@ -64,7 +64,7 @@ def test_every_worker_fault_kind_by_schedule_gets_its_record(job_dir: Path) -> N
     # Far apart: a fault that lands while a replacement is being admitted can fail the
     # survivors (seen here under load; a regroup bug of its own, not injection's).
     spec = "kill rank=1 step=10; freeze rank=2 step=150"
-    run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", "--events-file",
+    run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", *PRELOAD, "--events-file",
                   str(events), "--inject", spec, str(script), "--steps", "220", "--hidden",
                   "64", "--step-sleep", "0.05"], cwd=job_dir)
     assert run.wait(400) == 0, run.output
@@ -112,7 +112,7 @@ def test_ftrun_inject_checks_everything_before_touching_the_job(
     # and torch._dynamo (the optimizer's constructor imports it) once: this test is about
     # injection, not cold starts (~3 s of CPU per fresh worker).
     run = Launch(["--nproc-per-node", "2", "--recovery", "regroup", "--stall-floor", "6",
-                  "--liveness-timeout", "15", "--preload", "torch,torch._dynamo",
+                  "--liveness-timeout", "15", *PRELOAD,
                   "--events-file", str(events), str(script), "--steps", "100000",
                   "--hidden", "32", "--step-sleep", "0.02"], cwd=job_dir, env=token)
     run.wait_step(3, 120)

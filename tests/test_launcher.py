@@ -22,13 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import (
-    REPO,
-    Launch,
-    copy_train_script,
-    launcher,
-    processes_mentioning,
-)
+from tests.launch import PRELOAD, REPO, Launch, copy_train_script, launcher, processes_mentioning
 from tests.lines import Done, Resumed, Start, Step, find
 
 ENV_DUMP = """
@@ -61,11 +55,6 @@ FROZEN_KILL_BOUND_S = 3.0
 #: Past the stop grace: SIGKILL, reaping, ftrun's own exit. Measured 0.47-1.13 s over a 1 s
 #: grace, median 0.68 s (5 runs, load 5).
 SHUTDOWN_OVER_GRACE_S = 3.0
-#: For tests about what happens around restarts, not about cold starts: the workers fork
-#: from a per-node server that imported torch and torch._dynamo (the optimizer's
-#: constructor imports it) once, instead of ~3 s of CPU per fresh worker at every start
-#: and restart (cold restarts: test_killed_worker_restarts_and_resumes_from_checkpoint).
-PRELOAD = ["--preload", "torch,torch._dynamo"]
 
 
 def _env_by_rank(launch: Launch) -> dict[str, dict[str, str]]:

@@ -28,7 +28,7 @@ from ftrun.config import ConfigError
 from ftrun.control.auth import AuthError, Signer
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
 from ftrun.control.store import JsonStore, connect_store, serve_store
-from tests.launch import REPO, Launch, copy_train_script, launcher, wait_until
+from tests.launch import PRELOAD, REPO, Launch, copy_train_script, launcher, wait_until
 from tests.lines import (
     Done,
     ElasticStep,
@@ -58,11 +58,6 @@ NODE_LOSS_DECLARED_S = HB_TIMEOUT_S + 2.0
 #: 3.06-3.36 s. Without the release of the survivors' connections it was gloo's 60 s.
 NODE_LOSS_TO_PROGRESS_S = HB_TIMEOUT_S + 5.0
 TOKEN = "s3cret-token-for-tests"
-#: The namespace jobs' workers fork from a per-node server that imported torch and
-#: torch._dynamo (the optimizer's constructor imports it) once: these tests are about
-#: nodes, links and records, not cold starts, and each fresh worker costs ~3 s of CPU at
-#: every start, restart and re-form (test_preload.py and test_launcher.py cover cold ones).
-PRELOAD = ["--preload", "torch,torch._dynamo"]
 
 
 # --- records and heartbeats (no processes) ------------------------------------------------

@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from tests.launch import (
+    PRELOAD,
     REPO,
     Launch,
     copy_train_script,
@@ -56,11 +57,6 @@ ELASTIC = REPO / "scripts" / "train_elastic.py"
 #: Workers that have started and are stepping on this 2-core machine take seconds (import
 #: torch, gloo); these deadlines are for a machine shared with other test runs.
 START_S = 120.0
-#: The crash tests fork their workers from a per-node server that imported torch and
-#: torch._dynamo (the optimizer's constructor imports it) once: they are about what each
-#: mode does after a crash, not cold starts, and a fresh worker costs ~3 s of CPU at every
-#: start and restart (cold restarts: tests/test_launcher.py).
-PRELOAD = ["--preload", "torch,torch._dynamo"]
 JOB_S = 240.0
 
 
@@ -137,7 +133,7 @@ def test_crash_restarts_every_worker_and_resumes_from_the_checkpoint(
 def test_crash_with_the_worker_api_survivors_continue_in_place(job_dir: Path, mode: str) -> None:
     steps = 80
     events_file = job_dir / "events.jsonl"
-    run = Launch(["--nproc-per-node", "3", "--recovery", mode, "--events-file",
+    run = Launch(["--nproc-per-node", "3", "--recovery", mode, *PRELOAD, "--events-file",
                   str(events_file), *_training(job_dir, "train_elastic.py", steps)],
                  cwd=job_dir)
     victim = run.wait_step(10, START_S, rank=1)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ftrun import protocol as P
 from ftrun.control.auth import Signer
 from ftrun.control.store import JsonStore
-from tests.launch import REPO, Launch
+from tests.launch import PRELOAD, REPO, Launch
 from tests.lines import (
     Decision,
     Done,
@@ -53,10 +53,6 @@ ELASTIC = REPO / "scripts" / "train_elastic.py"
 DIE_BEFORE_VOTE = REPO / "tests" / "scripts" / "die_before_vote.py"
 TOLERANCE = 1e-5  # relative: the reduction order changes with the world size
 TOKEN = "regroup-test-secret"  # a test that reads the job's store passes the job this secret
-# Workers forked from a fork server that imported torch and torch._dynamo (DDP's constructor
-# imports it): each started worker costs no imports, 4 s of CPU on this 2-core machine
-# otherwise, and these tests start dozens. The spawn path is tested by the launcher's tests.
-PRELOAD = ("--preload", "torch,torch._dynamo")
 
 # Recovery bounds, in seconds. Each is under 10 x the figure measured here unloaded, so a
 # ten-fold regression fails (keeping a failed backend's sockets open made the first one
@@ -86,7 +82,8 @@ def _launch(job_dir: Path, *flags: str, steps: int = 120, extra: tuple[str, ...]
     program = [str(via), str(_script(job_dir))] if via else [str(_script(job_dir))]
     return Launch(
         ["--nproc-per-node", str(nproc), "--recovery", "regroup", "--events-file", str(events),
-         *(PRELOAD if preload else ()), *flags, *program, "--steps", str(steps), "--hidden", "128", *extra],
+         *(PRELOAD if preload else ()), *flags, *program, "--steps", str(steps), "--hidden",
+         "128", *extra],
         cwd=job_dir, env=env,
     )
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ftrun.snapshot import memory
-from tests.launch import REPO, Launch
+from tests.launch import PRELOAD, REPO, Launch
 from tests.lines import Done, Restored, Step, find, parse
 from tests.test_multinode import HB, TOKEN, HostLaunch
 
@@ -35,11 +35,6 @@ SCRIPT = REPO / "scripts" / "train_fsdp.py"
 STEPS = 24
 K = 1
 JOB_TIMEOUT_S = 120.0
-#: Both jobs' workers (and h1's spares) fork from a per-node server that imported torch and
-#: torch._dynamo once: this test is about the lost shards, not cold starts, and a fresh
-#: worker costs ~3 s of CPU (10 of them: 6 in the job, 4 in the reference). The reference
-#: is preloaded too, so that both runs' workers start the same way.
-PRELOAD = ["--preload", "torch,torch._dynamo"]
 
 
 def _digest(launches: list[Launch]) -> str:

@@ -25,7 +25,7 @@ from ftrun.agent.events import EventLog
 from ftrun.agent.metrics import Metrics
 from ftrun.agent.statusboard import StatusBoard
 from ftrun.agent.stragglers import StragglerWatch
-from tests.launch import REPO, Launch
+from tests.launch import PRELOAD, REPO, Launch
 from tests.lines import ElasticStep, find
 
 LINE = re.compile(r"rank (?P<rank>\d+) \(member (?P<member>[\d.]+)\) on node "
@@ -37,8 +37,9 @@ def test_a_slow_rank_is_named_with_its_node_and_taken_out_as_a_fault(job_dir: Pa
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
     events = job_dir / "events.jsonl"
-    run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", "--on-failure", "shrink",
-                  "--straggler-policy", "fault", "--straggler-window", "3", "--events-file",
+    run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", *PRELOAD, "--on-failure",
+                  "shrink", "--straggler-policy", "fault", "--straggler-window", "3",
+                  "--events-file",
                   str(events), str(script), "--steps", "60", "--hidden", "32",
                   "--step-sleep", "0.02", "--slow-rank", "1", "--slow-sleep", "0.3",
                   "--slow-initial"], cwd=job_dir)
