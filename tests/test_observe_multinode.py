@@ -66,9 +66,10 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _pair(net, job_dir: Path, spec: str, steps: int) -> tuple[HostLaunch, HostLaunch]:  # type: ignore[no-untyped-def]
+def _pair(net, job_dir: Path, spec: str, steps: int, *train: str,  # type: ignore[no-untyped-def]
+          ) -> tuple[HostLaunch, HostLaunch]:
     """A regroup job of one worker on h1 (the leader, node 0) and one on h2 (node 1),
-    with ``--inject spec`` on both agents."""
+    with ``--inject spec`` on both agents; ``train``: more options of the script."""
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
@@ -82,7 +83,7 @@ def _pair(net, job_dir: Path, spec: str, steps: int) -> tuple[HostLaunch, HostLa
                 "--heartbeat-timeout", str(HB_TIMEOUT_S), "--recovery", "regroup",
                 "--metrics-port", "0", "--events-file",
                 str(events), "--inject", spec, "--local-addr", host.addr, str(script),
-                "--steps", str(steps), "--hidden", "32", "--step-sleep", "0.05"]
+                "--steps", str(steps), "--hidden", "32", "--step-sleep", "0.05", *train]
         nodes.append(HostLaunch(host, args, env=env, cwd=job_dir))
     return nodes[0], nodes[1]
 
@@ -107,7 +108,11 @@ def _node_1_lost(job_dir: Path, kind: str) -> tuple[dict, dict]:
 def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     leader_host, observer = net["h1"], net["h3"]
     endpoint = f"{leader_host.addr}:29400"
-    leader, cut = _pair(net, job_dir, "cut-link node=1 step=40 for=20", 160)
+    # The survivor holds at step 150 until the test has read the live job (under load the
+    # last `ftrun status` came after the job had ended: no store left to read).
+    hold = job_dir / "release"
+    leader, cut = _pair(net, job_dir, "cut-link node=1 step=40 for=20", 160,
+                        "--hold-at-step", "150", "--hold-file", str(hold))
     port = int(leader.wait_for(lambda lines: next((m[1] for x in lines if (m := re.search(
         r"metrics: http://\S+:(\d+)/metrics", x))), None), 90, "the leader's metrics line"))
     leader.wait_for(lambda lines: any(s.world == 2 for s in find(lines, ElasticStep)), 120,
@@ -137,6 +142,7 @@ def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, 
     wait_until(lambda: status()["faults"], 30, "the fault in ftrun status")
     view = status()
     assert view["world_size"] == 1 and [m["rank"] for m in view["members"]] == [0], view
+    hold.touch()
     assert cut.wait(60) == 3, cut.output
     assert "lost the rendezvous store" in cut.output
     assert leader.wait(120) == 0, leader.output
