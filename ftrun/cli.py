@@ -548,9 +548,23 @@ def _run_subcommand(name: str, args: list[str]) -> int:
     if name == "inject":  # a fault, now, in a running job (through its control store)
         from ftrun.inject import main as inject
 
-        return inject(args)
+        return _leave_if_a_connect_hangs(inject(args))
     if name == "status":  # one look at a running job (its leader's record in the store)
         from ftrun.status import main as status
 
-        return status(args)
+        return _leave_if_a_connect_hangs(status(args))
     raise AssertionError(name)
+
+
+def _leave_if_a_connect_hangs(code: int) -> int:
+    """``code``, or an exit with it now when a store connect that was given up on (a frozen
+    or vanished store host) still runs inside torch: at interpreter teardown its thread
+    aborted the process ("terminate called without an active exception", exit -6 instead
+    of 3; seen with ``ftrun status`` against a job that had just ended)."""
+    from ftrun.control.store import connect_still_running
+
+    if connect_still_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -19,8 +19,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -47,6 +49,48 @@ RAISE_DETECT_S = 12.0
 # A hang is a stall: max(--stall-floor 6 s, 20 x the median step) of no progress while the
 # others wait, then the leader's verdict (4.5 s measured with a 2 s floor, 0.05 s steps).
 HANG_DETECT_S = 20.0
+
+
+FROZEN_STORE_HOST = """
+import sys
+from ftrun.control.store import serve_store
+store = serve_store(0, 60.0)
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_status_of_a_frozen_store_host_is_one_line_and_exit_3() -> None:
+    """A SIGSTOPped store host: the kernel still accepts the connection, torch's client then
+    waits for an answer that never comes, and ``ftrun status`` gives up on that thread at
+    its --timeout. It must still end as documented (3, one line) when that thread comes
+    back as the command exits: left to interpreter teardown, it aborted the process (-6,
+    "terminate called without an active exception")."""
+    host = subprocess.Popen([sys.executable, "-c", FROZEN_STORE_HOST], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        os.kill(host.pid, signal.SIGSTOP)
+        wait_until(lambda: all(  # a stop is asynchronous: every thread shows state T
+            (task / "stat").read_text().rpartition(")")[2].split()[0] == "T"
+            for task in Path(f"/proc/{host.pid}/task").iterdir()), 10, "the stopped host")
+        status = subprocess.Popen([launcher(), "status", "--timeout", "1", f"127.0.0.1:{port}"],
+                                  env={**os.environ, "FTRUN_JOB_TOKEN": "status-test-secret"},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert status.stderr is not None
+        said = status.stderr.readline()
+        # The host dies as the command gives up: the abandoned thread's read returns at
+        # once, while the command exits (what a store host that ends its job does).
+        host.kill()
+        said += status.stderr.read()
+        assert status.wait(60) == 3, said
+        assert said.count("\n") == 1, said
+        assert f"cannot reach the store at 127.0.0.1:{port}" in said, said
+    finally:
+        host.kill()
+        host.wait(10)
 
 
 def _registration(run_id: str) -> Path:

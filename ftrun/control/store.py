@@ -48,6 +48,7 @@ finally:
 
 # Bounds each blocking connect so that a signal to the agent is acted on promptly.
 _CONNECT_SLICE_S = 2.0
+_CONNECT_THREAD = "ftrun-store-connect"
 
 
 def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") -> TCPStore:
@@ -175,7 +176,7 @@ class _ConnectAttempt:
         self.error = "no attempt"
         self.thread = threading.Thread(target=self._run, args=(host, port, slice_s,
                                                                op_timeout_s),
-                                       name="ftrun-store-connect", daemon=True)
+                                       name=_CONNECT_THREAD, daemon=True)
 
     def _run(self, host: str, port: int, slice_s: float, op_timeout_s: float | None) -> None:
         if not _CONNECT_LOCK.acquire(timeout=slice_s + 0.5):
@@ -194,6 +195,12 @@ class _ConnectAttempt:
 
 
 _CONNECT_LOCK = threading.Lock()
+
+
+def connect_still_running() -> bool:
+    """Whether a connect this process gave up on is still inside torch's client: a short
+    command then leaves with ``os._exit`` (see ``ftrun.cli``), as the agent does."""
+    return any(t.name == _CONNECT_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 def _first_line(error: BaseException) -> str:
