@@ -58,6 +58,8 @@ NODE_LOSS_DECLARED_S = HB_TIMEOUT_S + 2.0
 #: 3.06-3.36 s. Without the release of the survivors' connections it was gloo's 60 s.
 NODE_LOSS_TO_PROGRESS_S = HB_TIMEOUT_S + 5.0
 TOKEN = "s3cret-token-for-tests"
+#: How long the packet-loss test drops packets: 4 x the default 5 s heartbeat timeout.
+LOSS_WINDOW_S = 20.0
 
 
 # --- records and heartbeats (no processes) ------------------------------------------------
@@ -779,14 +781,22 @@ def _step_times(node: Launch, world: int) -> list[float]:
 
 
 def test_netns_packet_loss_on_one_link_job_completes(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
-    """10% loss both ways on h2's link, with the default heartbeat settings (1 s / 5 s):
-    no false node loss, nothing restarts, the job ends with one set of parameters. (The
+    """10% loss both ways on h2's link for 20 s, with the default heartbeat settings (1 s /
+    5 s): the job steps on through it, no false node loss, nothing restarts, the job ends
+    with one set of parameters. (The
     tests' fast 0.5 s / 3 s settings are near their edge here: at 20% loss they declared
     h2 lost in every run.)"""
     nodes = _job(net, job_dir, "3", 60, step_sleep=0.02, heartbeat=[])
     for node in nodes:
         node.wait_step(2, 150)
+    before = max(s.step for s in find(nodes[0].lines, Step))
     net.add_loss(net["h2"], 0.1)
+    # The fault lasts 4 heartbeat timeouts. Left on to the job's end, it made the test take
+    # 51 s in one run and 203 s in the next (TCP's retransmission backoff under loss).
+    time.sleep(LOSS_WINDOW_S)
+    through = max(s.step for s in find(nodes[0].lines, Step))
+    net.clear_loss(net["h2"])
+    assert through > before, f"no step in {LOSS_WINDOW_S} s of loss (step {before})"
     _wait_all_succeed(nodes, 240)
     out = "\n".join(n.output for n in nodes)
     assert "lost: no heartbeat" not in out and "lost the rendezvous store" not in out
