@@ -27,6 +27,8 @@ import pytest
 
 from ftrun import doctor
 from ftrun.doctor import CheckResult, CheckSpec, Options
+from ftrun.doctor.options import UsageError
+from ftrun.doctor.runner import check_selector
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_NVML = REPO / "tests" / "fake_pynvml"
@@ -216,6 +218,7 @@ def test_cpu_mode_skips_gpu_checks() -> None:
     (["--timeout", "soon"], {}, "--timeout"),
     (["--master-port", "70000"], {}, "--master-port"),
     (["--rdzv-endpoint", "node1:http"], {}, "--rdzv-endpoint"),
+    (["--check", "gpus"], {}, "--check 'gpus': no such check"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(args: list[str], env: dict[str, str],
                                           message: str) -> None:
@@ -224,6 +227,19 @@ def test_bad_usage_is_one_line_and_exit_2(args: list[str], env: dict[str, str],
     assert run.stdout == ""
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], run.stderr
+
+
+def test_check_selects_a_check_with_those_under_it() -> None:
+    run = run_doctor("--check", "gpu.ecc", "--check", "host", scenario="ecc")
+    assert sorted(run.checks) == ["gpu.ecc", "host.hostname", "host.memlock", "host.nofile",
+                                  "host.shm"], run
+    assert run.status("gpu.ecc") == "fail" and run.rc == 1, run
+    select = check_selector(["gpu", "host.shm"], within=lambda name: name != "gpu.mig")
+    assert select is not None and select("gpu.ecc") and select("host.shm")
+    assert not select("gpu.mig") and not select("host.nofile")  # --quick's and --check's
+    assert check_selector([]) is None  # every check
+    with pytest.raises(UsageError, match="no such check"):
+        check_selector(["gpu.ec"])  # a name, not a prefix of one
 
 
 def test_unknown_option_is_exit_2_without_traceback() -> None:
@@ -359,29 +375,30 @@ def test_fake_healthy_8_gpu_node() -> None:
     ("gpu_lost", "gpu", "fail", "GPU 7: GPU is lost"),
 ])
 def test_fake_gpu_faults(scenario: str, check: str, status: str, needle: str) -> None:
-    run = run_doctor(scenario=scenario)
+    run = run_doctor("--check", "gpu", scenario=scenario)
     assert run.status(check) == status, run
     assert needle in run.detail(check), run
     assert run.checks[check]["hint"], run
     others = {n: s for n, s in _gpu_statuses(run).items() if n != check and s != "pass"}
     assert not others, run  # one fault shows up in its own check only
-    assert run.rc == (1 if status == "fail" or not TORCH_CUDA else 0)
+    assert set(run.checks) == set(HEALTHY_GPU_CHECKS), run  # --check gpu: only those
+    assert run.rc == (1 if status == "fail" else 0)
 
 
 def test_fake_nvml_not_found_is_cpu_only_unless_gpus_requested() -> None:
-    run = run_doctor(scenario="notfound")
+    run = run_doctor("--check", "gpu", scenario="notfound")
     assert run.status("gpu") == "skip"
     assert "no GPU: CPU only" in run.detail("gpu")
     assert "NVML Shared Library Not Found" in run.detail("gpu")
     assert all(run.status(n) == "skip" for n in HEALTHY_GPU_CHECKS)
     assert run.rc == 0, run
-    run = run_doctor("--nproc-per-node", "gpu", scenario="notfound")
+    run = run_doctor("--nproc-per-node", "gpu", "--check", "gpu", scenario="notfound")
     assert run.status("gpu") == "fail"
     assert run.rc == 1
 
 
 def test_fake_driver_not_loaded_warns() -> None:
-    run = run_doctor(scenario="driver_not_loaded")
+    run = run_doctor("--check", "gpu", scenario="driver_not_loaded")
     assert run.status("gpu") == "warn", run
     assert run.rc == 0
 
@@ -392,8 +409,8 @@ def test_fake_driver_not_loaded_warns() -> None:
 ])
 def test_fake_nvml_hang_is_a_fail_not_a_hang(scenario: str, hung: list[str]) -> None:
     timeout = 2.0
-    run = run_doctor("--timeout", str(timeout), scenario=scenario,
-                     env={"FAKE_NVML_HANG_S": "60"})
+    run = run_doctor("--timeout", str(timeout), "--check", "gpu", "--check", "host.shm",
+                     scenario=scenario, env={"FAKE_NVML_HANG_S": "60"})
     for name in hung:
         assert run.status(name) == "fail", run
         assert "timed out" in run.detail(name)
@@ -405,14 +422,15 @@ def test_fake_nvml_hang_is_a_fail_not_a_hang(scenario: str, hung: list[str]) -> 
 
 
 def test_fake_gpu_count_against_nproc() -> None:
-    run = run_doctor("--nproc-per-node", "8", scenario="healthy", env={"FAKE_NVML_GPUS": "4"})
+    run = run_doctor("--nproc-per-node", "8", "--check", "gpu", scenario="healthy",
+                     env={"FAKE_NVML_GPUS": "4"})
     assert run.status("gpu") == "fail"
     assert "--nproc-per-node 8 but only 4 GPU(s) visible" in run.detail("gpu")
-    run = run_doctor("--nproc-per-node", "2", scenario="healthy",
+    run = run_doctor("--nproc-per-node", "2", "--check", "gpu", scenario="healthy",
                      env={"CUDA_VISIBLE_DEVICES": "4,5"})
     assert run.status("gpu") == "pass", run
     assert "2 GPU(s)" in run.detail("gpu") and "6 more hidden" in run.detail("gpu")
-    run = run_doctor(scenario="healthy", env={"CUDA_VISIBLE_DEVICES": "0,9,1"})
+    run = run_doctor("--check", "gpu", scenario="healthy", env={"CUDA_VISIBLE_DEVICES": "0,9,1"})
     assert run.status("gpu") == "warn", run
     assert "'9' matches no GPU" in run.detail("gpu")
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -78,7 +78,8 @@ def run_checks(options: Options | None = None,
     ctx = Context(opts)
     registered = CHECKS if checks is None else checks
     specs = [s for s in registered if only is None or only(s.name)]
-    ctx.torch.start()
+    if only is None:  # every check: start the slowest lookup before any check asks for it
+        ctx.torch.start()  # (a selection imports torch only if one of its checks needs it)
     if opts.nproc_per_node != "cpu":
         ctx.nvml.start()
     running = []
@@ -100,6 +101,25 @@ def run_checks(options: Options | None = None,
                 spec.timeout_hint or "something on this node blocks; rerun with a longer --timeout",
                 time.monotonic() - ctx.t0))
     return results
+
+
+def check_selector(names: Sequence[str], within: Callable[[str], bool] | None = None,
+                   ) -> Callable[[str], bool] | None:
+    """Selects the checks ``--check`` names (each with those under it: ``gpu`` is ``gpu``
+    and ``gpu.*``), among those ``within`` selects; None (every check) when both are None.
+    Raises UsageError for a name that is no check's."""
+    if not names:
+        return within
+    known = [spec.name for spec in CHECKS]
+    for name in names:
+        if not any(k == name or k.startswith(f"{name}.") for k in known):
+            raise UsageError(f"--check {name!r}: no such check (known: {', '.join(known)})")
+
+    def selected(check: str) -> bool:
+        return any(check == n or check.startswith(f"{n}.") for n in names) and (
+            within is None or within(check))
+
+    return selected
 
 
 def report(results: list[CheckResult], elapsed_s: float) -> dict[str, Any]:
@@ -182,6 +202,10 @@ def doctor(
     quick: bool = typer.Option(
         False, "--quick", help="Only the health gate's quick checks (what a node passes "
         "before it joins a multi-node job: ftrun/doctor/gate.py)."),
+    check: Annotated[list[str] | None, typer.Option(
+        "--check", metavar="NAME",
+        help="Only this check and those under it (e.g. gpu: gpu, gpu.ecc, gpu.nvlink...); "
+        "may be given more than once.")] = None,
 ) -> None:
     """Check this node (GPUs, drivers, NCCL, shim, host limits, network, Slurm) in seconds.
 
@@ -196,10 +220,11 @@ def doctor(
         )
         if options.rdzv_endpoint:
             parse_endpoint(options.rdzv_endpoint)
+        only = check_selector(check or [], quick_selector(options.environ) if quick else None)
     except UsageError as exc:
         raise _usage_error(str(exc)) from None
     t0 = time.monotonic()
-    results = run_checks(options, quick_selector(options.environ) if quick else None)
+    results = run_checks(options, only)
     elapsed = time.monotonic() - t0
     if as_json:
         sys.stdout.write(json.dumps(report(results, elapsed)) + "\n")
