@@ -671,7 +671,9 @@ def test_lease_view_on_loopback_etcd() -> None:
         assert client.time_to_live(12345) == -1
 
         store = JsonStore(client, "ftrun/job", signer=Signer(TOKEN.encode()))
-        LeaseBeat(30.0)(store, "hb/a")  # a live node, its lease long enough for the test
+        # A live node, its lease longer than the test's phases' deadlines together (a 30 s
+        # one expired before the prune in a clean-clone run with 3 test workers).
+        LeaseBeat(300.0)(store, "hb/a")
         relay = _FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
         slice_s = 0.25
 
