@@ -2,7 +2,7 @@
 # The whole test suite on a fresh machine: virtual environment, the pinned CPU build of torch
 # (installed first, so nothing pulls a multi-GB CUDA build), the project with its test
 # dependencies, the real services the infrastructure tests start (Slurm, munge, iproute2,
-# iptables; needs root), a lint, then pytest (FTRUN_TEST_WORKERS processes, default 2).
+# iptables; needs root), a lint, then pytest (FTRUN_TEST_WORKERS processes, default 3).
 # Extra arguments go to pytest.
 #
 #   bash scripts/test.sh            # everything
@@ -21,7 +21,9 @@ else
     echo "test.sh: not root: Slurm and network-namespace tests will skip" >&2
 fi
 .venv/bin/ruff check .
-# Many tests wait on processes (rendezvous, heartbeats, restarts): two pytest-xdist workers
-# keep both cores busy. The infrastructure's leak checks see only their own process's
-# namespaces and clusters (tests/infra), so tests in the two workers never see each other's.
-exec .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-2}" --durations=25 "$@"
+# Many tests wait on processes (rendezvous, heartbeats, restarts, fault windows), and since
+# most jobs fork their workers from a fork server (tests/launch.py PRELOAD) the suite no
+# longer keeps 2 cores busy with 2 workers: 3 pytest-xdist workers took 15:46 against 18:51
+# for 2 on a 2-core machine (2026-12-02). The infrastructure's leak checks see only their
+# own process's namespaces and clusters (tests/infra), so the workers never see each other's.
+exec .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-3}" --durations=25 "$@"
