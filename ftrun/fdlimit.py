@@ -33,8 +33,9 @@ from ftrun.config import LaunchConfig, Recovery
 #: agent (4 control-store connections, its presence connection, 2 to its snapshot replica
 #: server), rounded up for a reconnect in flight.
 PER_NODE_FDS = 8
-#: And for each of its workers: the process group's store client, and unless every
-#: recovery is a restart, the member beats' client as well (the same measurement).
+#: And for each of its workers: the process group's store client (a restart job's only
+#: one), and under regroup the member beats' client as well (the same measurement).
+PER_RESTART_WORKER_FDS = 1
 PER_WORKER_FDS = 2
 #: The agent's own descriptors, whatever the job's size (logs, pipes of its workers, the
 #: event log, metrics, the fork server).
@@ -51,7 +52,8 @@ def workers_limit() -> tuple[int, int]:
 def needed(config: LaunchConfig) -> int:
     """Descriptors the store host of this job needs at its largest size (standbys included)."""
     nodes = config.nnodes_max + config.standby_nodes
-    per_worker = 1 if config.recovery is Recovery.RESTART else PER_WORKER_FDS
+    per_worker = PER_RESTART_WORKER_FDS if config.recovery is Recovery.RESTART \
+        else PER_WORKER_FDS
     return BASE_FDS + nodes * (PER_NODE_FDS + per_worker * config.nproc_per_node)
 
 
