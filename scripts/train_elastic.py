@@ -60,10 +60,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-initial", action="store_true",
                         help="only the process that started as --slow-rank is slow (not a "
                         "replacement, nor a survivor renumbered to that rank)")
-    parser.add_argument("--hold-at-step", type=int, default=-1,
-                        help="every rank waits at this step until --hold-file exists (a "
-                             "test holds the job open while it looks at it)")
-    parser.add_argument("--hold-file", type=Path, default=None)
+    parser.add_argument("--hold-at-step", type=int, action="append", default=[],
+                        help="every rank waits at this step (repeatable) until a file named "
+                             "for it exists in --hold-dir (a test holds the job while it "
+                             "looks at it)")
+    parser.add_argument("--hold-dir", type=Path, default=None)
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=20,
                         help="committed steps between checkpoints (with --checkpoint-dir)")
@@ -131,8 +132,8 @@ def main() -> None:
         if faulty and ft.generation <= 0 and step == args.sleep_at_step:
             while True:  # alive, beating, but no progress: a stalled main thread
                 time.sleep(1)
-        if step == args.hold_at_step and args.hold_file is not None:
-            while not args.hold_file.exists():  # every rank waits here: nobody lags
+        if step in args.hold_at_step and args.hold_dir is not None:
+            while not (args.hold_dir / str(step)).exists():  # every rank waits: nobody lags
                 time.sleep(0.05)
         inputs, target = global_batch(step)
         share = GLOBAL_BATCH // world

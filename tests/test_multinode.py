@@ -860,7 +860,9 @@ print("forged", flush=True)
 
 
 def test_netns_forged_records_are_ignored_and_no_token_cannot_join(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
-    nodes = _job(net, job_dir, "2:3", 40, hosts=[net["h1"], net["h2"]], step_sleep=0.1)
+    # 150 steps (15 s or more): the rogue's and the intruder's interpreters import torch
+    # first, and with 40 the job had ended before the rogue connected (3 test workers).
+    nodes = _job(net, job_dir, "2:3", 150, hosts=[net["h1"], net["h2"]], step_sleep=0.1)
     for node in nodes:
         node.wait_step(3, 150)
     rogue = net["h3"].run([sys.executable, "-c", ROGUE, net["h1"].addr, "29400", "nsjob"],

@@ -108,11 +108,14 @@ def _node_1_lost(job_dir: Path, kind: str) -> tuple[dict, dict]:
 def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     leader_host, observer = net["h1"], net["h3"]
     endpoint = f"{leader_host.addr}:29400"
-    # The survivor holds at step 150 until the test has read the live job (under load the
-    # last `ftrun status` came after the job had ended: no store left to read).
-    hold = job_dir / "release"
+    # The job holds at step 30 (before the cut) and the survivor at 150 until the test has
+    # read the live job: under load the first `ftrun status` came after the cut, and the
+    # last after the job had ended (no store left to read).
+    holds = job_dir / "holds"
+    holds.mkdir()
     leader, cut = _pair(net, job_dir, "cut-link node=1 step=40 for=20", 160,
-                        "--hold-at-step", "150", "--hold-file", str(hold))
+                        "--hold-at-step", "30", "--hold-at-step", "150",
+                        "--hold-dir", str(holds))
     port = int(leader.wait_for(lambda lines: next((m[1] for x in lines if (m := re.search(
         r"metrics: http://\S+:(\d+)/metrics", x))), None), 90, "the leader's metrics line"))
     leader.wait_for(lambda lines: any(s.world == 2 for s in find(lines, ElasticStep)), 120,
@@ -130,6 +133,7 @@ def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, 
     view = status()
     assert view["run_id"] == "observe" and view["nnodes"] == 2 and view["world_size"] == 2
     assert [m["rank"] for m in view["members"]] == [0, 1], view
+    (holds / "30").touch()
     # The cut: h2's agent says it, the leader loses node 1, the survivor goes on alone.
     cut.wait_for(lambda lines: any("injected: cut-link" in x for x in lines), 60,
                  "h2's agent cutting its link")
@@ -142,7 +146,7 @@ def test_a_cut_link_regroups_and_status_and_metrics_show_it_live(job_dir: Path, 
     wait_until(lambda: status()["faults"], 30, "the fault in ftrun status")
     view = status()
     assert view["world_size"] == 1 and [m["rank"] for m in view["members"]] == [0], view
-    hold.touch()
+    (holds / "150").touch()
     assert cut.wait(60) == 3, cut.output
     assert "lost the rendezvous store" in cut.output
     assert leader.wait(120) == 0, leader.output
