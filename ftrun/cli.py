@@ -47,7 +47,7 @@ from ftrun.config import (
     visible_gpu_count,
 )
 from ftrun.control.auth import TokenError, load_secret
-from ftrun.exitcodes import ExitCode
+from ftrun.exitcodes import ExitCode, exit_at_once
 from ftrun.faultspec import FaultSpecError, Schedule, parse_schedule
 
 SUBCOMMANDS = ("doctor", "report", "inject", "status")
@@ -503,7 +503,7 @@ def _metrics_port(text: str) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
-        return _run_subcommand(args[0], args[1:])
+        return _leave_if_a_connect_hangs(_run_subcommand(args[0], args[1:]))
     try:
         config = config_from_args(args, os.environ)
     except ConfigError as error:
@@ -548,23 +548,21 @@ def _run_subcommand(name: str, args: list[str]) -> int:
     if name == "inject":  # a fault, now, in a running job (through its control store)
         from ftrun.inject import main as inject
 
-        return _leave_if_a_connect_hangs(inject(args))
+        return inject(args)
     if name == "status":  # one look at a running job (its leader's record in the store)
         from ftrun.status import main as status
 
-        return _leave_if_a_connect_hangs(status(args))
+        return status(args)
     raise AssertionError(name)
 
 
 def _leave_if_a_connect_hangs(code: int) -> int:
-    """``code``, or an exit with it now when a store connect that was given up on (a frozen
-    or vanished store host) still runs inside torch: at interpreter teardown its thread
-    aborted the process ("terminate called without an active exception", exit -6 instead
-    of 3; seen with ``ftrun status`` against a job that had just ended)."""
-    from ftrun.control.store import connect_still_running
+    """``code``, or an exit with it now when a store connect that a subcommand gave up on (a
+    frozen or vanished store host) still runs inside torch (see ``exit_at_once``; seen with
+    ``ftrun status`` against a job that had just ended: -6 instead of 3)."""
+    if "ftrun.control.store" in sys.modules:  # only a command that used a store can have one
+        from ftrun.control.store import connect_still_running
 
-    if connect_still_running():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        if connect_still_running():
+            exit_at_once(code)
     return code

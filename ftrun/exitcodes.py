@@ -14,8 +14,12 @@ Shell scripts and Slurm requeue logic read these, so they never change meaning:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 from enum import IntEnum
+from typing import NoReturn
 
 
 class ExitCode(IntEnum):
@@ -29,3 +33,16 @@ class ExitCode(IntEnum):
 def for_signal(signum: int) -> int:
     """The shell's convention for a process ended by a signal."""
     return 128 + int(signal.Signals(signum))
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End the process with ``code`` now, without interpreter teardown: for a process that
+    may still have a thread inside torch (a store client's heartbeat, end watch, or a connect
+    given up on) or in a blocking call. Such a thread taking the GIL back while the
+    interpreter finalizes aborts the process ("terminate called without an active
+    exception", -6 instead of the documented code). What was printed is flushed first (a
+    stream the program closed is skipped)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

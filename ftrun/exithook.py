@@ -45,6 +45,8 @@ import threading
 import traceback
 from types import TracebackType
 
+from ftrun.exitcodes import exit_at_once
+
 ENV_DIR = "FTRUN_EXIT_HOOK"
 ENV_PYTHONPATH = "FTRUN_EXIT_HOOK_PYTHONPATH"
 DESTROY_TIMEOUT_S = 10.0
@@ -138,7 +140,4 @@ def destroy_process_groups(timeout_s: float) -> None:
     if done.wait(timeout_s):
         gc.collect()  # the groups' last references: their threads are joined here
     else:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a closed stream: nothing to flush
-                stream.flush()
-        os._exit(1)
+        exit_at_once(1)

@@ -68,7 +68,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=20,
                         help="committed steps between checkpoints (with --checkpoint-dir)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.hold_at_step and args.hold_dir is None:
+        parser.error("--hold-at-step needs --hold-dir")
+    return args
 
 
 def make_model(hidden: int) -> nn.Module:
@@ -132,7 +135,7 @@ def main() -> None:
         if faulty and ft.generation <= 0 and step == args.sleep_at_step:
             while True:  # alive, beating, but no progress: a stalled main thread
                 time.sleep(1)
-        if step in args.hold_at_step and args.hold_dir is not None:
+        if step in args.hold_at_step:
             while not (args.hold_dir / str(step)).exists():  # every rank waits: nobody lags
                 time.sleep(0.05)
         inputs, target = global_batch(step)

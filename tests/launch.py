@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: and the optimizer's constructors import it) once. A fresh worker costs about 4 s of CPU
 #: on a 2-core machine at every start, restart and replacement, and the suite starts
 #: hundreds; cold starts are covered by the launcher's and preload's own tests.
-PRELOAD = ("--preload", "torch,torch._dynamo")
+PRELOADED = ("torch", "torch._dynamo")
+PRELOAD = ("--preload", ",".join(PRELOADED))
 TRAIN_SCRIPT = REPO / "scripts" / "train_ddp.py"
 BIN = Path(sys.executable).parent
 

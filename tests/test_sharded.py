@@ -22,7 +22,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.launch import REPO, Launch
+from tests.launch import PRELOADED, REPO, Launch
 from tests.lines import Done, Restored, Step, Victim, find, parse
 
 SCRIPT = REPO / "scripts" / "train_fsdp.py"
@@ -34,7 +34,8 @@ JOB_TIMEOUT_S = 240.0
 # The workers fork from a fork server that imported torch and what FSDP2 and DTensor need
 # (torch._dynamo too): each of a test's nine worker starts costs no imports (4.5 s of CPU on
 # this 2-core machine otherwise). Snapshots and restores run in the forked workers alike.
-PRELOAD = ("--preload", "torch,torch._dynamo,torch.distributed.fsdp,torch.distributed.tensor")
+PRELOAD = ("--preload",
+           ",".join((*PRELOADED, "torch.distributed.fsdp", "torch.distributed.tensor")))
 
 _reference: dict[tuple[str, ...], str] = {}
 

@@ -66,7 +66,7 @@ from ftrun.control.rendezvous import (
     StoreLostError,
 )
 from ftrun.control.store import JsonStore, connect_store, serve_store
-from ftrun.exitcodes import ExitCode, for_signal
+from ftrun.exitcodes import ExitCode, exit_at_once, for_signal
 from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
 from ftrun.jobref import register, unregister
 
@@ -593,7 +593,5 @@ def run_agent(config: LaunchConfig, fork_server: ForkServer | None = None) -> in
         # the process ("terminate called without an active exception", seen when the store
         # host left first). Everything is said and every worker is stopped: leave now, with
         # the documented code.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_at_once(code)
     return code

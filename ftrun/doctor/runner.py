@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ from ftrun.doctor.options import (
     parse_port,
     parse_timeout,
 )
+from ftrun.exitcodes import exit_at_once
 
 
 def _run_one(spec: CheckSpec, ctx: Context, slot: list[CheckResult]) -> None:
@@ -235,10 +235,8 @@ def doctor(
         # A check is stuck in a blocking call (NVML, DNS...). Its daemon thread could still
         # hold the import lock or wedge interpreter teardown: leave without teardown, but
         # not without the processes checks started (the shim self-test's worker).
-        sys.stdout.flush()
-        sys.stderr.flush()
         _kill_children()
-        os._exit(code)
+        exit_at_once(code)
     raise typer.Exit(code)
 
 
