@@ -479,3 +479,36 @@ def test_forged_regroup_records_change_nothing(job_dir: Path) -> None:
     assert set(survivors) == pids
     assert_went_on(records, survivors)
     _stop(run, survivors)
+
+
+NO_CLOSE = r"""
+import atexit, threading
+import ftrun
+
+def threads_at_exit():
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("ftrun-"))
+    print(f"ftrun threads at exit: {','.join(alive) or 'none'}", flush=True)
+
+atexit.register(threads_at_exit)  # registered before init: runs after ftrun's hook (LIFO)
+ft = ftrun.init()
+while ft.step < 3:
+    ft.run_step(lambda: None, lambda: None)
+print("finished without close()", flush=True)
+"""
+
+
+def test_a_script_that_never_calls_close_exits_cleanly(job_dir: Path) -> None:
+    """A worker's threads must be gone before the interpreter finalizes, or one caught in a
+    store request aborts the process ("terminate called without an active exception"); a
+    script need not call ``ft.close()`` for that. A heartbeat of a microsecond keeps the
+    thread in store requests nearly all the time (without the exit hook: an abort in about
+    half of such jobs); each worker also reports, from its own atexit hook, the ftrun
+    threads still alive after ftrun's."""
+    script = job_dir / "no_close.py"
+    script.write_text(NO_CLOSE)
+    run = Launch(["--nproc-per-node", "4", "--recovery", "regroup", *PRELOAD, str(script)],
+                 cwd=job_dir, env={"FTRUN_WORKER_HEARTBEAT_S": "0.000001"})
+    assert run.wait(120) == 0, run.output
+    assert run.output.count("finished without close()") == 4, run.output
+    assert run.output.count("ftrun threads at exit: none") == 4, run.output
+    assert "killed by" not in run.output, run.output
