@@ -13,10 +13,10 @@
  *      FAKE_NCCL_BLOCK=stream (default): the call returns at once and the work is queued on
  *        the "stream"; fakeStreamSynchronize(stream) blocks like cudaStreamSynchronize;
  *      FAKE_NCCL_BLOCK=host: the calling thread blocks inside the collective.
- *  - ncclCommAbort sets the rank's stop flag (kernels and host loops poll it, as in NCCL),
- *    wakes every waiter, then frees the communicator AT ONCE, without waiting for threads
- *    that are inside a call on it: that is NCCL's documented unsafe race, and a woken thread
- *    touching the freed comm is a heap-use-after-free that AddressSanitizer reports.
+ *  - ncclCommAbort frees the communicator AT ONCE, without waiting for threads that are
+ *    inside a call on it (NCCL's documented unsafe race), then sets the rank's stop flag
+ *    (kernels and host loops poll it, as in NCCL) and wakes every waiter: a woken thread
+ *    touches its freed comm, a heap-use-after-free that AddressSanitizer reports every time.
  *  - ncclCommRevoke sets the stop flag and frees nothing; later collectives return
  *    ncclInvalidUsage; ncclCommGetAsyncError reports ncclSuccess (as the real one does).
  *  - a stopped stream operation completes "as if done" (garbage output): fakeStreamSynchronize
@@ -351,11 +351,21 @@ DEF(ncclResult_t, CommAbort, (ncclComm_t comm)) {
   if (!comm) return ncclSuccess;
   check(comm, "ncclCommAbort");
   pthread_mutex_lock(&mu);
-  comm->cl->stopped[comm->rank] = 1;
-  comm->cl->any_aborted = 1;
-  pthread_cond_broadcast(&cv);
+  clique* q = comm->cl;
+  int r = comm->rank;
+  q->refs++; /* the stop flag outlives the communicator */
   pthread_mutex_unlock(&mu);
-  comm_free(comm); /* no wait for threads inside a call: NCCL's documented unsafe race */
+  /* Freed first, without waiting for threads inside a call on it (NCCL's documented unsafe
+   * race), and before any of them can wake: a woken thread's touch of its communicator then
+   * always comes after the free, so AddressSanitizer reports every such race instead of
+   * those the scheduler happens to order that way. */
+  comm_free(comm);
+  pthread_mutex_lock(&mu);
+  q->stopped[r] = 1;
+  q->any_aborted = 1;
+  pthread_cond_broadcast(&cv);
+  clique_put(q);
+  pthread_mutex_unlock(&mu);
   return ncclSuccess;
 }
 DEF(ncclResult_t, CommGetAsyncError, (ncclComm_t comm, ncclResult_t* err)) {
@@ -425,9 +435,11 @@ static ncclResult_t collective(struct ncclComm* c, cudaStream_t stream, const ch
   int r = c->rank;
   uint64_t k = __atomic_add_fetch(&q->progress[r], 1, __ATOMIC_SEQ_CST);
   if (host_blocking()) {
+    q->refs++; /* the stop flag is read after an abort freed the communicator */
     while (!op_done(q, k) && !q->stopped[r]) wait_change();
     pthread_cond_broadcast(&cv);
     int stopped = q->stopped[r] && !op_done(q, k);
+    clique_put(q);
     pthread_mutex_unlock(&mu);
     c->nops++; /* a freed comm here is the abort-during-call race (ASan reports it) */
     return stopped ? ncclRemoteError : ncclSuccess;
