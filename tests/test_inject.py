@@ -108,11 +108,11 @@ def test_every_worker_fault_kind_by_schedule_gets_its_record(job_dir: Path) -> N
     # Far apart: a fault that lands while a replacement is being admitted can fail the
     # survivors (seen here under load; a regroup bug of its own, not injection's).
     spec = "kill rank=1 step=10; freeze rank=2 step=150"
-    # Spawned, not forked (tests.launch.PRELOAD): a forked replacement can join before the
-    # world-2 epoch forms, and the record then carries the joiner's epoch (world 3: seen in
-    # a clean-clone run with 3 test workers).
+    # Forked (tests.launch.PRELOAD): a replacement is often admitted before a leader tick
+    # sees the world-2 epoch form; the record must still carry that epoch (world 2).
     run = Launch(["--nproc-per-node", "3", "--recovery", "regroup", "--events-file",
-                  str(events), "--inject", spec, str(script), "--steps", "220", "--hidden",
+                  str(events), "--inject", spec, *PRELOAD, str(script), "--steps", "220",
+                  "--hidden",
                   "64", "--step-sleep", "0.05"], cwd=job_dir)
     assert run.wait(400) == 0, run.output
     evs = _events(events)

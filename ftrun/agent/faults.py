@@ -506,8 +506,8 @@ class ProgressReport:
     """The regroup leader's half (see the module docstring): ``formed`` once the member
     epoch published after a change has formed, ``progress`` once a second while steps move.
 
-    Store cost: one ``check`` per monitor tick while a published epoch has not formed yet,
-    nothing otherwise.
+    Store cost: one ``check`` per monitor tick for each published epoch not seen formed yet
+    (one, or two when a replacement followed a fault at once), nothing otherwise.
     """
 
     def __init__(self, events: EventLog, generation: int,
@@ -522,7 +522,14 @@ class ProgressReport:
         self.last_commit = last_commit
         self.clock = clock
         self.every_s = every_s
-        self.pending: tuple[int, int] | None = None  # (epoch, world size) not yet formed
+        # Published member epochs not seen formed yet, oldest first: (epoch, world size, the
+        # highest step reported before its publication). Several when one is followed by
+        # another before a tick sees it form (a replacement admitted at once): each that
+        # forms gets its own record; one that never forms is dropped once a later one has.
+        self.pending: list[tuple[int, int, int]] = []
+        # The last member epoch seen formed and the step it resumed from: where the next
+        # one's count of committed steps starts (unknown to a leader that took over).
+        self.resumed: tuple[int, int] | None = None
         self.steps: dict[int, int] = {}  # rank -> committed steps, as last reported
         self.epoch = -1
         self.world = 0
@@ -539,25 +546,16 @@ class ProgressReport:
     def published(self, epoch: int, world_size: int) -> None:
         self.epoch, self.world = epoch, world_size
         if epoch > 0:
-            self.pending = (epoch, world_size)
+            self.pending.append((epoch, world_size, self.highest))
+        else:
+            self.resumed = (0, 0)
 
     def observe(self, steps: dict[int, int]) -> None:
         """Each rank's committed steps as the leader read them this tick."""
         self.steps = steps
         self.highest = max([self.highest, *steps.values()])
         now = self.clock()
-        if self.pending is not None and self.formed(self.pending[0]):
-            epoch, world = self.pending
-            self.pending = None
-            # The status beats lag commits (0.2 s): the ended epoch's decisions say exactly
-            # which step the new one resumes after.
-            step = min(steps.values()) if steps else self.highest
-            if epoch in self.resynced:
-                step = max(steps.values()) if steps else self.highest
-            elif self.last_commit is not None:
-                step = self.last_commit(epoch - 1, step)
-            self.events.emit(Event.FORMED, generation=self.generation, epoch=epoch,
-                             world_size=world, step=step)
+        self._report_formed(steps)
         if not steps or steps == self.sent:
             return
         first = not self.stepped and max(steps.values()) >= 1  # the job's first step
@@ -570,3 +568,26 @@ class ProgressReport:
             self.events.emit(Event.PROGRESS, generation=self.generation, epoch=self.epoch,
                              world_size=self.world, step=max(steps.values()),
                              steps={str(r): s for r, s in sorted(steps.items())})
+
+    def _report_formed(self, steps: dict[int, int]) -> None:
+        """A ``formed`` event for each pending member epoch that formed, oldest first."""
+        formed = [p for p in self.pending if self.formed(p[0])]
+        if not formed:
+            return
+        self.pending = [p for p in self.pending if p[0] > formed[-1][0]]
+        for epoch, world, reported in formed:
+            if epoch in self.resynced:
+                step = max(steps.values()) if steps else self.highest
+            elif self.last_commit is not None:
+                # The decisions of the last epoch that formed (the one before, unless that
+                # never formed) say exactly which step this one resumes after, counted on
+                # from a step known to be in it: one reported before this epoch was
+                # published, or where that epoch resumed. The beats lag commits (0.2 s),
+                # and those read now may already be of a later epoch.
+                base, floor = self.resumed if self.resumed is not None else (epoch - 1, 0)
+                step = self.last_commit(base, max(reported, floor))
+            else:
+                step = reported
+            self.resumed = (epoch, step)
+            self.events.emit(Event.FORMED, generation=self.generation, epoch=epoch,
+                             world_size=world, step=step)
