@@ -153,6 +153,7 @@ not run, ``store_load_model``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -1902,6 +1903,9 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
             worker_stores.append(serve_store(0, timeout_s))
             return "127.0.0.1", int(worker_stores[-1].port)
 
+        # What lives now stays out of the collector's way, as ftrun's agent does after its
+        # imports (ftrun/cli.py): each run's join is then like an agent's first.
+        gc.freeze()
         busy, host_cpu = _machine_busy_s(), _cpu_s(os.getpid())
         etcd_cpu = _cpu_s(etcd_pid) if etcd_pid else 0.0
         agents_cpu = sum(_cpu_s(pid) for pid in agent_pids())
