@@ -210,6 +210,85 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
             generation  # type: ignore[union-attr]
 
 
+
+def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_answers() -> None:
+    """The writer's reads while it waits for slots fail while the etcd member is frozen
+    (every request times out, the store's own retries spent): it reads again until the
+    join's deadline, and once etcd answers, the generation forms with the late joiner in
+    it. Before, the leader's join ended at its first failed read (4,096 light agents on one
+    member). Each poll makes two reads, the slots and the shutdown record: the member is
+    frozen again until each kind has failed at least once."""
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+
+    class Counted(DynamicRendezvous):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            self.reads = 0
+            self.failed = {"slots": 0, "shutdown": 0}
+
+        def _arrivals(self, number: int) -> list[NodeSlot]:
+            try:
+                arrived = super()._arrivals(number)
+            except StoreError:
+                self.failed["slots"] += 1
+                raise
+            self.reads += 1
+            return arrived
+
+        def shutdown_reason(self) -> dict | None:
+            try:
+                return super().shutdown_reason()
+            except StoreError:
+                self.failed["shutdown"] += 1
+                raise
+
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
+        member = psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
+                                     if c.status == psutil.CONN_LISTEN and c.pid
+                                     and f"127.0.0.1:{c.laddr.port}" == endpoint))
+        quick = lambda: connect_etcd(options, 0.4, op_timeout_s=0.4)  # noqa: E731
+        leader = Counted(JsonStore(quick(), "ftrun/lead", signer=Signer(TOKEN.encode()),
+                                   reconnect=quick, retry_s=0.4),
+                         min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True,
+                         poll_s=0.02, interrupted=lambda: False)
+        joined: dict[str, object] = {}
+
+        def join(name: str, rdzv: DynamicRendezvous, slot: NodeSlot) -> None:
+            try:
+                joined[name] = rdzv.join(0, slot, 120, lambda: ("10.0.0.1", 4343))
+            except Exception as error:  # the assertions below show it
+                joined[name] = error
+        lead = threading.Thread(target=join, args=(
+            "leader", leader, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1")))
+        lead.start()
+        for _ in range(16):  # each freeze fails one kind of read, either one: 2 ** -15
+            if min(leader.failed.values()) >= 1 or not lead.is_alive():
+                break
+            reads, failures = leader.reads, sum(leader.failed.values())
+            wait_until(lambda r=reads: leader.reads > r or not lead.is_alive(), 30,
+                       "the leader's next poll")
+            member.suspend()
+            try:
+                wait_until(lambda f=failures: sum(leader.failed.values()) > f
+                           or not lead.is_alive(), 30, "a failed read of the leader")
+            finally:
+                member.resume()
+        assert min(leader.failed.values()) >= 1, (leader.failed, joined)
+        assert lead.is_alive(), joined
+        joiner = DynamicRendezvous(
+            JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/lead",
+                      signer=Signer(TOKEN.encode())),
+            min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=False, poll_s=0.02,
+            interrupted=lambda: False)
+        join("joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2"))
+        lead.join(60)
+        for name in ("leader", "joiner"):
+            generation = joined[name]
+            assert not isinstance(generation, Exception), (name, generation)
+            assert generation.nnodes == 2 and \
+                generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+
 def _ftrun(args: list[str], script: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([launcher(), *args, str(script)], capture_output=True, text=True,
                           timeout=timeout, env={"PATH": "/usr/bin:/bin",

@@ -63,7 +63,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ftrun.control.assignments import (
     Assignment,
@@ -75,6 +75,8 @@ from ftrun.control.assignments import (
 from ftrun.control.errors import StoreError, StoreValueError, require
 from ftrun.control.heartbeat import HeartbeatMonitor
 from ftrun.control.store import JsonStore
+
+T = TypeVar("T")
 
 
 class RendezvousError(RuntimeError):
@@ -221,21 +223,16 @@ class Rendezvous:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            self._offer_by(number, slot, deadline)
+            self._repeated(deadline, f"offering this node for generation {number}",
+                           self._offer, number, slot)
             if self.is_leader:
                 slots = self._collect(number, slot, deadline, expected)
                 # only now: every member is back, so every worker of the last generation
                 # has stopped (with the one-port contract the agent clears their keys here)
                 host, port = open_worker_store()
                 generation = Generation(number, restart_count, tuple(slots), host, port)
-                record = generation.to_json()
-                digest = record_digest(record)
-                # the assignments first: a node that finds gen/N without its own is not in it
-                self.store.set_records({
-                    assignment_key(number, a.node.node_id): a.to_json()
-                    for a in generation.assignments(digest) if a.node.node_id != slot.node_id})
-                self.store.put_record(f"gen/{number}", record)
-                self.store.set_record("latest", {"number": number})
+                self._repeated(deadline, f"writing generation {number}", self._write,
+                               generation, slot.node_id)
                 return generation
             found = self._wait_assignment(number, slot.node_id, deadline)
             if found is not None:
@@ -243,6 +240,18 @@ class Rendezvous:
             if self.is_leader:
                 continue  # became the writer while waiting (etcd-v3): form this generation
             number += 1  # it formed without us (full, or we came too late): the next one
+
+    def _write(self, generation: Generation, own_id: str) -> None:
+        """Leader: the assignments first (a node that finds ``gen/N`` without its own is not
+        in it), then the record and the ``latest`` pointer."""
+        number = generation.number
+        record = generation.to_json()
+        digest = record_digest(record)
+        self.store.set_records({
+            assignment_key(number, a.node.node_id): a.to_json()
+            for a in generation.assignments(digest) if a.node.node_id != own_id})
+        self.store.put_record(f"gen/{number}", record)
+        self.store.set_record("latest", {"number": number})
 
     def _wait_assignment(self, number: int, node_id: str, deadline: float
                          ) -> Generation | None:
@@ -301,32 +310,32 @@ class Rendezvous:
     def _offer(self, number: int, slot: NodeSlot) -> None:
         raise NotImplementedError
 
-    def _offer_by(self, number: int, slot: NodeSlot, deadline: float) -> None:
-        """Offer ``slot`` for generation ``number``, again after each failed request until
-        the join's ``deadline``: a request that failed under load (the store's own retries,
-        ``JsonStore.retry_s``, spent) must not leave this node out of a rendezvous it still
-        has time for (512 agents on a loaded etcd: about one in ten was never offered).
+    def _repeated(self, deadline: float, what: str, request: Callable[..., T],
+                  *args: Any) -> T:
+        """``request(*args)``, made again after each failed store request until the join's
+        ``deadline``: a request that failed under load (the store's own retries,
+        ``JsonStore.retry_s``, spent) must not end a rendezvous that still has time (512
+        agents on a loaded etcd: about one offer in ten failed once; 4,096: the leader's own
+        reads of the slots). Only for requests that may be repeated: an offer (a node's
+        later slots are skipped: ``_collect`` keeps a node's first), the leader's reads, and
+        its write of a generation (the same signed values; a key's first record wins).
         Errors: :class:`StoreLostError` at once when ``lost()`` says the store is gone,
-        :class:`RendezvousError` when interrupted or when ``deadline`` passes (naming the
-        last failure). A repeated offer whose first request had landed is harmless: a
-        node's later slots are skipped (``_collect`` keeps a node's first)."""
+        :class:`RendezvousError` when interrupted or when ``deadline`` passes (naming
+        ``what`` and the last failure)."""
         while True:
             try:
-                self._offer(number, slot)
-                return
+                return request(*args)
             except StoreLostError:
                 raise
             except StoreError as error:
                 failure = str(error)
             if self.interrupted():
-                raise RendezvousError(f"interrupted while offering this node for generation "
-                                      f"{number}")
+                raise RendezvousError(f"interrupted while {what}")
             lost = self.lost()
             if lost:
                 raise StoreLostError(lost)
             if time.monotonic() >= deadline:
-                raise RendezvousError(f"could not offer this node for generation {number} "
-                                      f"before the join timeout: {failure}")
+                raise RendezvousError(f"gave up {what} at the join timeout: {failure}")
             time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
 
     def offer_refused(self, number: int, slot: NodeSlot) -> None:
@@ -394,7 +403,7 @@ class Rendezvous:
         lost = self.lost()
         if lost:
             raise StoreLostError(lost)
-        reason = self.shutdown_reason()
+        reason = self._repeated(deadline, f"waiting for {what}", self.shutdown_reason)
         if reason is not None:
             raise RendezvousError(f"the job was shut down while waiting for {what}: "
                                   f"{reason.get('reason', 'no reason given')}")
@@ -470,7 +479,9 @@ class StaticRendezvous(Rendezvous):
                  expected: tuple[str, ...]) -> list[NodeSlot]:
         slots: dict[int, NodeSlot] = {}
         while True:
-            slots.update(self._joins(number, [r for r in range(self.nnodes) if r not in slots]))
+            slots.update(self._repeated(
+                deadline, f"reading the joins of generation {number}", self._joins, number,
+                [r for r in range(self.nnodes) if r not in slots]))
             if len(slots) == self.nnodes:
                 return [slots[r] for r in sorted(slots)]
             missing = sorted(set(range(self.nnodes)) - set(slots))
@@ -529,8 +540,9 @@ class DynamicRendezvous(Rendezvous):
         if self.monitor is not None:
             self.monitor.watch(waiting)
         while True:
+            arrived = self._repeated(deadline, f"reading the slots of generation {number}",
+                                     self._arrivals, number)
             now = time.monotonic()
-            arrived = self._arrivals(number)
             for index in range(seen, len(arrived)):
                 slot = arrived[index]
                 if slot.node_id not in slots and self._healthy(slot):
@@ -539,7 +551,8 @@ class DynamicRendezvous(Rendezvous):
             waiting -= slots.keys() | self._refused
             if self.monitor is not None and waiting:
                 self.monitor.watch(waiting)
-                waiting -= set(self.monitor.scan())
+                waiting -= set(self._repeated(deadline, "reading the last generation's "
+                                              "heartbeats", self.monitor.scan))
             if len(slots) >= self.max_nodes + self.standby_nodes:
                 break
             if len(slots) >= self.min_nodes:
