@@ -289,6 +289,76 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
             assert generation.nnodes == 2 and \
                 generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
 
+
+def test_an_agent_whose_wait_fails_under_load_still_joins_once_etcd_answers() -> None:
+    """The other half: an agent's wait for its assignment fails while the etcd member is
+    frozen (the store's own retries spent); it waits again until the join's deadline and
+    holds the generation the leader writes once etcd answers."""
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+
+    class Counted(JsonStore):
+        """Counts the existence checks each slice makes (of ``gen/N`` and of the shutdown
+        record; a failed wait itself reads as a slice's end), and the failed ones."""
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            self.checks = 0
+            self.failed = {"gen/0": 0, "shutdown": 0}
+
+        def exists(self, name: str) -> bool:
+            try:
+                found = super().exists(name)
+            except StoreError:
+                self.failed[name] = self.failed.get(name, 0) + 1
+                raise
+            self.checks += 1
+            return found
+
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
+        member = psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
+                                     if c.status == psutil.CONN_LISTEN and c.pid
+                                     and f"127.0.0.1:{c.laddr.port}" == endpoint))
+        quick = lambda: connect_etcd(options, 0.4, op_timeout_s=0.4)  # noqa: E731
+        store = Counted(quick(), "ftrun/wait", signer=Signer(TOKEN.encode()), reconnect=quick,
+                        retry_s=0.4)
+        joiner = DynamicRendezvous(store, min_nodes=2, max_nodes=2, last_call_s=0.5,
+                                   is_leader=False, poll_s=0.02, interrupted=lambda: False)
+        joined: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                joined["joiner"] = joiner.join(0, NodeSlot(-1, 1, "10.0.0.2", "h2", 1,
+                                                           "node-2"), 120, lambda: ("", 0))
+            except Exception as error:  # the assertions below show it
+                joined["joiner"] = error
+        waiting = threading.Thread(target=join)
+        waiting.start()
+        for _ in range(16):  # each freeze fails one kind of check, either one: 2 ** -15
+            if min(store.failed.values()) >= 1 or not waiting.is_alive():
+                break
+            checks, failures = store.checks, sum(store.failed.values())
+            wait_until(lambda c=checks: store.checks > c or not waiting.is_alive(), 30,
+                       "the agent's next slice")
+            member.suspend()
+            try:
+                wait_until(lambda f=failures: sum(store.failed.values()) > f
+                           or not waiting.is_alive(), 30, "a failed check of the agent")
+            finally:
+                member.resume()
+        assert min(store.failed.values()) >= 1 and waiting.is_alive(), (store.failed, joined)
+        leader = DynamicRendezvous(
+            JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/wait",
+                      signer=Signer(TOKEN.encode())),
+            min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
+            interrupted=lambda: False)
+        leader.join(0, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"), 60,
+                    lambda: ("10.0.0.1", 4343))
+        waiting.join(60)
+        generation = joined["joiner"]
+        assert not isinstance(generation, Exception), generation
+        assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+
 def _ftrun(args: list[str], script: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([launcher(), *args, str(script)], capture_output=True, text=True,
                           timeout=timeout, env={"PATH": "/usr/bin:/bin",

@@ -1,19 +1,20 @@
-"""A job generation's membership as each node receives it: a node's slot (:class:`NodeSlot`),
-its signed assignment (:class:`Assignment`, one small record per node, so thousands of agents
-need not each read the whole membership), and the whole record read lazily and checked
-against the assignment's digest (:class:`LazyNodes`). Split out of ``rendezvous.py``, which
-forms generations; this module only describes them."""
+"""A job generation's membership: the record itself (:class:`Generation`) and how each node
+receives it: a node's slot (:class:`NodeSlot`), its signed assignment (:class:`Assignment`,
+one small record per node, so thousands of agents need not each read the whole membership),
+and the whole record read lazily and checked against the assignment's digest
+(:class:`LazyNodes`). Split out of ``rendezvous.py``, which forms generations; this module
+only describes them."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 from ftrun.control.auth import canonical
-from ftrun.control.errors import StoreValueError, require
+from ftrun.control.errors import RendezvousError, StoreValueError, require
 
 
 def assignment_key(number: int, node_id: str) -> str:
@@ -167,3 +168,88 @@ class LazyNodes(Sequence[NodeSlot]):
 
     def __repr__(self) -> str:
         return f"LazyNodes({self._nodes!r})" if self.loaded else "LazyNodes(<not read>)"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the job; immutable once written. A non-leader's generation is
+    built from its :class:`Assignment`: its own place, the world size and the node count
+    are known at once, ``nodes`` is a :class:`LazyNodes` read on first use."""
+
+    number: int
+    restart_count: int
+    nodes: Sequence[NodeSlot]  # ordered by node rank
+    worker_store_host: str
+    worker_store_port: int
+    own: Assignment | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        if self.own is not None:
+            return self.own.world_size
+        return sum(node.local_world_size for node in self.nodes)
+
+    @property
+    def nnodes(self) -> int:
+        if self.own is not None:
+            return self.own.nnodes
+        return len(self.nodes)
+
+    def rank_offset(self, node_rank: int) -> int:
+        if self.own is not None and node_rank == self.own.node.node_rank:
+            return self.own.rank_offset
+        offset = 0
+        for node in self.nodes:
+            if node.node_rank == node_rank:
+                return offset
+            offset += node.local_world_size
+        raise RendezvousError(f"node rank {node_rank} is not in generation {self.number}")
+
+    def node(self, node_id: str) -> NodeSlot | None:
+        if self.own is not None and node_id == self.own.node.node_id:
+            return self.own.node
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def assignments(self, digest: str) -> list[Assignment]:
+        """Every node's assignment in this (complete) generation, in node rank order."""
+        made = []
+        offset, world, nnodes = 0, self.world_size, len(self.nodes)
+        for node in self.nodes:
+            made.append(Assignment(self.number, self.restart_count, node, offset, nnodes,
+                                   world, self.worker_store_host, self.worker_store_port,
+                                   digest))
+            offset += node.local_world_size
+        return made
+
+    @property
+    def node_ids(self) -> frozenset[str]:
+        return frozenset(n.node_id for n in self.nodes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "restart_count": self.restart_count,
+            "nodes": [node.to_json() for node in self.nodes],
+            "worker_store_host": self.worker_store_host,
+            "worker_store_port": self.worker_store_port,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Generation:
+        nodes = require(data, "nodes", list)
+        generation = cls(
+            number=require(data, "number", int),
+            restart_count=require(data, "restart_count", int),
+            nodes=tuple(NodeSlot.from_json(n) for n in nodes if isinstance(n, dict)),
+            worker_store_host=require(data, "worker_store_host", str),
+            worker_store_port=require(data, "worker_store_port", int),
+        )
+        ranks = [n.node_rank for n in generation.nodes]
+        if len(generation.nodes) != len(nodes) or ranks != sorted(set(ranks)):
+            raise StoreValueError("generation record with malformed or duplicate nodes")
+        if not nodes or ranks[0] < 0 or len(generation.node_ids) != len(nodes):
+            raise StoreValueError("generation record with no nodes, a negative rank or a "
+                                  "duplicate node id")
+        if not 0 < generation.worker_store_port < 65536:
+            raise StoreValueError("generation record with an invalid worker store port")
+        return generation

@@ -15,6 +15,10 @@ class StoreError(RuntimeError):
     """The store cannot be reached or served."""
 
 
+class RendezvousError(RuntimeError):
+    """The generation could not be formed (timeout, store lost, inconsistent records)."""
+
+
 class StoreValueError(StoreError):
     """A key holds something other than the JSON object its reader expects."""
 

@@ -61,111 +61,22 @@ long until ``join_timeout``): a job that cannot re-form is otherwise silent for 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from ftrun.control.assignments import (
     Assignment,
+    Generation,
     LazyNodes,
     NodeSlot,
     assignment_key,
     record_digest,
 )
-from ftrun.control.errors import StoreError, StoreValueError, require
+from ftrun.control.errors import RendezvousError, StoreError, StoreValueError
 from ftrun.control.heartbeat import HeartbeatMonitor
 from ftrun.control.store import JsonStore
 
 T = TypeVar("T")
-
-
-class RendezvousError(RuntimeError):
-    """The generation could not be formed (timeout, store lost, inconsistent records)."""
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One membership of the job; immutable once written. A non-leader's generation is
-    built from its :class:`Assignment`: its own place, the world size and the node count
-    are known at once, ``nodes`` is a :class:`LazyNodes` read on first use."""
-
-    number: int
-    restart_count: int
-    nodes: Sequence[NodeSlot]  # ordered by node rank
-    worker_store_host: str
-    worker_store_port: int
-    own: Assignment | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def world_size(self) -> int:
-        if self.own is not None:
-            return self.own.world_size
-        return sum(node.local_world_size for node in self.nodes)
-
-    @property
-    def nnodes(self) -> int:
-        if self.own is not None:
-            return self.own.nnodes
-        return len(self.nodes)
-
-    def rank_offset(self, node_rank: int) -> int:
-        if self.own is not None and node_rank == self.own.node.node_rank:
-            return self.own.rank_offset
-        offset = 0
-        for node in self.nodes:
-            if node.node_rank == node_rank:
-                return offset
-            offset += node.local_world_size
-        raise RendezvousError(f"node rank {node_rank} is not in generation {self.number}")
-
-    def node(self, node_id: str) -> NodeSlot | None:
-        if self.own is not None and node_id == self.own.node.node_id:
-            return self.own.node
-        return next((n for n in self.nodes if n.node_id == node_id), None)
-
-    def assignments(self, digest: str) -> list[Assignment]:
-        """Every node's assignment in this (complete) generation, in node rank order."""
-        made = []
-        offset, world, nnodes = 0, self.world_size, len(self.nodes)
-        for node in self.nodes:
-            made.append(Assignment(self.number, self.restart_count, node, offset, nnodes,
-                                   world, self.worker_store_host, self.worker_store_port,
-                                   digest))
-            offset += node.local_world_size
-        return made
-
-    @property
-    def node_ids(self) -> frozenset[str]:
-        return frozenset(n.node_id for n in self.nodes)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "number": self.number,
-            "restart_count": self.restart_count,
-            "nodes": [node.to_json() for node in self.nodes],
-            "worker_store_host": self.worker_store_host,
-            "worker_store_port": self.worker_store_port,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Generation:
-        nodes = require(data, "nodes", list)
-        generation = cls(
-            number=require(data, "number", int),
-            restart_count=require(data, "restart_count", int),
-            nodes=tuple(NodeSlot.from_json(n) for n in nodes if isinstance(n, dict)),
-            worker_store_host=require(data, "worker_store_host", str),
-            worker_store_port=require(data, "worker_store_port", int),
-        )
-        ranks = [n.node_rank for n in generation.nodes]
-        if len(generation.nodes) != len(nodes) or ranks != sorted(set(ranks)):
-            raise StoreValueError("generation record with malformed or duplicate nodes")
-        if not nodes or ranks[0] < 0 or len(generation.node_ids) != len(nodes):
-            raise StoreValueError("generation record with no nodes, a negative rank or a "
-                                  "duplicate node id")
-        if not 0 < generation.worker_store_port < 65536:
-            raise StoreValueError("generation record with an invalid worker store port")
-        return generation
 
 
 class Rendezvous:
@@ -265,8 +176,9 @@ class Rendezvous:
         while True:
             if self.is_leader:
                 return None  # promoted while waiting (etcd-v3's writer election)
-            found, body = self.store.wait_record(
-                name, min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
+            found, body = self._repeated(
+                deadline, f"waiting for {what}", self.store.wait_record, name,
+                min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
             if found:
                 if body is not None:
                     try:
@@ -280,13 +192,18 @@ class Rendezvous:
                                       LazyNodes(lambda a=own: self._read_nodes(a, deadline)),
                                       own.worker_store_host, own.worker_store_port, own=own)
                 time.sleep(self.poll_s)  # only forged records so far: the key exists
-            elif self.store.exists(f"gen/{number}"):
-                record = self.store.first_record(f"gen/{number}")
-                if record is not None:
-                    generation = self._generation_from(number, record)
-                    if generation.node(node_id) is None:
-                        return None
+            elif self._repeated(deadline, f"waiting for {what}", self._formed_without, number,
+                                node_id):
+                return None
             self._check_waiting(deadline, what)
+
+    def _formed_without(self, number: int, node_id: str) -> bool:
+        """Whether generation ``number``'s record exists and leaves this node out."""
+        if not self.store.exists(f"gen/{number}"):
+            return False
+        record = self.store.first_record(f"gen/{number}")
+        return record is not None and \
+            self._generation_from(number, record).node(node_id) is None
 
     def _generation_from(self, number: int, record: dict[str, Any]) -> Generation:
         generation = Generation.from_json(record)
@@ -388,9 +305,10 @@ class Rendezvous:
         request per slice instead of a poll every ``poll_s``), so hundreds of waiting
         agents cost the store almost nothing."""
         while True:
-            if self.store.wait_for(name, min(self.WAIT_SLICE_S,
-                                             max(deadline - time.monotonic(), 0.001))):
-                record = self.store.first_record(name)
+            if self._repeated(deadline, f"waiting for {what}", self.store.wait_for, name,
+                              min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001))):
+                record = self._repeated(deadline, f"reading {what}", self.store.first_record,
+                                        name)
                 if record is not None:
                     return record
                 time.sleep(self.poll_s)  # only forged records so far: the key exists
