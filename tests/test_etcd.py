@@ -19,8 +19,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -171,30 +173,20 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
                 self.tries += 1
                 super()._offer(number, slot)
 
-        member = psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
-                                     if c.status == psutil.CONN_LISTEN and c.pid
-                                     and f"127.0.0.1:{c.laddr.port}" == endpoint))
-        quick = lambda: connect_etcd(options, 0.4, op_timeout_s=0.4)  # noqa: E731
-        joiner = Counted(JsonStore(quick(), "ftrun/retry", signer=Signer(TOKEN.encode()),
-                                   reconnect=quick, retry_s=0.4),
-                         min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=False,
-                         poll_s=0.02, interrupted=lambda: False)
+        member = _member(endpoint)
+        joiner = Counted(_quick_store(options, "ftrun/retry"), min_nodes=2, max_nodes=2,
+                         last_call_s=0.5, is_leader=False, poll_s=0.02,
+                         interrupted=lambda: False)
         leader = DynamicRendezvous(
             JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/retry",
                       signer=Signer(TOKEN.encode())),
             min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
             interrupted=lambda: False)
         retried: dict[str, object] = {}
-
-        def join_retried(name: str, rdzv: DynamicRendezvous, slot: NodeSlot) -> None:
-            try:
-                retried[name] = rdzv.join(0, slot, 60, lambda: ("10.0.0.1", 4343))
-            except Exception as error:  # the assertion below shows it
-                retried[name] = error
         member.suspend()
         try:
-            late = threading.Thread(target=join_retried, args=(
-                "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
+            late = threading.Thread(target=_join_into, args=(
+                retried, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
             late.start()
             deadline = time.monotonic() + 30
             while joiner.tries < 3 and late.is_alive() and time.monotonic() < deadline:
@@ -202,13 +194,58 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
         finally:
             member.resume()
         assert joiner.tries >= 3, (joiner.tries, retried)  # failed twice, offered again
-        join_retried("leader", leader, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"))
+        _join_into(retried, "leader", leader, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"))
         late.join(60)
         generation = retried["joiner"]
         assert not isinstance(generation, Exception), generation
         assert generation.nnodes == 2 and generation.node("node-2").node_rank == 1, \
             generation  # type: ignore[union-attr]
 
+
+
+def _quick_store(options: EtcdOptions, prefix: str, kind: type[JsonStore] = JsonStore
+                 ) -> JsonStore:
+    """A store whose requests give up within 0.4 s and are retried for 0.4 s on a new
+    connection: against a frozen member, each request fails in about a second."""
+    quick = lambda: connect_etcd(options, 0.4, op_timeout_s=0.4)  # noqa: E731
+    return kind(quick(), prefix, signer=Signer(TOKEN.encode()), reconnect=quick, retry_s=0.4)
+
+
+def _join_into(joined: dict[str, object], name: str, rdzv: Any, slot: Any,
+               timeout_s: float = 120) -> None:
+    """``rdzv.join`` of generation 0 into ``joined[name]``: the generation, or the error
+    (a thread's target: the test's assertions show it)."""
+    try:
+        joined[name] = rdzv.join(0, slot, timeout_s, lambda: ("10.0.0.1", 4343))
+    except Exception as error:
+        joined[name] = error
+
+
+def _member(endpoint: str) -> psutil.Process:
+    """The loopback etcd member serving ``endpoint``."""
+    return psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
+                               if c.status == psutil.CONN_LISTEN and c.pid
+                               and f"127.0.0.1:{c.laddr.port}" == endpoint))
+
+
+def _freeze_until_each_fails(member: psutil.Process, failed: dict[str, int],
+                             progress: Callable[[], int], alive: Callable[[], bool]) -> None:
+    """Freeze ``member`` once per round until every kind in ``failed`` (counts a
+    rendezvous's failed requests by kind) has failed once, or the waiter (``alive``) ended:
+    each round waits for the waiter's next request (``progress`` grows), then freezes until
+    one more failed. A freeze fails one kind, either one: 16 rounds miss one with 2 ** -15."""
+    for _ in range(16):
+        if min(failed.values()) >= 1 or not alive():
+            return
+        before, failures = progress(), sum(failed.values())
+        wait_until(lambda b=before: progress() > b or not alive(), 30,
+                   "the waiter's next request")
+        member.suspend()
+        try:
+            wait_until(lambda f=failures: sum(failed.values()) > f or not alive(), 30,
+                       "a failed request of the waiter")
+        finally:
+            member.resume()
 
 
 def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_answers() -> None:
@@ -244,36 +281,15 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
-        member = psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
-                                     if c.status == psutil.CONN_LISTEN and c.pid
-                                     and f"127.0.0.1:{c.laddr.port}" == endpoint))
-        quick = lambda: connect_etcd(options, 0.4, op_timeout_s=0.4)  # noqa: E731
-        leader = Counted(JsonStore(quick(), "ftrun/lead", signer=Signer(TOKEN.encode()),
-                                   reconnect=quick, retry_s=0.4),
-                         min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True,
-                         poll_s=0.02, interrupted=lambda: False)
+        member = _member(endpoint)
+        leader = Counted(_quick_store(options, "ftrun/lead"), min_nodes=2, max_nodes=2,
+                         last_call_s=0.5, is_leader=True, poll_s=0.02,
+                         interrupted=lambda: False)
         joined: dict[str, object] = {}
-
-        def join(name: str, rdzv: DynamicRendezvous, slot: NodeSlot) -> None:
-            try:
-                joined[name] = rdzv.join(0, slot, 120, lambda: ("10.0.0.1", 4343))
-            except Exception as error:  # the assertions below show it
-                joined[name] = error
-        lead = threading.Thread(target=join, args=(
-            "leader", leader, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1")))
+        lead = threading.Thread(target=_join_into, args=(
+            joined, "leader", leader, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1")))
         lead.start()
-        for _ in range(16):  # each freeze fails one kind of read, either one: 2 ** -15
-            if min(leader.failed.values()) >= 1 or not lead.is_alive():
-                break
-            reads, failures = leader.reads, sum(leader.failed.values())
-            wait_until(lambda r=reads: leader.reads > r or not lead.is_alive(), 30,
-                       "the leader's next poll")
-            member.suspend()
-            try:
-                wait_until(lambda f=failures: sum(leader.failed.values()) > f
-                           or not lead.is_alive(), 30, "a failed read of the leader")
-            finally:
-                member.resume()
+        _freeze_until_each_fails(member, leader.failed, lambda: leader.reads, lead.is_alive)
         assert min(leader.failed.values()) >= 1, (leader.failed, joined)
         assert lead.is_alive(), joined
         joiner = DynamicRendezvous(
@@ -281,7 +297,7 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
                       signer=Signer(TOKEN.encode())),
             min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=False, poll_s=0.02,
             interrupted=lambda: False)
-        join("joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2"))
+        _join_into(joined, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2"))
         lead.join(60)
         for name in ("leader", "joiner"):
             generation = joined[name]
@@ -316,36 +332,16 @@ def test_an_agent_whose_wait_fails_under_load_still_joins_once_etcd_answers() ->
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
-        member = psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
-                                     if c.status == psutil.CONN_LISTEN and c.pid
-                                     and f"127.0.0.1:{c.laddr.port}" == endpoint))
-        quick = lambda: connect_etcd(options, 0.4, op_timeout_s=0.4)  # noqa: E731
-        store = Counted(quick(), "ftrun/wait", signer=Signer(TOKEN.encode()), reconnect=quick,
-                        retry_s=0.4)
+        member = _member(endpoint)
+        store = _quick_store(options, "ftrun/wait", Counted)
         joiner = DynamicRendezvous(store, min_nodes=2, max_nodes=2, last_call_s=0.5,
                                    is_leader=False, poll_s=0.02, interrupted=lambda: False)
         joined: dict[str, object] = {}
-
-        def join() -> None:
-            try:
-                joined["joiner"] = joiner.join(0, NodeSlot(-1, 1, "10.0.0.2", "h2", 1,
-                                                           "node-2"), 120, lambda: ("", 0))
-            except Exception as error:  # the assertions below show it
-                joined["joiner"] = error
-        waiting = threading.Thread(target=join)
+        waiting = threading.Thread(target=_join_into, args=(
+            joined, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
         waiting.start()
-        for _ in range(16):  # each freeze fails one kind of check, either one: 2 ** -15
-            if min(store.failed.values()) >= 1 or not waiting.is_alive():
-                break
-            checks, failures = store.checks, sum(store.failed.values())
-            wait_until(lambda c=checks: store.checks > c or not waiting.is_alive(), 30,
-                       "the agent's next slice")
-            member.suspend()
-            try:
-                wait_until(lambda f=failures: sum(store.failed.values()) > f
-                           or not waiting.is_alive(), 30, "a failed check of the agent")
-            finally:
-                member.resume()
+        _freeze_until_each_fails(member, store.failed, lambda: store.checks,
+                                 waiting.is_alive)
         assert min(store.failed.values()) >= 1 and waiting.is_alive(), (store.failed, joined)
         leader = DynamicRendezvous(
             JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/wait",
