@@ -41,12 +41,14 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   ``WAIT_SLICE_S``, then the ``get``), verified (signature, ``Assignment.from_json``,
   generation and node id). With ``etcd_port`` (the etcd-v3 backend), as
   ``ftrun.control.etcd.EtcdClient`` does it over a main HTTP connection of the agent's
-  own: the slot as a part key of its own (one put), a read of the assignment's range, a
-  watch stream from the revision after it (ended by closing the connection), the value
-  from the watch's event when it holds it whole and is not replayed (``etcdwire.
-  WaitStream``), else a read on a new connection; a slice without it: a ``check`` of
-  ``gen/<N>`` and the next slice's watch from the same revision with no read (``etcdwire.
-  MissedAt``); plus the lease beat on a second connection unless ``heartbeats`` is off.
+  own: the slot as a part key of its own (one put), then the held wait of
+  ``EtcdClient.wait_any`` (ftrun/control/etcdheld.py): one transaction reading the
+  assignment's, ``gen/<N>``'s and the shutdown record's ranges, and one watch stream of
+  the three from the revision after it (``etcdwire.AnyStream``), held with no request per
+  slice until an event (the value from it when whole, else a read on a new connection:
+  the stream ends only with its connection) or the gateway's end at ``HOLD_S`` (a read
+  and a stream again); plus the lease beat on a second connection unless ``heartbeats``
+  is off.
 
 The wire protocol is torch 2.13's TCPStore protocol, read from torch's client for the
 design and checked here by capturing what torch's own client sends (tests/
@@ -88,9 +90,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftrun.control.assignments import Assignment, NodeSlot
 from ftrun.control.auth import Signer
+from ftrun.control.etcdheld import HOLD_S
 from ftrun.control.etcdwire import (
     PART,
     PARTS_END,
+    AnyStream,
     MissedAt,
     WaitStream,
     b64,
@@ -516,16 +520,18 @@ class HttpConn(_Conn):
         self.streaming, self.stream_head, self.lines = False, False, b""
         self.deadline_answer = False
 
-    def post(self, path: str, body: dict[str, Any],
+    def post(self, path: str, body: dict[str, Any] | list[dict[str, Any]],
              callback: Callable[[dict[str, Any]], None], deadline_s: float = 0.0) -> None:
-        data = json.dumps(body).encode()
+        """``body``: one JSON object, or several in a row (a watch stream's requests)."""
+        data = "".join(json.dumps(b) for b in (body if isinstance(body, list) else [body])
+                       ).encode()
         self.callback, self.sent_at = callback, self.gen.loop.now
         timeout = f"Grpc-Timeout: {max(1, int(deadline_s * 1000))}m\r\n" if deadline_s else ""
         head = (f"POST /v3{path} HTTP/1.1\r\nHost: {self.gen.host}\r\n{timeout}"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
         self.send(head.encode() + data)
 
-    def stream(self, path: str, body: dict[str, Any],
+    def stream(self, path: str, body: dict[str, Any] | list[dict[str, Any]],
                on_message: Callable[[dict[str, Any]], None], deadline_s: float,
                on_deadline: Callable[[], None]) -> None:
         """A streamed request (``/watch``): ``on_message(result)`` for each message; the
@@ -695,6 +701,7 @@ class Agent:
         # next slice watches from there with no read), and what the slice's watch said
         self.missed = MissedAt()
         self.wait_stream = WaitStream(b"", False)
+        self.any_stream = AnyStream([])  # the rendezvous's held wait
         self.cancelling = False
         self.fired = 0.0  # when the end wait came back with the key
         self.end_seen = 0.0  # when the verified end record was in hand
@@ -1000,104 +1007,83 @@ class Agent:
         self.offered = time.time()
         self.read_assignment_etcd()
 
-    def _span(self) -> dict[str, Any]:
-        """The range of the agent's assignment key and its appended parts, oldest first
-        (``EtcdClient._span``)."""
-        return span(self._ekey(f"gen/{self.gen.number}/as/{self.node_id}"))
+    def _held_keys(self) -> list[bytes]:
+        """What the agent's wait watches (``Rendezvous._wait_assignment``): its assignment,
+        the generation's record, the job's shutdown record."""
+        number = self.gen.number
+        return [self._ekey(f"gen/{number}/as/{self.node_id}"), self._ekey(f"gen/{number}"),
+                self._ekey("shutdown")]
 
     def read_assignment_etcd(self) -> None:
-        """torch's ``get`` as ``EtcdClient.get`` does it: a read; if the key is missing, a
-        watch from the revision after the read; where the last slice's read found it
-        missing, the watch from that revision with no read (``etcdwire.MissedAt``)."""
+        """The held wait's first slice: one transaction reading the three ranges."""
         if self.joined is not None:
             return
-        assert self.jc is not None
-        revision = self.missed.since(self._assignment_ekey(), 0, self.gen.loop.now)
-        if revision is None:
-            self._request("/kv/range", self._span(), self._etcd_read)
-        elif not self.jc.live:  # closed meanwhile: made again once reconnected
-            self._reconnect(self.read_assignment_etcd)
-        else:
-            self._etcd_watch(revision, True)
-
-    def _assignment_ekey(self) -> bytes:
-        return self._ekey(f"gen/{self.gen.number}/as/{self.node_id}")
+        self._request("/kv/txn", {"compare": [], "failure": [], "success": [
+            {"request_range": span(k)} for k in self._held_keys()]}, self._etcd_read)
 
     def _etcd_read(self, answer: dict[str, Any]) -> None:
-        kvs = answer.get("kvs") or []
-        if kvs:
-            self.step = None
-            raw = joined_value(kvs)
-            self._take_assignment(raw, self.read_assignment_etcd)
-            return
-        revision = int((answer.get("header") or {}).get("revision", 0))
-        self.missed.hold(self._assignment_ekey(), revision, 0, self.gen.loop.now)
-        self._etcd_watch(revision, False)
+        for index, response in enumerate(answer.get("responses") or []):
+            kvs = (response.get("response_range") or {}).get("kvs") or []
+            if kvs and index == 0:
+                self.step = None
+                self._take_assignment(joined_value(kvs), self.read_assignment_etcd)
+                return
+            if kvs:  # the record without this node's assignment, or a shutdown: over
+                self.joined = f"{self._held_keys()[index]!r} came before the assignment"
+                return
+        self._etcd_watch(int((answer.get("header") or {}).get("revision", 0)))
 
-    def _etcd_watch(self, revision: int, replay: bool) -> None:
-        """The slice's watch of the assignment from the revision after ``revision``."""
+    def _etcd_watch(self, revision: int) -> None:
+        """One stream of the three keys from the revision after the read, held until an
+        event or the gateway's end at ``HOLD_S``: no request per slice."""
         if time.time() > self.gen.deadline:
             self.joined = "timed out waiting for the assignment"
             return
-        span = self._span()
         assert self.jc is not None
         self.step = None
         self.wait_no += 1
         self.waiting = True
-        self.wait_stream = WaitStream(self._assignment_ekey(), replay)
-        self.jc.stream("/watch", {"create_request": {
-            "key": span["key"], "range_end": span["range_end"],
-            "start_revision": revision + 1}}, self._etcd_watched, WAIT_SLICE_S,
-            self._etcd_slice_ended)
+        self.any_stream = AnyStream(self._held_keys())
+        self.jc.stream("/watch", self.any_stream.requests(revision), self._etcd_watched,
+                       HOLD_S, self._etcd_hold_ended)
         # the client's own bound (its read timeout), should the gateway not end the stream
-        self.gen.loop.at(self.gen.loop.now + WAIT_SLICE_S + 0.5, self._etcd_slice_due,
-                         self.wait_no)
+        self.gen.loop.at(self.gen.loop.now + HOLD_S + 1.0, self._etcd_hold_due, self.wait_no)
 
     def _etcd_watched(self, result: dict[str, Any]) -> None:
-        """A message of the watch: ``created`` alone goes on waiting; an event (or a
-        cancel) ends the wait, and the connection with it (a stream is ended only by
-        closing it: the real client's next request makes a new connection). The value is
-        taken from the event when it tells it whole and is not a replayed one
-        (``EtcdClient.get`` through ``etcdwire.WaitStream``), else read again on a new
-        connection."""
+        """A message of the stream: "created" goes on waiting; an event ends the wait and
+        the connection with it. The assignment is taken from the event when it tells it
+        whole, else read again on a new connection (also when the record's event came
+        first: etcd orders the events of one watch, not those of a stream's watches)."""
         if not self.waiting:
             return
-        over, value = self.wait_stream.take({"result": result})
-        if not over:
+        hit = self.any_stream.take({"result": result})
+        if hit is None:
             return
         self._end_watch()
-        self.missed.forget(self.wait_stream.ekey)
-        if value is not None:  # the leader's put, whole in the event: no second read
+        index, value = hit
+        self.gen.count("rdzv.held wait ended by an event", 0)
+        if index == 0 and value is not None:  # the leader's put, whole in the event
             self.gen.count("rdzv.assignment from the watch event", 0)
             self._take_assignment(value, lambda: self._reconnect(self.read_assignment_etcd))
             return
         self._reconnect(self.read_assignment_etcd)
 
-    def _etcd_slice_ended(self) -> None:
-        """The gateway ended the slice's stream at its deadline: as the rendezvous loop, a
-        ``check`` of ``gen/N`` and the read again, on the same connection."""
+    def _etcd_hold_ended(self) -> None:
+        """The gateway ended the held stream at its deadline: a read and a stream again,
+        on the same connection."""
         if not self.waiting or self.joined is not None:
             return
         self.waiting = False
         self.wait_no += 1
-        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
-        self._request("/kv/txn", self._gen_check(), lambda a: self.read_assignment_etcd())
+        self.read_assignment_etcd()
 
-    def _gen_check(self) -> dict[str, Any]:
-        key = self._ekey(f"gen/{self.gen.number}")
-        return {"compare": [], "failure": [], "success": [{"request_range": {
-            "key": b64(key), "range_end": b64(key + PARTS_END), "count_only": True}}]}
-
-    def _etcd_slice_due(self, number: int) -> None:
-        """A wait slice passed without the key: the stream's read timeout closes the
-        connection; then, as the rendezvous loop does, a ``check`` of ``gen/N`` and the
-        read again."""
+    def _etcd_hold_due(self, number: int) -> None:
+        """The held stream outlived its deadline: the read timeout closes the connection;
+        a read and a stream again on a new one."""
         if number != self.wait_no or not self.waiting or self.joined is not None:
             return
-        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
         self._end_watch()
-        self._reconnect(lambda: self._request("/kv/txn", self._gen_check(),
-                                              lambda a: self.read_assignment_etcd()))
+        self._reconnect(self.read_assignment_etcd)
 
     def _ekey(self, name: str) -> bytes:
         """The etcd key of the job's key ``name`` (``EtcdClient``'s root and the prefix)."""
@@ -1129,7 +1115,6 @@ class Agent:
             return
         step = self.step if self.step is not None else self.read_assignment_etcd
         self.waiting = False
-        self.missed.forget(self._assignment_ekey())  # a new client (JsonStore's) reads first
         if time.time() > self.gen.deadline:
             self.joined = f"etcd request failed: {why}"[:200]
             return

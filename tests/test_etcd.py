@@ -306,43 +306,57 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
                 generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
 
 
-def test_an_agent_whose_wait_fails_under_load_still_joins_once_etcd_answers() -> None:
-    """The other half: an agent's wait for its assignment fails while the etcd member is
-    frozen (the store's own retries spent); it waits again until the join's deadline and
-    holds the generation the leader writes once etcd answers."""
+def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_answers(
+        ) -> None:
+    """The other half: an agent waits for its assignment on one held watch stream
+    (``EtcdClient.wait_any``); the etcd member then freezes (SIGSTOP: silent, not reset).
+    Once another request of the agent's process to it fails (as its heartbeat's would),
+    the wait gives the stream up at its next slice and connects again, which fails while
+    the member is frozen (slices without news, not an error); once etcd answers, it reads
+    again, watches again and holds the generation the leader writes."""
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
 
     class Counted(JsonStore):
-        """Counts the existence checks each slice makes (of ``gen/N`` and of the shutdown
-        record; a failed wait itself reads as a slice's end), and the failed ones."""
+        """Counts the wait's slices and its attempts to replace a failed connection."""
 
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            self.checks = 0
-            self.failed = {"gen/0": 0, "shutdown": 0}
+            self.slices = self.reconnects = 0
 
-        def exists(self, name: str) -> bool:
-            try:
-                found = super().exists(name)
-            except StoreError:
-                self.failed[name] = self.failed.get(name, 0) + 1
-                raise
-            self.checks += 1
-            return found
+        def wait_any(self, *args: Any, **kwargs: Any) -> Any:
+            self.slices += 1
+            return super().wait_any(*args, **kwargs)
+
+        def _replace_client(self) -> None:
+            self.reconnects += 1
+            super()._replace_client()
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
         member = _member(endpoint)
         store = _quick_store(options, "ftrun/wait", Counted)
+        beat = connect_etcd(options, 10, op_timeout_s=0.4)  # the agent's heartbeat client
         joiner = DynamicRendezvous(store, min_nodes=2, max_nodes=2, last_call_s=0.5,
                                    is_leader=False, poll_s=0.02, interrupted=lambda: False)
         joined: dict[str, object] = {}
         waiting = threading.Thread(target=_join_into, args=(
             joined, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
         waiting.start()
-        _freeze_until_each_fails(member, store.failed, lambda: store.checks,
-                                 waiting.is_alive)
-        assert min(store.failed.values()) >= 1 and waiting.is_alive(), (store.failed, joined)
+        held = lambda: store.raw._held.held  # noqa: E731
+        wait_until(lambda: held() is not None and held().stream.confirmed, 30,
+                   "the joiner's held watch")
+        wait_until(lambda: store.slices >= 2, 30, "a slice on the held watch")
+        assert store.reconnects == 0
+        member.suspend()
+        try:
+            with pytest.raises(RuntimeError, match="no etcd endpoint answered"):
+                beat.keep_alive(1)
+            # within a slice or so (2 s), not at the stream's read timeout (HOLD_S, 30 s)
+            wait_until(lambda: store.reconnects >= 2, 10,
+                       "the joiner giving the stream up and connecting again")
+            assert waiting.is_alive(), joined
+        finally:
+            member.resume()
         leader = DynamicRendezvous(
             JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/wait",
                       signer=Signer(TOKEN.encode())),
@@ -354,6 +368,7 @@ def test_an_agent_whose_wait_fails_under_load_still_joins_once_etcd_answers() ->
         generation = joined["joiner"]
         assert not isinstance(generation, Exception), generation
         assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+
 
 def _ftrun(args: list[str], script: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([launcher(), *args, str(script)], capture_output=True, text=True,

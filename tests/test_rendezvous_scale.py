@@ -323,9 +323,10 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
     """The etcd-v3 light rendezvous's event-driven agents (mode ``rdzv`` on etcd), 11 in
     two processes with their lease beats, join a generation of 12 that ftrun's own leader
     (DynamicRendezvous on the etcd-v3 client) forms: each appends its signed slot as a
-    part key, reads its own assignment, watches for it through the gateway's stream and
-    takes it from the watch's event, verifies it and holds the rank the leader gave it. One agent's
-    assignment is forged beforehand (without the token): it ignores it."""
+    part key, reads its own assignment, the record and the shutdown record in one
+    transaction, holds one stream of their watches through the gateway and takes its
+    assignment from the watch's event, verifies it and holds the rank the leader gave it.
+    One agent's assignment is forged beforehand (without the token): it ignores it."""
     options = EtcdOptions.parse(endpoint, {})
     _forge_assignment(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej")
     n = 12
@@ -337,7 +338,12 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
     try:
         ready = fleet.wait_for("ready", 30)
         assert sum(r["beaten"] for r in ready) == n - 1, ready  # each lease kept once
+        watchers = _etcd_metric(endpoint, "etcd_debugging_mvcc_watcher_total")
         fleet.send({"cmd": "join", "timeout": 20})
+        # the leader writes once every agent but node-3 (its forged assignment read, it
+        # reads again) holds its wait's stream: three watches each
+        assert _until(lambda: _etcd_metric(endpoint, "etcd_debugging_mvcc_watcher_total")
+                      >= watchers + 3 * (n - 2), 20)
         store = JsonStore(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej",
                           signer=Signer(TOKEN))
         leader = DynamicRendezvous(store, min_nodes=n, max_nodes=n, last_call_s=0,
@@ -348,10 +354,13 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
         fleet.close()
     errors = _check_joined(reports, leader, n)
     assert errors and all("ignored an assignment" in e for e in errors), reports  # node-3's
-    # the agents waited through watches and took the assignment from the watch's event
-    # (no second read), not by finding it at their first read
-    watched = sum(r["calls"].get("rdzv.assignment from the watch event", 0) for r in reports)
-    assert watched >= n // 2, reports
+    # every agent but node-3 waited on its held stream (none found its assignment at its
+    # first read) and most took the assignment from the watch's event (no second read;
+    # etcd may deliver the record's event first: the agent then reads)
+    calls = [r["calls"] for r in reports]
+    assert sum(c.get("rdzv.held wait ended by an event", 0) for c in calls) == n - 2, calls
+    assert sum(c.get("rdzv.assignment from the watch event", 0) for c in calls) >= n // 2, \
+        calls
 
 
 def _etcd_metric(endpoint: str, line_start: str) -> float:
@@ -558,3 +567,74 @@ def test_a_renewed_etcd_wait_costs_no_read_and_misses_no_write() -> None:
         assert reads_in(lambda: slice_("as/c")) == (False, 0)  # its watch saw the store
         assert reads_in(lambda: slice_("as/c")) == (False, 1)
         assert reads_in(lambda: slice_("as/c")) == (False, 0)
+
+
+@pytest.mark.skipif(etcd_missing_reason() is not None, reason=etcd_missing_reason() or "")
+def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write() -> None:
+    """A joining agent's wait on etcd-v3 (``EtcdClient.wait_any``, ftrun/control/
+    etcdheld.py): its first slice reads every key in one transaction and opens one watch
+    stream of them all; the next slices cost etcd nothing (its counts of handled requests
+    and of started watch streams do not move). A write made between two slices is seen
+    (the stream is held), from the event with no read, as the key it named. A stream the
+    gateway ended (its hold), or one to an endpoint on which another request of this
+    process failed since (a member gone silent), is given up: the next slice reads again
+    (the failure moving to the next endpoint). No wait thread outlives its stream."""
+    from ftrun.control.etcdheld import note_failure
+
+    handled = 'grpc_server_handled_total{grpc_code="OK"'
+    streams = 'grpc_server_started_total{grpc_method="Watch"'
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(f"{endpoint},{endpoint}", {})  # one member, twice
+        reader, writer = (connect_etcd(options, 10, op_timeout_s=5) for _ in range(2))
+
+        def costs(step: Callable[[], object]) -> tuple[object, float, float]:
+            before = (_etcd_metric(endpoint, handled), _etcd_metric(endpoint, streams))
+            result = step()
+            return (result, _etcd_metric(endpoint, handled) - before[0],
+                    _etcd_metric(endpoint, streams) - before[1])
+
+        keys = ["as/1", "gen/1", "shutdown"]
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
+        started = time.monotonic()
+        assert costs(lambda: [reader.wait_any(keys, 0.3) for _ in range(4)]) == \
+            ([None] * 4, 0, 0)
+        assert time.monotonic() - started > 4 * 0.25  # each slice waited its time
+        writer.set("gen/1", "the record")  # between two slices
+        assert costs(lambda: reader.wait_any(keys, 5)) == ((1, b"the record"), 0, 0)
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == ((1, b"the record"), 1, 0)
+
+        keys = ["as/2", "gen/2", "shutdown"]
+        assert reader.wait_any(keys, 0.3) is None
+
+        def put_in_a_slice() -> None:
+            time.sleep(0.5)  # inside the next slice's wait, not before it
+            writer.multi_set(["as/2"], ["assigned"])
+        timer = threading.Thread(target=put_in_a_slice)
+        timer.start()
+        started = time.monotonic()
+        # the writer's transaction is the one request handled; no read
+        assert costs(lambda: reader.wait_any(keys, 10)) == ((0, b"assigned"), 1, 0)
+        assert time.monotonic() - started < 5
+        timer.join()
+
+        keys = ["as/3", "gen/3", "shutdown"]
+        assert reader.wait_any(keys, 0.3) is None
+        note_failure(reader.endpoint)  # another client's request to it failed
+        assert reader._current == 0
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 0, 0)  # given up
+        assert reader._current == 1  # failed over
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)  # read there
+
+        reader._held.close()
+        assert _until(lambda: not any(t.name == "ftrun-etcd-wait"
+                                      for t in threading.enumerate()), 10)
+        reader._held.hold_s = 1.0  # the gateway ends each stream after 1 s
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
+        assert _until(lambda: reader._held.held is not None and reader._held.held.done.is_set(),
+                      10)
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 0, 0)  # ended: given up
+        assert reader._current == 1  # not a failure
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
+        reader._held.close()
+        assert _until(lambda: not any(t.name == "ftrun-etcd-wait"
+                                      for t in threading.enumerate()), 10)

@@ -56,6 +56,7 @@ from etcd3gw.client import Etcd3Client
 
 from ftrun.control import etcdwire as wire
 from ftrun.control.errors import StoreError
+from ftrun.control.etcdheld import BoundedSession, HeldWaits, note_failure
 
 DEFAULT_PREFIX = "/ftrun"
 DEFAULT_ETCD_PORT = 2379
@@ -121,25 +122,6 @@ class EtcdOptions:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
 
-class _Session(requests.Session):
-    """A requests session whose requests are all bounded: etcd3gw gives no timeout to the
-    request that opens a watch, which would block on a frozen member forever. Its CA
-    (``cacert``) is given with each request: requests lets ``REQUESTS_CA_BUNDLE`` or
-    ``CURL_CA_BUNDLE`` in the environment override a session's own, which ignored the
-    option on hosts that set them (etcd's certificate then failed to verify)."""
-
-    def __init__(self, timeout: tuple[float, float]) -> None:
-        super().__init__()
-        self.bound = timeout
-
-    def request(self, *args: Any, **kwargs: Any) -> requests.Response:  # type: ignore[override]
-        if kwargs.get("timeout") is None:
-            kwargs["timeout"] = self.bound
-        if isinstance(self.verify, str) and kwargs.get("verify") is None:
-            kwargs["verify"] = self.verify
-        return super().request(*args, **kwargs)
-
-
 class EtcdClient:
     """One connection's worth of the store, with ``TCPStore``'s client operations (see the
     module docstring). Like a ``TCPStore`` client it is used by one thread at a time: each
@@ -156,7 +138,7 @@ class EtcdClient:
         self._connect_s = min(timeout_s, connect_timeout_s or timeout_s)
         self._clients: list[Etcd3Client] = []
         for host, port in options.endpoints:
-            session = _Session((self._connect_s, timeout_s))
+            session = BoundedSession((self._connect_s, timeout_s))
             if options.cacert is not None:
                 session.verify = options.cacert
             if options.cert is not None and options.key is not None:
@@ -169,6 +151,8 @@ class EtcdClient:
         self._appended = wire.AppendedReads()
         self._missed = wire.MissedAt()  # a renewed wait's watch needs no read first
         self._helpers: list[EtcdClient] = []  # multi_set's other connections
+        self._held = HeldWaits(lambda: (self.endpoint, self._clients[self._current]),
+                               self._txn, self._failed_over, self._connect_s, timeout_s)
 
     # --- torch's TCPStore surface ---------------------------------------------------------
 
@@ -299,6 +283,12 @@ class EtcdClient:
                                        else self._timeout_s)
         for key in keys:
             self._until_written(key, deadline)
+
+    def wait_any(self, keys: list[str], timeout_s: float) -> tuple[int, bytes | None] | None:
+        """The first of ``keys`` that exists or is written within ``timeout_s``: (its index,
+        its value, or None when only a read tells it); None when none was. One watch stream
+        of every key, held across calls for the same keys (:mod:`ftrun.control.etcdheld`)."""
+        return self._held.wait([self._root + key.encode() for key in keys], timeout_s)
 
     def delete_key(self, key: str) -> bool:
         result = self._post("/kv/deleterange", self._span(key))
@@ -561,12 +551,14 @@ class EtcdClient:
                 raise RuntimeError(f"etcd refused {path}: {wire.short(error)}") from None
             except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
                 failures.append(f"{self.endpoint}: {wire.short(error)}")
+                note_failure(self.endpoint)
                 self._current = (self._current + 1) % len(self._clients)
         raise RuntimeError("no etcd endpoint answered (" + "; ".join(failures) + ")")
 
     def _failed_over(self, why: str) -> None:
         """A watch on the current endpoint failed: the next request goes to the next one (the
         caller reads again, so nothing is lost)."""
+        note_failure(self.endpoint)
         self._current = (self._current + 1) % len(self._clients)
         if len(self._clients) == 1:
             raise RuntimeError(f"etcd {why}")

@@ -19,11 +19,9 @@ pickled. Every call has an explicit timeout. Errors: connection problems raise
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from typing import Any
 
 from ftrun.control.auth import AuthError, Signer
 from ftrun.control.errors import StoreError, StoreValueError
+from ftrun.control.sockbounds import bound_requests, socket_fds
 
 # torch's C++ store client logs every failed connect attempt and every timed-out request
 # (tens of lines while a store host is down). The agent turns those failures into one line
@@ -183,10 +182,10 @@ class _ConnectAttempt:
             self.error = "another connect has not returned (a frozen store host?)"
             return
         try:
-            before = _socket_fds()
+            before = socket_fds()
             store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=slice_s))
             if op_timeout_s is not None:
-                _bound_requests(_socket_fds() - before, op_timeout_s)
+                bound_requests(socket_fds() - before, op_timeout_s)
             self.store = store
         except (RuntimeError, ValueError) as error:
             self.error = _first_line(error)
@@ -207,36 +206,6 @@ def _first_line(error: BaseException) -> str:
     """torch's store errors carry a C++ trace after the first line."""
     text = str(error)
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def _socket_fds() -> set[int]:
-    fds = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
-        except OSError:
-            continue
-    return fds
-
-
-def _bound_requests(fds: set[int], timeout_s: float) -> None:
-    """Receive/send timeouts and TCP_USER_TIMEOUT on the sockets a client just opened."""
-    seconds = int(timeout_s)
-    timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
-    for fd in fds:
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        with sock:
-            if sock.type != socket.SOCK_STREAM:
-                continue
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                                int(timeout_s * 1000))
 
 
 class JsonStore:
@@ -502,6 +471,35 @@ class JsonStore:
             if not self._conn.failed and client is self.raw:
                 client.set_timeout(bound)
         return True, self.check_record(name, raw)
+
+    def wait_any(self, names: list[str], timeout_s: float
+                 ) -> tuple[str, dict[str, Any] | None] | None:
+        """The first of ``names`` that exists or is written within ``timeout_s``, with its
+        first valid record (None: none valid yet); None when none was. On etcd-v3 one
+        watch of every name, held across calls (``EtcdClient.wait_any``: a slice costs etcd
+        no request); on a TCPStore a wait for the first name, then a check of each other.
+        Errors as :meth:`wait_for`: a failed request is a slice without news."""
+        if not hasattr(self.raw, "wait_any"):
+            found, body = self.wait_record(names[0], timeout_s)
+            if found:
+                return names[0], body
+            present = next((n for n in names[1:] if self.exists(n)), None)
+            return None if present is None else (present, self.first_record(present))
+        if not self._usable(timeout_s):
+            return None
+        try:
+            hit = self.raw.wait_any([self.key(n) for n in names], timeout_s)
+        except (RuntimeError, ValueError) as error:
+            if self.reconnect is None or self.lost():
+                raise StoreError(f"store request failed: {_first_line(error)}") from None
+            self._conn.failed = True
+            self._usable(0.0)
+            return None
+        if hit is None:
+            return None
+        name = names[hit[0]]
+        return name, self.first_record(name) if hit[1] is None else \
+            self._first_valid(name, hit[1])
 
     def check_record(self, name: str, raw: bytes) -> dict[str, Any] | None:
         try:

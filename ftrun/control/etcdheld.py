@@ -1,0 +1,189 @@
+"""A joining agent's wait on etcd-v3, held across its slices (``EtcdClient.wait_any``).
+
+Why: the rendezvous waits in slices (``Rendezvous.WAIT_SLICE_S``, 2 s) so that a signal
+to a waiting agent takes effect within one. On the TCPStore a slice costs the store's
+thread a wait, its cancel and a check. On etcd it cost a new watch (a gRPC stream behind
+the JSON gateway) and two reads (``gen/N`` and the shutdown record), and 4,095 agents
+waiting for a 4,096-node generation renewed 2,000 times a second, more than one member
+serves: the leader wrote the generation, and no agent held its assignment within 60 s
+(README, "Scale of the control plane"). Here a wait is one stream with a watch of each key
+it waits for (``etcdwire.AnyStream``), made from the revision of one read of them all and
+read by a daemon thread; a slice is a wait on that thread, with no request to etcd.
+
+Bounds and failover (what a silent stream could otherwise hide):
+
+* the gateway ends the stream ``HOLD_S`` after it began (``Grpc-Timeout``); the next
+  slice reads again and watches again;
+* etcd must confirm every watch within the client's request timeout (a frozen member
+  never does): the endpoint has failed;
+* a member cut off or frozen after the stream began is silent, not reset. Any client of
+  this process whose request to that endpoint failed after the stream began (the agent's
+  heartbeat, a request every interval, notices first) notes it in :data:`FAILED_AT`, the
+  one table this module keeps; the wait then gives the stream up at its next slice and
+  moves to the next endpoint.
+
+Errors: ``RuntimeError`` as the client's requests. A failed stream moves the client to
+its next endpoint (``EtcdClient._failed_over``, which raises with a single endpoint) and
+is otherwise a slice without news: the caller's next slice reads every key again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import requests
+from etcd3gw import exceptions as etcd_errors
+from etcd3gw.client import Etcd3Client
+
+from ftrun.control import etcdwire as wire
+
+#: How long one held stream lasts before the gateway ends it (a new read and stream then).
+HOLD_S = 30.0
+
+#: endpoint ("host:port") -> time.monotonic() of the last request of this process's
+#: clients to it that failed. Written by every client, read by held waits; a float per
+#: endpoint, so the GIL keeps each write whole.
+FAILED_AT: dict[str, float] = {}
+
+
+class BoundedSession(requests.Session):
+    """A requests session whose requests are all bounded: etcd3gw gives no timeout to the
+    request that opens a watch, which would block on a frozen member forever. Its CA
+    (``cacert``) is given with each request: requests lets ``REQUESTS_CA_BUNDLE`` or
+    ``CURL_CA_BUNDLE`` in the environment override a session's own, which ignored the
+    option on hosts that set them (etcd's certificate then failed to verify)."""
+
+    def __init__(self, timeout: tuple[float, float]) -> None:
+        super().__init__()
+        self.bound = timeout
+
+    def request(self, *args: Any, **kwargs: Any) -> requests.Response:  # type: ignore[override]
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = self.bound
+        if isinstance(self.verify, str) and kwargs.get("verify") is None:
+            kwargs["verify"] = self.verify
+        return super().request(*args, **kwargs)
+
+
+def note_failure(endpoint: str) -> None:
+    FAILED_AT[endpoint] = time.monotonic()
+
+
+class HeldWatch:
+    """One stream on several keys' spans from one revision, read by a daemon thread until
+    its first event, the gateway's end of it, a failure, or :meth:`close`."""
+
+    def __init__(self, endpoint: str, gateway: Etcd3Client, ekeys: list[bytes],
+                 revision: int, connect_s: float, hold_s: float) -> None:
+        self.ekeys, self.endpoint = ekeys, endpoint
+        self.opened = time.monotonic()
+        self.stream = wire.AnyStream(ekeys)
+        self.outcome: tuple[int, bytes | None] | None = None
+        self.failure = ""  # why the stream failed ("": it did not)
+        self.done = threading.Event()  # outcome, failure or end: the thread is over
+        self._closed = False
+        self._response: requests.Response | None = None
+        session = BoundedSession((connect_s, hold_s + 1.0))  # close() shuts it
+        session.verify, session.cert = gateway.session.verify, gateway.session.cert
+        body = "".join(json.dumps(r) for r in self.stream.requests(revision))
+        self._thread = threading.Thread(
+            target=self._read, args=(session, gateway.get_url("/watch"), body, connect_s,
+                                     hold_s),
+            name="ftrun-etcd-wait", daemon=True)
+        self._thread.start()
+
+    def _read(self, session: requests.Session, url: str, body: str, connect_s: float,
+              hold_s: float) -> None:
+        try:
+            with session.post(url, data=body, stream=True, timeout=(connect_s, hold_s + 1.0),
+                              headers={"Content-Type": "application/json",
+                                       "Grpc-Timeout": f"{int(hold_s * 1000)}m"}
+                              ) as response:
+                self._response = response
+                if response.status_code not in (200, 504):  # 504: the deadline, its body
+                    self.failure = f"HTTP {response.status_code} {response.reason}"
+                    return
+                for line in response.iter_lines():
+                    if self._closed:
+                        return
+                    if line.strip():
+                        self.outcome = self.stream.take(json.loads(line))
+                        if self.outcome is not None:
+                            return
+                if not self.stream.ended:
+                    self.failure = "the stream ended"
+        except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
+            self.failure = wire.short(error)
+        finally:
+            session.close()
+            self.done.set()
+
+    def stale(self, request_s: float) -> str:
+        """Why this stream can no longer be trusted to tell a write ("": it can)."""
+        if self.failure:
+            return self.failure
+        if self.done.is_set() and self.outcome is None:
+            return "ended"  # the gateway's end at HOLD_S (or a failure, said above)
+        if not self.stream.confirmed and time.monotonic() - self.opened > request_s:
+            return "etcd did not confirm the watch within the request timeout"
+        if FAILED_AT.get(self.endpoint, -1.0) > self.opened:
+            return "a request of this process to the endpoint failed since the watch began"
+        return ""
+
+    def close(self) -> None:
+        """End the stream now (its thread ends with it; not joined: a daemon)."""
+        self._closed = True
+        with contextlib.suppress(Exception):  # not begun, or over already
+            self._response.raw.shutdown()  # type: ignore[union-attr]
+
+
+class HeldWaits:
+    """A client's held wait (at most one: a client serves one thread). ``gateway()``: the
+    client's current endpoint and its etcd3gw client; ``txn`` and ``failed_over``: the
+    client's transaction and its move to the next endpoint; ``connect_s``/``request_s``:
+    its bounds."""
+
+    def __init__(self, gateway: Callable[[], tuple[str, Etcd3Client]],
+                 txn: Callable[[list[Any], list[Any], list[Any]], dict[str, Any]],
+                 failed_over: Callable[[str], None], connect_s: float, request_s: float,
+                 hold_s: float = HOLD_S) -> None:
+        self._gateway, self._txn, self._failed_over = gateway, txn, failed_over
+        self._connect_s, self._request_s, self.hold_s = connect_s, request_s, hold_s
+        self.held: HeldWatch | None = None
+
+    def wait(self, ekeys: list[bytes], timeout_s: float) -> tuple[int, bytes | None] | None:
+        """See ``EtcdClient.wait_any`` (``ekeys``: the keys with the client's root)."""
+        endpoint, gateway = self._gateway()
+        held = self.held
+        if held is not None and (held.ekeys != ekeys or held.endpoint != endpoint):
+            self.close()
+        elif held is not None and held.outcome is None and (why := held.stale(self._request_s)):
+            self.close()
+            if why != "ended":
+                self._failed_over(f"watch: {why}")  # the next slice reads elsewhere
+            return None
+        if self.held is None:
+            result = self._txn([], [{"request_range": wire.span(e)} for e in ekeys], [])
+            for index, response in enumerate(result.get("responses") or []):
+                kvs = (response.get("response_range") or {}).get("kvs") or []
+                if kvs:
+                    return index, wire.joined(kvs)
+            revision = int((result.get("header") or {}).get("revision", 0))
+            self.held = HeldWatch(endpoint, gateway, ekeys, revision, self._connect_s,
+                                  self.hold_s)
+        held = self.held
+        if not held.done.wait(max(timeout_s, 0.0)) or held.outcome is None:
+            return None  # nothing yet: the next slice looks at the same stream (or why not)
+        self.close()
+        index, value = held.outcome
+        return None if index < 0 else (index, value)  # canceled: the next slice reads
+
+    def close(self) -> None:
+        if self.held is not None:
+            self.held.close()
+            self.held = None
