@@ -14,6 +14,7 @@ import datetime
 import ipaddress
 import ssl
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -102,7 +103,8 @@ def test_etcd_tls_job_forms_with_the_right_client_certificate_and_a_wrong_one_is
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """etcd requires a client certificate of its CA. With that certificate (and the CA to
     check etcd's own), a client's requests work and a real ftrun job forms its generation
-    on etcd, runs its worker and exits 0, also where ``REQUESTS_CA_BUNDLE`` names another
+    on etcd, runs its worker and exits 0 (a held wait's stream, on a session of its own,
+    speaks TLS too), also where ``REQUESTS_CA_BUNDLE`` names another
     CA (requests lets it override a session's own: ``cacert`` must win). With a client
     certificate of a foreign CA (etcd refuses the handshake), or a CA that did not sign
     etcd's certificate (the client refuses it), connecting fails with one line that names
@@ -121,6 +123,14 @@ def test_etcd_tls_job_forms_with_the_right_client_certificate_and_a_wrong_one_is
         client = connect_etcd(EtcdOptions.parse(endpoint, right), 10, op_timeout_s=5)
         client.set("tls/hello", "over tls")
         assert client.get("tls/hello") == b"over tls"
+        # a joining agent's held wait (a stream on a session of its own) over TLS too
+        held = ["tls/as", "tls/gen", "tls/shutdown"]
+        assert client.wait_any(held, 0.2) is None
+        writer = connect_etcd(EtcdOptions.parse(endpoint, right), 10, op_timeout_s=5)
+        put = threading.Timer(0.3, lambda: writer.set("tls/gen", "formed"))
+        put.start()
+        assert client.wait_any(held, 10) == (1, b"formed")
+        put.join()
         untrusted = {**right, "cacert": str(foreign.path)}
         with pytest.raises(StoreError) as refused:
             connect_etcd(EtcdOptions.parse(endpoint, untrusted), 2, op_timeout_s=1)
