@@ -10,6 +10,7 @@ agents (threads, each on a connection of its own, as the benchmark's light agent
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
 import time
@@ -575,10 +576,11 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write() -> No
     etcdheld.py): its first slice reads every key in one transaction and opens one watch
     stream of them all; the next slices cost etcd nothing (its counts of handled requests
     and of started watch streams do not move). A write made between two slices is seen
-    (the stream is held), from the event with no read, as the key it named. A stream the
-    gateway ended (its hold), or one to an endpoint on which another request of this
-    process failed since (a member gone silent), is given up: the next slice reads again
-    (the failure moving to the next endpoint). No wait thread outlives its stream."""
+    (the stream is held), from the event with no read, as the key it named. A stream to
+    an endpoint on which another request of this process failed since (a member gone
+    silent) is given up and the client moves to the next endpoint, where the next slice
+    reads again; one the gateway ended (its hold) is read and watched again at once, on
+    the same endpoint. No wait thread outlives its stream."""
     from ftrun.control.etcdheld import note_failure
 
     handled = 'grpc_server_handled_total{grpc_code="OK"'
@@ -632,9 +634,74 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write() -> No
         assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
         assert _until(lambda: reader._held.held is not None and reader._held.held.done.is_set(),
                       10)
-        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 0, 0)  # ended: given up
-        assert reader._current == 1  # not a failure
+        # ended: read and watched again at once, on the same endpoint (not a failure)
         assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
+        assert reader._current == 1
         reader._held.close()
         assert _until(lambda: not any(t.name == "ftrun-etcd-wait"
                                       for t in threading.enumerate()), 10)
+
+        class NoWatch:  # a gateway whose streams fail at once (HTTP 404)
+            def __init__(self, real: Any) -> None:
+                self.session = real.session
+
+            def get_url(self, path: str) -> str:
+                return f"http://{endpoint}/v3/no-such{path}"
+        real_gateway = reader._held._gateway
+        reader._held._gateway = lambda: (real_gateway()[0], NoWatch(real_gateway()[1]))
+        started = time.monotonic()
+        # each failed stream leaves its slice to pass: a read per slice and a failover
+        # between, not a loop of reads
+        assert costs(lambda: [reader.wait_any(keys, 0.3) for _ in range(4)]) == \
+            ([None] * 4, 2, 0)
+        assert time.monotonic() - started > 2 * 0.25
+
+
+@pytest.mark.parametrize("forged", ["assignment", "record"])
+@pytest.mark.parametrize("backend", ["tcpstore", "etcd-v3"])
+def test_a_forged_record_never_hides_a_shutdown_from_a_waiting_agent(
+        backend: str, forged: str) -> None:
+    """A joining agent waits for its assignment, ``gen/N`` and the shutdown record at once
+    (``JsonStore.wait_any``). A record there without the job's secret (its assignment, or
+    the generation's) is ignored, and must not hide a valid shutdown that comes later: the
+    agent's join ends with it within a few slices, not at its deadline; the forged key is
+    looked at each slice from then on, as before held waits (on etcd-v3 too)."""
+    if backend == "etcd-v3" and etcd_missing_reason() is not None:
+        pytest.skip(etcd_missing_reason() or "")
+    with contextlib.ExitStack() as stack:
+        if backend == "etcd-v3":
+            options = EtcdOptions.parse(stack.enter_context(loopback_etcd()), {})
+        else:
+            server = serve_store(0, 30)  # the server fixture's way: ends with the test
+
+        def connect() -> Any:
+            if backend == "etcd-v3":
+                return connect_etcd(options, 10, op_timeout_s=5)
+            return connect_store("127.0.0.1", server.port, 10, op_timeout_s=5)
+        forger = JsonStore(connect(), "ftrun/fs", signer=Signer(b"not-the-token"))
+        if forged == "assignment":
+            _forge_assignment(forger.raw, "ftrun/fs")
+        else:
+            forger.put_record("gen/0", {"number": 0, "nodes": []})
+        agent = DynamicRendezvous(JsonStore(connect(), "ftrun/fs", signer=Signer(TOKEN)),
+                                  min_nodes=2, max_nodes=2, last_call_s=0, is_leader=False,
+                                  poll_s=0.01, interrupted=lambda: False)
+        outcome: list[BaseException | Generation] = []
+
+        def join() -> None:
+            try:
+                outcome.append(agent.join(0, _slot(3, 1), 60, lambda: ("", 0)))
+            except RendezvousError as error:
+                outcome.append(error)
+        waiter = threading.Thread(target=join)
+        waiter.start()
+        owner = JsonStore(connect(), "ftrun/fs", signer=Signer(TOKEN))
+        assert _until(lambda: owner.exists("gen/0/slots"), 10)  # it offered, and waits
+        time.sleep(2 * DynamicRendezvous.WAIT_SLICE_S)  # a slice or two on the forged key
+        owner.put_record("shutdown", {"reason": "the operator stopped it"})
+        shut = time.monotonic()
+        waiter.join(30)
+        assert not waiter.is_alive() and len(outcome) == 1, outcome
+        assert isinstance(outcome[0], RendezvousError), outcome
+        assert "the operator stopped it" in str(outcome[0]), outcome
+        assert time.monotonic() - shut < 5 * DynamicRendezvous.WAIT_SLICE_S, outcome

@@ -290,6 +290,11 @@ class EtcdClient:
         of every key, held across calls for the same keys (:mod:`ftrun.control.etcdheld`)."""
         return self._held.wait([self._root + key.encode() for key in keys], timeout_s)
 
+    def close_waits(self) -> None:
+        """End ``wait_any``'s held stream now (else it lasts until its first event or its
+        hold): the caller's wait is over."""
+        self._held.close()
+
     def delete_key(self, key: str) -> bool:
         result = self._post("/kv/deleterange", self._span(key))
         return int(result.get("deleted", 0)) > 0
@@ -551,7 +556,7 @@ class EtcdClient:
                 raise RuntimeError(f"etcd refused {path}: {wire.short(error)}") from None
             except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
                 failures.append(f"{self.endpoint}: {wire.short(error)}")
-                note_failure(self.endpoint)
+                note_failure(self.endpoint, error)
                 self._current = (self._current + 1) % len(self._clients)
         raise RuntimeError("no etcd endpoint answered (" + "; ".join(failures) + ")")
 

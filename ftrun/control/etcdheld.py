@@ -20,7 +20,9 @@ Bounds and failover (what a silent stream could otherwise hide):
   this process whose request to that endpoint failed after the stream began (the agent's
   heartbeat, a request every interval, notices first) notes it in :data:`FAILED_AT`, the
   one table this module keeps; the wait then gives the stream up at its next slice and
-  moves to the next endpoint.
+  moves to the next endpoint. Where no other client of the process talks to that member
+  (they failed over elsewhere before), the silence lasts until the stream's read bound,
+  ``HOLD_S`` and a second.
 
 Errors: ``RuntimeError`` as the client's requests. A failed stream moves the client to
 its next endpoint (``EtcdClient._failed_over``, which raises with a single endpoint) and
@@ -70,8 +72,14 @@ class BoundedSession(requests.Session):
         return super().request(*args, **kwargs)
 
 
-def note_failure(endpoint: str) -> None:
-    FAILED_AT[endpoint] = time.monotonic()
+def note_failure(endpoint: str, error: BaseException | None = None) -> None:
+    """A request to ``endpoint`` failed in transport (``error``: what etcd3gw or requests
+    raised; None: the caller's own verdict). An answer of etcd's, such as a 404 for an
+    expired lease, is no sign of a silent member and is not noted."""
+    transport = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError,
+                 etcd_errors.InternalServerError, requests.RequestException)
+    if error is None or isinstance(error, transport):
+        FAILED_AT[endpoint] = time.monotonic()
 
 
 class HeldWatch:
@@ -119,6 +127,8 @@ class HeldWatch:
                     self.failure = "the stream ended"
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
             self.failure = wire.short(error)
+        except (AttributeError, TypeError):
+            self.failure = "a message that is not etcd's"
         finally:
             session.close()
             self.done.set()
@@ -157,16 +167,19 @@ class HeldWaits:
         self.held: HeldWatch | None = None
 
     def wait(self, ekeys: list[bytes], timeout_s: float) -> tuple[int, bytes | None] | None:
-        """See ``EtcdClient.wait_any`` (``ekeys``: the keys with the client's root)."""
-        endpoint, gateway = self._gateway()
+        """See ``EtcdClient.wait_any`` (``ekeys``: the keys with the client's root). A
+        stream that ends or fails within the call leaves the rest of ``timeout_s`` to pass
+        without news, so one that fails at once costs a read and a watch per slice, never a
+        loop of them."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
         held = self.held
-        if held is not None and (held.ekeys != ekeys or held.endpoint != endpoint):
+        if held is not None and (held.ekeys != ekeys or held.endpoint != self._gateway()[0]):
             self.close()
         elif held is not None and held.outcome is None and (why := held.stale(self._request_s)):
             self.close()
-            if why != "ended":
+            if why != "ended":  # the gateway's end at the hold: read and watch again now
                 self._failed_over(f"watch: {why}")  # the next slice reads elsewhere
-            return None
+                return None
         if self.held is None:
             result = self._txn([], [{"request_range": wire.span(e)} for e in ekeys], [])
             for index, response in enumerate(result.get("responses") or []):
@@ -174,16 +187,21 @@ class HeldWaits:
                 if kvs:
                     return index, wire.joined(kvs)
             revision = int((result.get("header") or {}).get("revision", 0))
+            endpoint, gateway = self._gateway()  # where the read went (it may fail over)
             self.held = HeldWatch(endpoint, gateway, ekeys, revision, self._connect_s,
                                   self.hold_s)
         held = self.held
-        if not held.done.wait(max(timeout_s, 0.0)) or held.outcome is None:
-            return None  # nothing yet: the next slice looks at the same stream (or why not)
+        if not held.done.wait(max(deadline - time.monotonic(), 0.0)):
+            return None  # nothing yet: the next slice looks at the same stream
+        if held.outcome is None:  # ended or failed: the next call says why and reads again
+            time.sleep(max(deadline - time.monotonic(), 0.0))
+            return None
         self.close()
         index, value = held.outcome
         return None if index < 0 else (index, value)  # canceled: the next slice reads
 
     def close(self) -> None:
+        """End the held stream, if any (the wait is over, or its client is dropped)."""
         if self.held is not None:
             self.held.close()
             self.held = None

@@ -150,15 +150,16 @@ class AnyStream:
         """None: nothing yet; else (index of the key written first, its whole value when
         the event tells it (:func:`watched_value`), else None: the caller reads it); index
         -1 for a watch etcd canceled (a compacted revision) or an event of an unknown
-        watch: the caller reads every key again."""
+        watch: the caller reads every key again. A message that is not etcd's (not
+        objects where etcd sends them) raises AttributeError, TypeError or ValueError."""
         result = message.get("result") or {}
         watch = int(result.get("watch_id", 0))
+        if result.get("canceled"):  # also a create etcd refused ("created" and "canceled")
+            return -1, None
         if result.get("created"):
             self._index.setdefault(watch, len(self._index))
             self.created = int((result.get("header") or {}).get("revision", 0))
             return None
-        if result.get("canceled"):
-            return -1, None
         events = result.get("events") or []
         if events:
             index = self._index.get(watch)

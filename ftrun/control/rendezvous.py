@@ -175,31 +175,38 @@ class Rendezvous:
         name, record = assignment_key(number, node_id), f"gen/{number}"
         watched = [name, record, "shutdown"]
         what = f"the leader's record of generation {number}"
-        while True:
-            if self.is_leader:
-                return None  # promoted while waiting (etcd-v3's writer election)
-            hit = self._repeated(
-                deadline, f"waiting for {what}", self.store.wait_any, watched,
-                min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
-            key, body = hit if hit is not None else (None, None)
-            if key == name:
-                if body is not None:
-                    return self._assigned(body, number, node_id, deadline)
-                time.sleep(self.poll_s)  # only forged records so far: the key exists
-            elif key == record:
-                if self._repeated(deadline, f"waiting for {what}", self._formed_without,
-                                  number, node_id):
-                    return None
-                # it names this node, so the assignment came first: wait for it alone
-                found, body = self._repeated(
-                    deadline, f"waiting for {what}", self.store.wait_record, name,
+        try:
+            while True:
+                if self.is_leader:
+                    return None  # promoted while waiting (etcd-v3's writer election)
+                hit = self._repeated(
+                    deadline, f"waiting for {what}", self.store.wait_any, watched,
                     min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
-                if found and body is not None:
-                    return self._assigned(body, number, node_id, deadline)
-            elif key == "shutdown" and body is None:
-                watched.remove("shutdown")  # only forged records: read at each slice
-            self._check_waiting(deadline, what,
-                                read_shutdown=key == "shutdown" or "shutdown" not in watched)
+                key, body = hit if hit is not None else (None, None)
+                if key == name:
+                    if body is not None:
+                        return self._assigned(body, number, node_id, deadline)
+                    time.sleep(self.poll_s)  # only forged records so far: read it again
+                elif key == record and body is not None:
+                    if self._generation_from(number, body).node(node_id) is None:
+                        return None
+                    # it names this node, so the assignment came first: wait for it alone
+                    found, body = self._repeated(
+                        deadline, f"waiting for {what}", self.store.wait_record, name,
+                        min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
+                    if found and body is not None:
+                        return self._assigned(body, number, node_id, deadline)
+                elif key is not None and body is None:  # only forged records so far:
+                    watched.remove(key)  # looked at each slice below instead
+                if record not in watched and self._repeated(
+                        deadline, f"waiting for {what}", self._formed_without, number,
+                        node_id):
+                    return None
+                # a slice without news needs no read of the shutdown record if it is watched
+                self._check_waiting(deadline, what, read_shutdown=hit is not None
+                                    or "shutdown" not in watched)
+        finally:
+            self.store.close_waits()
 
     def _assigned(self, body: dict[str, Any], number: int, node_id: str, deadline: float
                   ) -> Generation:

@@ -498,8 +498,18 @@ class JsonStore:
         if hit is None:
             return None
         name = names[hit[0]]
-        return name, self.first_record(name) if hit[1] is None else \
-            self._first_valid(name, hit[1])
+        if hit[1] is not None:
+            return name, self._first_valid(name, hit[1])
+        try:
+            return name, self.first_record(name)
+        except StoreError:
+            if self.reconnect is None or self.lost():
+                raise
+            return None
+
+    def close_waits(self) -> None:
+        """End a held :meth:`wait_any` (etcd-v3: its stream) whose caller is done waiting."""
+        getattr(self.raw, "close_waits", lambda: None)()
 
     def check_record(self, name: str, raw: bytes) -> dict[str, Any] | None:
         try:
@@ -552,7 +562,8 @@ class JsonStore:
         """A new connection in place of a failed one; StoreError if it cannot be made (the
         failed one stays marked, so the next request tries again instead of using it)."""
         assert self.reconnect is not None
-        self.raw = self.reconnect()
+        failed, self.raw = self.raw, self.reconnect()
+        getattr(failed, "close_waits", lambda: None)()  # a held wait's stream with it
 
     def _call(self, method: str, *args: Any) -> Any:
         first_failure: float | None = None
