@@ -50,6 +50,16 @@ def test_just_before_the_exit_seen_a_lost_peer_is_a_consequence_a_raise_is_a_cau
     assert [e.rank for e in mark_root_cause(raised) if e.first] == [1]
     long_before = [_exit(0, -9, first=True), _exit(1, 1, error_at=9.5, message=lost)]
     assert [e.rank for e in mark_root_cause(long_before) if e.first] == [1]
+    # gloo's words for a peer in trouble, whatever the first line (torch 2.13)
+    for gloo in ("[gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:4242: This is "
+                 "typically caused by a remote worker crashing. Check the logs of the remote "
+                 "worker before reporting an error. GLHF!",
+                 "[gloo/transport/tcp/pair.cc:530] Read timeout [127.0.0.1]:4242: This is "
+                 "typically caused by a remote worker hanging or bugs in the application. "
+                 "Check the logs of the remote worker before reporting an error. GLHF!"):
+        peer = [_exit(0, -9, first=True), _exit(1, -15, stopped=True, error_at=9.98,
+                                                 message=f"RuntimeError: {gloo}")]
+        assert mark_root_cause(peer) == peer, gloo
 
 
 def test_a_worker_that_succeeded_is_never_the_root_cause() -> None:

@@ -45,8 +45,12 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
 
 _OBSERVED_LATE_S = 0.05
 # What a rank's error says when a peer's death broke its collective (gloo, NCCL, the store).
+# torch 2.13's gloo ends such errors with "This is typically caused by a remote worker
+# crashing" or "... a remote worker hanging or bugs in the application" (a loaded CI run's
+# summary named a rank with the second, not the SIGKILLed rank the test killed).
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "Connection refused", "NCCL communicator was aborted", "remote process exited")
+              "Connection refused", "NCCL communicator was aborted", "remote process exited",
+              "caused by a remote worker")
 
 
 def _lost_peer(exit_: WorkerExit, first: WorkerExit) -> bool:
