@@ -657,15 +657,16 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write() -> No
         assert time.monotonic() - started > 2 * 0.25
 
 
-@pytest.mark.parametrize("forged", ["assignment", "record"])
+@pytest.mark.parametrize("forged", ["none", "assignment", "record"])
 @pytest.mark.parametrize("backend", ["tcpstore", "etcd-v3"])
 def test_a_forged_record_never_hides_a_shutdown_from_a_waiting_agent(
         backend: str, forged: str) -> None:
     """A joining agent waits for its assignment, ``gen/N`` and the shutdown record at once
-    (``JsonStore.wait_any``). A record there without the job's secret (its assignment, or
-    the generation's) is ignored, and must not hide a valid shutdown that comes later: the
-    agent's join ends with it within a few slices, not at its deadline; the forged key is
-    looked at each slice from then on, as before held waits (on etcd-v3 too)."""
+    (``JsonStore.wait_any``): a valid shutdown ends its join within a few slices, not at
+    its deadline (on etcd-v3 through the held watch's event). A record there without the
+    job's secret (its assignment, or the generation's) is ignored and must not hide the
+    shutdown; the forged key is looked at each slice from then on, as before held
+    waits."""
     if backend == "etcd-v3" and etcd_missing_reason() is not None:
         pytest.skip(etcd_missing_reason() or "")
     with contextlib.ExitStack() as stack:
@@ -681,7 +682,7 @@ def test_a_forged_record_never_hides_a_shutdown_from_a_waiting_agent(
         forger = JsonStore(connect(), "ftrun/fs", signer=Signer(b"not-the-token"))
         if forged == "assignment":
             _forge_assignment(forger.raw, "ftrun/fs")
-        else:
+        elif forged == "record":
             forger.put_record("gen/0", {"number": 0, "nodes": []})
         agent = DynamicRendezvous(JsonStore(connect(), "ftrun/fs", signer=Signer(TOKEN)),
                                   min_nodes=2, max_nodes=2, last_call_s=0, is_leader=False,
