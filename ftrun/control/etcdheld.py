@@ -113,6 +113,8 @@ class HeldWatch:
                                        "Grpc-Timeout": f"{int(hold_s * 1000)}m"}
                               ) as response:
                 self._response = response
+                if self._closed:  # closed while the request was on its way
+                    return
                 if response.status_code not in (200, 504):  # 504: the deadline, its body
                     self.failure = f"HTTP {response.status_code} {response.reason}"
                     return
