@@ -99,11 +99,10 @@ class HeldWatch:
         session = BoundedSession((connect_s, hold_s + 1.0))  # close() shuts it
         session.verify, session.cert = gateway.session.verify, gateway.session.cert
         body = "".join(json.dumps(r) for r in self.stream.requests(revision))
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._read, args=(session, gateway.get_url("/watch"), body, connect_s,
                                      hold_s),
-            name="ftrun-etcd-wait", daemon=True)
-        self._thread.start()
+            name="ftrun-etcd-wait", daemon=True).start()
 
     def _read(self, session: requests.Session, url: str, body: str, connect_s: float,
               hold_s: float) -> None:

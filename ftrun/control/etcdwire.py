@@ -132,7 +132,6 @@ class AnyStream:
     def __init__(self, ekeys: list[bytes]) -> None:
         self.ekeys = ekeys
         self._index: dict[int, int] = {}  # watch id -> its key's index in ekeys
-        self.created = 0  # the store's revision in the last "created" answer
         self.ended = False  # the gateway ended the stream at its Grpc-Timeout
 
     @property
@@ -158,7 +157,6 @@ class AnyStream:
             return -1, None
         if result.get("created"):
             self._index.setdefault(watch, len(self._index))
-            self.created = int((result.get("header") or {}).get("revision", 0))
             return None
         events = result.get("events") or []
         if events:

@@ -181,7 +181,7 @@ class Rendezvous:
                     return None  # promoted while waiting (etcd-v3's writer election)
                 hit = self._repeated(
                     deadline, f"waiting for {what}", self.store.wait_any, watched,
-                    min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
+                    self._slice(deadline))
                 key, body = hit if hit is not None else (None, None)
                 if key == name:
                     if body is not None:
@@ -193,7 +193,7 @@ class Rendezvous:
                     # it names this node, so the assignment came first: wait for it alone
                     found, body = self._repeated(
                         deadline, f"waiting for {what}", self.store.wait_record, name,
-                        min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
+                        self._slice(deadline))
                     if found and body is not None:
                         return self._assigned(body, number, node_id, deadline)
                 elif key is not None and body is None:  # only forged records so far:
@@ -327,13 +327,17 @@ class Rendezvous:
     #: How often a wait that lasts says what it is waiting for.
     WAIT_REPORT_S = 15.0
 
+    def _slice(self, deadline: float) -> float:
+        """The next wait's length: a slice, or what is left of ``deadline`` if less."""
+        return min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001))
+
     def _wait_record(self, name: str, deadline: float, what: str) -> dict[str, Any]:
         """The first valid record of ``name``: blocks in the store's own ``wait`` (one
         request per slice instead of a poll every ``poll_s``), so hundreds of waiting
         agents cost the store almost nothing."""
         while True:
             if self._repeated(deadline, f"waiting for {what}", self.store.wait_for, name,
-                              min(self.WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001))):
+                              self._slice(deadline)):
                 record = self._repeated(deadline, f"reading {what}", self.store.first_record,
                                         name)
                 if record is not None:

@@ -437,14 +437,18 @@ class JsonStore:
             self.raw.wait([self.key(name)], timedelta(seconds=max(timeout_s, 0.001)))
             return True
         except (RuntimeError, ValueError) as error:
-            if "wait timeout after" in str(error):
-                return False
-            detail = _first_line(error)
-            if self.reconnect is None or self.lost():
-                raise StoreError(f"store request failed: {detail}") from None
-            self._conn.failed = True  # never used again, even if this reconnect fails
-            self._usable(0.0)
+            if "wait timeout after" not in str(error):
+                self._wait_failed(error)
             return False
+
+    def _wait_failed(self, error: BaseException) -> None:
+        """A wait's request failed: StoreError without ``reconnect`` or once ``lost()``;
+        else the connection is replaced (never used again, even if this reconnect fails)
+        and the wait reads as a slice without news."""
+        if self.reconnect is None or self.lost():
+            raise StoreError(f"store request failed: {_first_line(error)}") from None
+        self._conn.failed = True
+        self._usable(0.0)
 
     def wait_record(self, name: str, timeout_s: float) -> tuple[bool, dict[str, Any] | None]:
         """Block up to ``timeout_s`` until ``name`` exists, then read it, in one call
@@ -460,12 +464,8 @@ class JsonStore:
         try:
             raw = client.get(self.key(name))
         except (RuntimeError, ValueError) as error:
-            if "wait timeout after" in str(error):
-                return False, None
-            if self.reconnect is None or self.lost():
-                raise StoreError(f"store request failed: {_first_line(error)}") from None
-            self._conn.failed = True
-            self._usable(0.0)
+            if "wait timeout after" not in str(error):
+                self._wait_failed(error)
             return False, None
         finally:
             if not self._conn.failed and client is self.raw:
@@ -490,10 +490,7 @@ class JsonStore:
         try:
             hit = self.raw.wait_any([self.key(n) for n in names], timeout_s)
         except (RuntimeError, ValueError) as error:
-            if self.reconnect is None or self.lost():
-                raise StoreError(f"store request failed: {_first_line(error)}") from None
-            self._conn.failed = True
-            self._usable(0.0)
+            self._wait_failed(error)
             return None
         if hit is None:
             return None
