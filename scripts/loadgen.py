@@ -48,7 +48,10 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   slice until an event (the value from it when whole, else a read on a new connection:
   the stream ends only with its connection) or the gateway's end at ``HOLD_S`` (a read
   and a stream again); plus the lease beat on a second connection unless ``heartbeats``
-  is off.
+  is off. Not modelled: the real wait's read from a member no client of its process
+  has heard from for ``UNHEARD_S`` (5 s; a failover aid for several members). With
+  beats, the beat hears the one member and no such read happens; without them a real
+  agent waiting longer than 5 s would add one read per 5 s.
 
 The wire protocol is torch 2.13's TCPStore protocol, read from torch's client for the
 design and checked here by capturing what torch's own client sends (tests/

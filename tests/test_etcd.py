@@ -306,15 +306,24 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
                 generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("noticed_by", ["heartbeat", "the wait"])
 def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_answers(
-        ) -> None:
+        noticed_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The other half: an agent waits for its assignment on one held watch stream
     (``EtcdClient.wait_any``); the etcd member then freezes (SIGSTOP: silent, not reset).
-    Once another request of the agent's process to it fails (as its heartbeat's would),
-    the wait gives the stream up at its next slice and connects again, which fails while
-    the member is frozen (slices without news, not an error); once etcd answers, it reads
-    again, watches again and holds the generation the leader writes."""
+    ``heartbeat``: once another request of the agent's process to it fails (as its
+    heartbeat's would), the wait gives the stream up at its next slice (the wait's own
+    look at the member is put off for this case). ``the wait``: no other client of the
+    process talks to the member (its heartbeat failed over elsewhere before): once the
+    member has been unheard for ``UNHEARD_S``, the wait reads from it, which fails. Either
+    way it connects again, which fails while the member is frozen (slices without news,
+    not an error), well before the stream's read bound (``HOLD_S``, 30 s); once etcd
+    answers, it reads again, watches again and holds the generation the leader writes."""
+    from ftrun.control import etcdheld
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+
+    if noticed_by == "heartbeat":
+        monkeypatch.setattr(etcdheld, "UNHEARD_S", 600.0)
 
     class Counted(JsonStore):
         """Counts the wait's slices and its attempts to replace a failed connection."""
@@ -349,10 +358,12 @@ def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_
         assert store.reconnects == 0
         member.suspend()
         try:
-            with pytest.raises(RuntimeError, match="no etcd endpoint answered"):
-                beat.keep_alive(1)
-            # within a slice or so (2 s), not at the stream's read timeout (HOLD_S, 30 s)
-            wait_until(lambda: store.reconnects >= 2, 10,
+            if noticed_by == "heartbeat":
+                with pytest.raises(RuntimeError, match="no etcd endpoint answered"):
+                    beat.keep_alive(1)
+            # heartbeat: within a slice or so (2 s); the wait: within UNHEARD_S (5 s) and a
+            # slice; not at the stream's read timeout (HOLD_S, 30 s)
+            wait_until(lambda: store.reconnects >= 2, 10 if noticed_by == "heartbeat" else 18,
                        "the joiner giving the stream up and connecting again")
             assert waiting.is_alive(), joined
         finally:

@@ -571,7 +571,8 @@ def test_a_renewed_etcd_wait_costs_no_read_and_misses_no_write() -> None:
 
 
 @pytest.mark.skipif(etcd_missing_reason() is not None, reason=etcd_missing_reason() or "")
-def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write() -> None:
+def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A joining agent's wait on etcd-v3 (``EtcdClient.wait_any``, ftrun/control/
     etcdheld.py): its first slice reads every key in one transaction and opens one watch
     stream of them all; the next slices cost etcd nothing (its counts of handled requests
@@ -580,8 +581,13 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write() -> No
     an endpoint on which another request of this process failed since (a member gone
     silent) is given up and the client moves to the next endpoint, where the next slice
     reads again; one the gateway ended (its hold) is read and watched again at once, on
-    the same endpoint. No wait thread outlives its stream."""
+    the same endpoint. A stream whose member no client of the process has heard from for
+    ``UNHEARD_S`` costs one read there, and is kept when the read is answered. No wait
+    thread outlives its stream."""
+    from ftrun.control import etcdheld
     from ftrun.control.etcdheld import note_failure
+
+    monkeypatch.setattr(etcdheld, "UNHEARD_S", 60.0)  # no look at the member, but below
 
     handled = 'grpc_server_handled_total{grpc_code="OK"'
     streams = 'grpc_server_started_total{grpc_method="Watch"'
@@ -626,6 +632,17 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write() -> No
         assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 0, 0)  # given up
         assert reader._current == 1  # failed over
         assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)  # read there
+
+        monkeypatch.setattr(etcdheld, "UNHEARD_S", 2.0)
+        keys = ["as/4", "gen/4", "shutdown"]
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
+        assert _until(lambda: reader._held.held is not None and reader._held.held.unheard(),
+                      10)
+        # unheard for 2 s: one read of the keys on the same member, which answers: the
+        # stream is kept, and the member is heard again (the next slice costs nothing)
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 0)
+        assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 0, 0)
+        monkeypatch.setattr(etcdheld, "UNHEARD_S", 60.0)
 
         reader._held.close()
         assert _until(lambda: not any(t.name == "ftrun-etcd-wait"

@@ -56,7 +56,7 @@ from etcd3gw.client import Etcd3Client
 
 from ftrun.control import etcdwire as wire
 from ftrun.control.errors import StoreError
-from ftrun.control.etcdheld import BoundedSession, HeldWaits, note_failure
+from ftrun.control.etcdheld import BoundedSession, HeldWaits, note_answer, note_failure
 
 DEFAULT_PREFIX = "/ftrun"
 DEFAULT_ETCD_PORT = 2379
@@ -551,7 +551,9 @@ class EtcdClient:
         for _ in range(len(self._clients)):
             client = self._clients[self._current]
             try:
-                return dict(client.post(client.get_url(path), json=payload))
+                answer = dict(client.post(client.get_url(path), json=payload))
+                note_answer(self.endpoint)
+                return answer
             except etcd_errors.PreconditionFailedError as error:
                 raise RuntimeError(f"etcd refused {path}: {wire.short(error)}") from None
             except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:

@@ -18,11 +18,17 @@ Bounds and failover (what a silent stream could otherwise hide):
   never does): the endpoint has failed;
 * a member cut off or frozen after the stream began is silent, not reset. Any client of
   this process whose request to that endpoint failed after the stream began (the agent's
-  heartbeat, a request every interval, notices first) notes it in :data:`FAILED_AT`, the
-  one table this module keeps; the wait then gives the stream up at its next slice and
-  moves to the next endpoint. Where no other client of the process talks to that member
-  (they failed over elsewhere before), the silence lasts until the stream's read bound,
-  ``HOLD_S`` and a second.
+  heartbeat, a request every interval, notices first) notes it in :data:`FAILED_AT`; the
+  wait then gives the stream up at its next slice and moves to the next endpoint;
+* where no client of the process has had an answer from that member for
+  :data:`UNHEARD_S` (they failed over elsewhere before; :data:`HEARD_AT`), the wait asks
+  it itself: the read of a first slice again. A silent member fails that read, which moves
+  on to the next endpoint and watches there. Without it such a silence lasted until the
+  stream's read bound, ``HOLD_S`` and a second. In a running agent the heartbeat's
+  requests go to the same member, so the read is rare: a slice still costs no request.
+
+The two tables, :data:`FAILED_AT` and :data:`HEARD_AT`, are the only state this module
+keeps beyond its objects: written by every client of the process, read by held waits.
 
 Errors: ``RuntimeError`` as the client's requests. A failed stream moves the client to
 its next endpoint (``EtcdClient._failed_over``, which raises with a single endpoint) and
@@ -52,6 +58,15 @@ HOLD_S = 30.0
 #: endpoint, so the GIL keeps each write whole.
 FAILED_AT: dict[str, float] = {}
 
+#: endpoint -> time.monotonic() of the last answer a client of this process had from it
+#: (written and read as :data:`FAILED_AT`).
+HEARD_AT: dict[str, float] = {}
+
+#: How long a held stream's member may go unheard by every client of the process before
+#: the wait reads from it (a silent stream is no proof that the member answers): the
+#: heartbeat timeout by default on etcd-v3, whose beat (every 1 s) keeps its member heard.
+UNHEARD_S = 5.0
+
 
 class BoundedSession(requests.Session):
     """A requests session whose requests are all bounded: etcd3gw gives no timeout to the
@@ -80,6 +95,11 @@ def note_failure(endpoint: str, error: BaseException | None = None) -> None:
                  etcd_errors.InternalServerError, requests.RequestException)
     if error is None or isinstance(error, transport):
         FAILED_AT[endpoint] = time.monotonic()
+
+
+def note_answer(endpoint: str) -> None:
+    """A request to ``endpoint`` was answered: its member is not silent."""
+    HEARD_AT[endpoint] = time.monotonic()
 
 
 class HeldWatch:
@@ -146,6 +166,12 @@ class HeldWatch:
             return "a request of this process to the endpoint failed since the watch began"
         return ""
 
+    def unheard(self) -> bool:
+        """No client of this process had an answer from the stream's member for
+        :data:`UNHEARD_S` (and the stream told nothing)."""
+        heard = max(HEARD_AT.get(self.endpoint, -1.0), self.opened)
+        return self.outcome is None and time.monotonic() - heard > UNHEARD_S
+
     def close(self) -> None:
         """End the stream now (its thread ends with it; not joined: a daemon)."""
         self._closed = True
@@ -181,16 +207,22 @@ class HeldWaits:
             if why != "ended":  # the gateway's end at the hold: read and watch again now
                 self._failed_over(f"watch: {why}")  # the next slice reads elsewhere
                 return None
-        if self.held is None:
+        if self.held is None or self.held.unheard():
+            # a read of each key: the first slice's, or a look at an unheard member's (a
+            # silent one fails it and the read moves on: the stream moves with it)
             result = self._txn([], [{"request_range": wire.span(e)} for e in ekeys], [])
             for index, response in enumerate(result.get("responses") or []):
                 kvs = (response.get("response_range") or {}).get("kvs") or []
                 if kvs:
+                    self.close()
                     return index, wire.joined(kvs)
             revision = int((result.get("header") or {}).get("revision", 0))
             endpoint, gateway = self._gateway()  # where the read went (it may fail over)
-            self.held = HeldWatch(endpoint, gateway, ekeys, revision, self._connect_s,
-                                  self.hold_s)
+            if self.held is not None and self.held.endpoint != endpoint:
+                self.close()
+            if self.held is None:
+                self.held = HeldWatch(endpoint, gateway, ekeys, revision, self._connect_s,
+                                      self.hold_s)
         held = self.held
         if not held.done.wait(max(deadline - time.monotonic(), 0.0)):
             return None  # nothing yet: the next slice looks at the same stream
