@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -925,6 +926,55 @@ def test_lease_view_on_loopback_etcd() -> None:
             relay.close()
             for v in views:
                 assert v.stop(), "a lease view's thread outlived its stop"
+
+
+def test_an_etcd_agent_at_its_end_stops_its_lease_view() -> None:
+    """An agent's end (``etcdwriter.stop_watches``, Agent.run's last step) stops its heartbeat
+    monitor's lease view: on a member that answers, its thread is gone when the call
+    returns and nothing is said; with the store lost and the thread stuck in a request to
+    a frozen member, the call does not wait for it (a daemon, it ends with the process or
+    its request's bound) and says so once, naming the node."""
+    from ftrun.agent.etcdwriter import stop_watches
+    from ftrun.control.heartbeat import HeartbeatMonitor
+
+    said: list[str] = []
+
+    def agent(monitor: HeartbeatMonitor, store_lost: str | None) -> Any:
+        """What stop_watches reads of an agent: the parts an etcd-v3 agent has at its end."""
+        return SimpleNamespace(_writer_watch=None, nodes=SimpleNamespace(monitor=monitor),
+                               store_lost=store_lost, node_id="node-7",
+                               say=lambda text, **_: said.append(text))
+
+    with loopback_etcd() as endpoint:
+        relay = _FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        try:
+            for where in (endpoint, relay.endpoint):
+                options = EtcdOptions.parse(where, {"etcd_prefix": "/ftrun"})
+                connect = lambda o=options: connect_etcd(o, 5, op_timeout_s=2)  # noqa: E731
+                store = JsonStore(connect(), "ftrun/end", signer=Signer(TOKEN.encode()),
+                                  reconnect=connect, retry_s=2)
+                monitor = HeartbeatMonitor(store, 2.0, None, 0.2)
+                view = monitor.leases
+                assert view is not None and view._thread.is_alive()
+                wait_until(lambda v=view: v.synced_at is not None, 30, "the view's first read")
+                if where == endpoint:
+                    stop_watches(agent(monitor, None))
+                    assert not view._thread.is_alive() and said == [], said
+                    continue
+                relay.freeze()
+                # stuck: no look for longer than a slice (in a request that gets no answer)
+                wait_until(lambda v=view: time.monotonic() - (v.looked_at or 0.0)
+                           > v.slice_s + 0.3, 30, "the view stuck in a request")
+                started = time.monotonic()
+                stop_watches(agent(monitor, "the store was lost"))
+                assert time.monotonic() - started < 0.5
+                assert view._thread.is_alive()
+                assert len(said) == 1 and "node node-7" in said[0] \
+                    and "still in a request" in said[0], said
+                wait_until(lambda v=view: not v._thread.is_alive(), 30,
+                           "the stuck thread ending by itself")
+        finally:
+            relay.close()
 
 
 def test_a_writer_watch_revokes_only_the_dead_writers_lease() -> None:
