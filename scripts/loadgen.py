@@ -31,10 +31,11 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   (``/v3/kv/put``), then a ``/v3/lease/keepalive`` every ``interval`` (one in flight; a
   lease found expired is granted and put again); plus the presence connection, and (unless
   ``end_watch`` is off, for agents below ``end_watch_below``) the EndWatcher's client on a
-  connection of its own as ``EtcdClient.wait`` makes it: a read of ``gen/<N>/end``, then
-  each slice a watch stream (``/v3/watch``) from the revision after that read (no read
-  again: ``etcdwire.MissedAt``), which the gateway ends at the slice's deadline; an event
-  ends the wait and the appended end record is read and verified.
+  connection of its own as ``EtcdClient.wait_any`` holds it: a read of ``gen/<N>/end``,
+  then one watch stream (``/v3/watch``) from the revision after that read, held across the
+  watcher's slices with no request until the gateway ends it at ``HOLD_S`` (then a read
+  and a stream again); an event ends the wait and the appended end record is read and
+  verified.
 * **rendezvous** (``join`` command, :class:`ftrun.control.rendezvous.DynamicRendezvous`):
   the signed slot appended to ``gen/<N>/slots`` (one ``append``), then torch's ``get`` of
   the node's own assignment ``gen/<N>/as/<node id>`` (a ``wait`` in slices of
@@ -98,7 +99,6 @@ from ftrun.control.etcdwire import (
     PART,
     PARTS_END,
     AnyStream,
-    MissedAt,
     WaitStream,
     b64,
     deadline_error,
@@ -700,9 +700,7 @@ class Agent:
         self.frozen = False
         self.wait_no = 0
         self.waiting = False  # an end wait (or an assignment wait) is held
-        # etcd-v3 waits, as EtcdClient's: where the last read found the key missing (the
-        # next slice watches from there with no read), and what the slice's watch said
-        self.missed = MissedAt()
+        # etcd-v3: what the end watch's held stream said
         self.wait_stream = WaitStream(b"", False)
         self.any_stream = AnyStream([])  # the rendezvous's held wait
         self.cancelling = False
@@ -877,19 +875,14 @@ class Agent:
         gen.count_error("endwatch.end record not valid")
         return False
 
-    # the end watch on etcd-v3 (EndWatcher over EtcdClient.wait: ftrun/control/endwatch.py)
+    # the end watch on etcd-v3 (EndWatcher over EtcdClient.wait_any: ftrun/control/endwatch.py)
     def _ew_live(self) -> None:
-        """Each wait: a read of the end key; if missing, a watch from the revision after
-        it, which the gateway ends at the slice's deadline; the next slice's watch from the
-        same revision with no read (``EtcdClient``'s ``etcdwire.MissedAt``)."""
+        """A held wait: a read of the end key; if missing, one watch from the revision
+        after it, held across the watcher's slices until the gateway ends it at ``HOLD_S``
+        (ftrun/control/etcdheld.py)."""
         if self.frozen or self.end_seen or self.ewc is None:
             return
-        ekey = self._ekey(self.gen.end_name)
-        revision = self.missed.since(ekey, 0, self.gen.loop.now)
-        if revision is not None:
-            self._ew_watch(revision, True)
-            return
-        self.ewc.post("/kv/range", span(ekey), self._ew_range)
+        self.ewc.post("/kv/range", span(self._ekey(self.gen.end_name)), self._ew_range)
 
     def _ew_range(self, answer: dict[str, Any]) -> None:
         gen, conn = self.gen, self.ewc
@@ -904,34 +897,32 @@ class Agent:
             if not self._end_read(None, joined_value(kvs)):
                 gen.loop.at(gen.loop.now + gen.slice_s, self._ew_live)  # a forged end only
             return
-        revision = int((answer.get("header") or {}).get("revision", 0))
-        self.missed.hold(self._ekey(gen.end_name), revision, 0, gen.loop.now)
-        self._ew_watch(revision, False)
+        self._ew_watch(int((answer.get("header") or {}).get("revision", 0)))
 
-    def _ew_watch(self, revision: int, replay: bool) -> None:
+    def _ew_watch(self, revision: int) -> None:
         gen, conn = self.gen, self.ewc
         assert conn is not None
         ekey = self._ekey(gen.end_name)
         self.wait_no += 1
-        self.wait_stream = WaitStream(ekey, replay)
+        self.wait_stream = WaitStream(ekey, False)
         conn.stream("/watch", {"create_request": {
             "key": b64(ekey), "range_end": b64(ekey + PARTS_END),
-            "start_revision": revision + 1}}, self._ew_event, gen.slice_s, self._ew_ended)
+            "start_revision": revision + 1}}, self._ew_event, HOLD_S, self._ew_ended)
         if gen.in_window(conn.sent_at):
             gen.count("endwatch.watch", 1)
-        gen.loop.at(conn.sent_at + gen.slice_s + 0.5, self._ew_due, self.wait_no)
+        # the client's own bound (its read timeout), should the gateway not end the stream
+        gen.loop.at(conn.sent_at + HOLD_S + 1.0, self._ew_due, self.wait_no)
 
     def _ew_ended(self) -> None:
-        """The gateway ended the slice's stream at its deadline: the next wait's read on
-        the same connection."""
+        """The gateway ended the held stream at its deadline: a read and a stream again,
+        on the same connection."""
         gen = self.gen
         if self.frozen or self.end_seen:
             return
         self.wait_no += 1
-        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
         if gen.in_window(gen.loop.now) and self.ewc is not None:
             gen.count("endwatch.watch.timeout", 0)
-            gen.wait_overrun_s.append(gen.loop.now - self.ewc.sent_at - gen.slice_s)
+            gen.wait_overrun_s.append(gen.loop.now - self.ewc.sent_at - HOLD_S)
         self._ew_live()
 
     def _ew_event(self, result: dict[str, Any]) -> None:
@@ -939,7 +930,6 @@ class Agent:
             return
         assert self.ewc is not None
         self.wait_no += 1  # this wait is over: written (or canceled: compacted), read it
-        self.missed.forget(self.wait_stream.ekey)
         if result.get("events"):
             self.fired = self.fired or self.gen.loop.now
         self.ewc.close()
@@ -950,10 +940,9 @@ class Agent:
         if conn is None or number != self.wait_no or self.frozen or self.end_seen:
             return
         self.wait_no += 1
-        self.missed.moved(self.wait_stream.ekey, self.wait_stream.created)
         if self.gen.in_window(self.gen.loop.now):
             self.gen.count("endwatch.watch.timeout", 0)
-            self.gen.wait_overrun_s.append(self.gen.loop.now - conn.sent_at - self.gen.slice_s)
+            self.gen.wait_overrun_s.append(self.gen.loop.now - conn.sent_at - HOLD_S)
         conn.close()
         conn.open()
 
@@ -964,7 +953,6 @@ class Agent:
         if conn is None or self.frozen or self.end_seen:
             return
         self.wait_no += 1
-        self.missed.forget(self.wait_stream.ekey)
         conn.close()
         self.gen.loop.at(self.gen.loop.now + self.gen.slice_s, conn.open)
 

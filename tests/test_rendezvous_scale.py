@@ -674,6 +674,74 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
         assert time.monotonic() - started > 2 * 0.25
 
 
+def test_an_etcd_end_watcher_holds_one_stream_and_wakes_on_the_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An etcd-v3 agent's EndWatcher (ftrun/control/endwatch.py over ``JsonStore.wait_any``):
+    its first slice reads the end key and opens one watch stream; ten more slices cost
+    etcd no request and no stream (before, each slice watched again); the end written
+    later wakes its fd from the stream's event, not another watcher's; a watcher stopped
+    before its end ends its stream too: no wait thread is left and etcd holds no watch
+    stream of either."""
+    import select
+
+    from ftrun.control import etcdheld
+    from ftrun.control.endwatch import EndWatcher
+
+    if etcd_missing_reason() is not None:
+        pytest.skip(etcd_missing_reason() or "")
+    monkeypatch.setattr(etcdheld, "UNHEARD_S", 60.0)  # no other client here: no look
+
+    class Counted(JsonStore):
+        """The watcher's store (``with_client`` keeps the class): counts its slices."""
+        slices = 0
+
+        def with_client(self, client: Any) -> JsonStore:
+            return Counted(client, self.prefix, signer=self.signer)
+
+        def wait_any(self, *args: Any, **kwargs: Any) -> Any:
+            Counted.slices += 1
+            return super().wait_any(*args, **kwargs)
+
+        def wait_for(self, *args: Any, **kwargs: Any) -> Any:
+            Counted.slices += 1
+            return super().wait_for(*args, **kwargs)
+
+    handled = 'grpc_server_handled_total{grpc_code="OK"'
+    started = 'grpc_server_started_total{grpc_method="Watch"'
+    open_streams = "etcd_debugging_mvcc_watch_stream_total"
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {})
+        connect = lambda: connect_etcd(options, 10, op_timeout_s=5)  # noqa: E731
+        writer = Counted(connect(), "ftrun/ew", signer=Signer(TOKEN))
+        baseline = _etcd_metric(endpoint, open_streams)
+        watcher = EndWatcher(connect, writer, "gen/0/end", slice_s=0.2).start()
+        idle = EndWatcher(connect, writer, "gen/1/end", slice_s=0.2).start()
+        try:
+            assert _until(lambda: Counted.slices >= 4, 30)  # each one's first slice is over
+            before = (_etcd_metric(endpoint, handled), _etcd_metric(endpoint, started))
+            assert _until(lambda: Counted.slices >= 24, 30)
+            after = (_etcd_metric(endpoint, handled), _etcd_metric(endpoint, started))
+            assert after == before, (before, after)
+            assert _etcd_metric(endpoint, open_streams) == baseline + 2
+            assert not watcher.fired.is_set() and watcher.healthy
+            writer.put_record("gen/0/end", {"kind": "worker", "rank": 1})
+            written = time.monotonic()
+            assert select.select([watcher.fd, idle.fd], [], [], 10)[0] == [watcher.fd]
+            assert time.monotonic() - written < 5
+            assert watcher.fired.is_set() and not idle.fired.is_set()
+            # the fired one's stream is over; the idle one's ends when it is stopped
+            assert _until(lambda: _etcd_metric(endpoint, open_streams) == baseline + 1, 10)
+            idle.stop()
+        finally:
+            watcher.stop()
+            if idle._thread.is_alive():  # the test failed before its stop
+                idle.stop()
+        assert not watcher._thread.is_alive() and not idle._thread.is_alive()
+        assert _until(lambda: not any(t.name == "ftrun-etcd-wait"
+                                      for t in threading.enumerate()), 10)
+        assert _until(lambda: _etcd_metric(endpoint, open_streams) == baseline, 10)
+
+
 @pytest.mark.parametrize("forged", ["none", "assignment", "record"])
 @pytest.mark.parametrize("backend", ["tcpstore", "etcd-v3"])
 def test_a_forged_record_never_hides_a_shutdown_from_a_waiting_agent(

@@ -20,18 +20,17 @@ a connect to a frozen host, or dead) the agent reads the end key itself, as it d
 :meth:`EndWatcher.stop` waits for the thread (at most one slice plus a request timeout) so
 that no thread is inside torch when the interpreter exits.
 
-On etcd-v3 the same watcher is a watch, not a poll (ftrun/control/etcd.py ``wait``: a read
-that finds the key missing, then a watch stream from the revision after it, which etcd
-answers the moment the key is written), renewed every slice (0.83 s at the 5 s default).
-Measured (``scripts/bench_etcd.py``, one member on loopback): 2.4 requests per second per
-agent (a range and a watch per slice) and 4.9 ms of etcd CPU per second net of etcd's own
-idle CPU, about 2 ms per renewal; a lease keepalive beat costs 0.5 ms. Each slice's stream
-was then ended by the client's read timeout, which closes its connection, so every renewal
-also connected again; since 2026-12-02 the gateway ends it at the slice's end itself
-(``Grpc-Timeout``) and the connection is reused. A single stream held across slices would
-save most of the rest, but a stream alone cannot tell a frozen member from a quiet key
-(etcd's progress notifications are paced by the server, every 10 minutes by default), so
-it would need a reader thread of its own and a probe per slice; not built.
+On etcd-v3 the same watcher is one watch stream held across its slices
+(``JsonStore.wait_any``, ftrun/control/etcdheld.py): a read of the end key, then a stream
+from the revision after it, read by a thread of its own; a slice looks at that thread and
+costs etcd no request. The stream is read and made again when the gateway ends it (every
+``etcdheld.HOLD_S``, 30 s), and given up for the next endpoint when its member falls
+silent (a failed request of the agent's heartbeat to it, or no answer from it to any
+client of the process for ``etcdheld.UNHEARD_S``, then a failed read). Before, each slice
+(0.83 s at the 5 s default) watched again: ``scripts/bench_etcd.py`` measured 2.4
+requests per second per agent and 4.9 ms of etcd CPU per second net of etcd's idle CPU
+(a lease keepalive beat costs 0.5 ms), and these renewals, not the leases, were what one
+member could not carry at 2,000 agents (README, "Scale of the control plane").
 """
 
 from __future__ import annotations
@@ -100,19 +99,25 @@ class EndWatcher:
 
     def _run(self) -> None:
         store: JsonStore | None = None
-        while not self._stop.is_set():
-            try:
-                if store is None:
-                    store = self._template.with_client(self._connect())
-                exists = store.wait_for(self.key, self.slice_s)
-                self._last_wait = time.monotonic()
-                if exists:
-                    self.fired.set()
-                    os.write(self._write_fd, b"!")
-                    return
-            except Exception:  # StoreError; nothing may end the thread unseen
-                store = None  # a timed-out client may be out of step: reconnect
-                self._stop.wait(self.slice_s)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if store is None:
+                        store = self._template.with_client(self._connect())
+                    found = store.wait_any([self.key], self.slice_s)
+                    self._last_wait = time.monotonic()
+                    if found is not None:  # it exists (its record: the agent's to verify)
+                        self.fired.set()
+                        os.write(self._write_fd, b"!")
+                        return
+                except Exception:  # StoreError; nothing may end the thread unseen
+                    if store is not None:
+                        store.close_waits()
+                    store = None  # a timed-out client may be out of step: reconnect
+                    self._stop.wait(self.slice_s)
+        finally:
+            if store is not None:
+                store.close_waits()  # etcd-v3: the held stream ends with the watcher
 
 
 class ReadEnd:
