@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,12 @@ from ftrun.control.auth import Signer
 from ftrun.control.errors import StoreError
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
 from ftrun.control.store import JsonStore
-from tests.infra.etcd_cluster import EtcdCluster, etcd_missing_reason, loopback_etcd
+from tests.infra.etcd_cluster import (
+    EtcdCluster,
+    FreezableRelay,
+    etcd_missing_reason,
+    loopback_etcd,
+)
 from tests.infra.procs import pid_alive
 from tests.launch import REPO, Launch, launcher, wait_until
 from tests.lines import Done, ElasticStep, find, parse, reached
@@ -767,51 +771,6 @@ def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_r
         assert monitor.leases._thread.name == "ftrun-lease-view"
 
 
-class _FreezableRelay:
-    """A TCP relay to a loopback etcd; after :meth:`freeze` it neither relays nor answers,
-    its connections stay open (an etcd member stopped by SIGSTOP, as its clients see it:
-    the kernel still accepts)."""
-
-    def __init__(self, port: int) -> None:
-        self.target = port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.frozen = threading.Event()
-        self.socks: list[socket.socket] = [self.listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.socks.append(conn)
-            if self.frozen.is_set():
-                continue  # held open, never answered
-            up = socket.create_connection(("127.0.0.1", self.target))
-            self.socks.append(up)
-            for a, b in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
-        while True:
-            try:
-                data = a.recv(65536)
-                if not data or self.frozen.is_set():
-                    return
-                b.sendall(data)
-            except OSError:
-                return
-
-    def freeze(self) -> None:
-        self.frozen.set()
-
-    def close(self) -> None:
-        for sock in self.socks:
-            sock.close()
-
-
 def test_lease_view_on_loopback_etcd() -> None:
     """The writer's lease view (ftrun/control/election.py LeaseView) and the lease reads
     under it, on one loopback etcd with no job:
@@ -851,7 +810,7 @@ def test_lease_view_on_loopback_etcd() -> None:
         # A live node, its lease longer than the test's phases' deadlines together (a 30 s
         # one expired before the prune in a clean-clone run with 3 test workers).
         LeaseBeat(300.0)(store, "hb/a")
-        relay = _FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
         slice_s = 0.25
 
         def view(endpoints: str, slice_s: float = slice_s, op_s: float = 1.0) -> LeaseView:
@@ -946,7 +905,7 @@ def test_an_etcd_agent_at_its_end_stops_its_lease_view() -> None:
                                say=lambda text, **_: said.append(text))
 
     with loopback_etcd() as endpoint:
-        relay = _FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
         try:
             for where in (endpoint, relay.endpoint):
                 options = EtcdOptions.parse(where, {"etcd_prefix": "/ftrun"})

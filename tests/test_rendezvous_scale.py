@@ -36,7 +36,7 @@ from ftrun.control.rendezvous import (
     assignment_key,
 )
 from ftrun.control.store import JsonStore, connect_store, serve_store
-from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
+from tests.infra.etcd_cluster import FreezableRelay, etcd_missing_reason, loopback_etcd
 
 TOKEN = b"scale-test-token"
 
@@ -672,6 +672,49 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
         assert costs(lambda: [reader.wait_any(keys, 0.3) for _ in range(4)]) == \
             ([None] * 4, 2, 0)
         assert time.monotonic() - started > 2 * 0.25
+
+
+def test_a_held_etcd_wait_on_a_member_nobody_hears_moves_to_the_next_endpoint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two endpoints: a relay to the member, which then freezes (silent, its connections
+    open, as a SIGSTOPped member), and the member itself. A held wait
+    (``EtcdClient.wait_any``) on the relay, with no other client of the process talking
+    to it: once the relay has been unheard for ``UNHEARD_S`` (1 s here), the wait's read
+    from it times out and moves on to the next endpoint, and the stream moves with it in
+    the same slice; a write made after that is seen from the new stream, all well before
+    the old stream's read bound (``HOLD_S``, 30 s)."""
+    from ftrun.control import etcdheld
+
+    if etcd_missing_reason() is not None:
+        pytest.skip(etcd_missing_reason() or "")
+    monkeypatch.setattr(etcdheld, "UNHEARD_S", 1.0)
+    with loopback_etcd() as endpoint:
+        relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        try:
+            reader = connect_etcd(EtcdOptions.parse(f"{relay.endpoint},{endpoint}", {}), 10,
+                                  op_timeout_s=1)
+            writer = connect_etcd(EtcdOptions.parse(endpoint, {}), 10, op_timeout_s=5)
+            keys = ["as/9", "gen/9", "shutdown"]
+            assert reader.wait_any(keys, 0.3) is None
+            first = reader._held.held
+            assert first is not None and first.endpoint == relay.endpoint
+            assert _until(lambda: first.stream.confirmed, 10)
+            relay.freeze()
+            frozen = time.monotonic()
+            while reader.endpoint != endpoint:
+                assert time.monotonic() - frozen < 10, "the wait never left the frozen relay"
+                assert reader.wait_any(keys, 0.3) is None
+            moved = reader._held.held
+            assert moved is not None and moved is not first and moved.endpoint == endpoint
+            writer.set("as/9", "assigned")
+            found = None
+            while found is None:
+                assert time.monotonic() - frozen < 15, "the write was not seen"
+                found = reader.wait_any(keys, 0.3)
+            assert found == (0, b"assigned"), found
+            print(f"frozen to written and seen elsewhere: {time.monotonic() - frozen:.2f} s")
+        finally:
+            relay.close()
 
 
 def test_an_etcd_end_watcher_holds_one_stream_and_wakes_on_the_end(

@@ -24,6 +24,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -199,3 +200,48 @@ def loopback_etcd(timeout: float = 30.0, *, tls: ServerTls | None = None) -> Ite
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         shutil.rmtree(root, ignore_errors=True)
+
+
+class FreezableRelay:
+    """A TCP relay to a loopback etcd; after :meth:`freeze` it neither relays nor answers,
+    its connections stay open (an etcd member stopped by SIGSTOP, as its clients see it:
+    the kernel still accepts)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.frozen = threading.Event()
+        self.socks: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.socks.append(conn)
+            if self.frozen.is_set():
+                continue  # held open, never answered
+            up = socket.create_connection(("127.0.0.1", self.target))
+            self.socks.append(up)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        while True:
+            try:
+                data = a.recv(65536)
+                if not data or self.frozen.is_set():
+                    return
+                b.sendall(data)
+            except OSError:
+                return
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
