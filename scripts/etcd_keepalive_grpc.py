@@ -1,0 +1,220 @@
+"""What one lease keepalive costs an etcd member: over etcd's native gRPC stream, or as a
+JSON gateway request (what ftrun's etcd-v3 heartbeat, ``LeaseBeat``, sends today).
+
+Why: on one loopback member the gateway keepalives are what limits etcd-v3 store load
+(about 2,000 agents a second, README "Scale of the control plane"), and a request through
+the gateway costs etcd several times its gRPC work. This measures the member's CPU per
+keepalive both ways, side by side in one run: ``--leases`` leases (TTL 30 s) kept alive
+once a second each, for ``--seconds``, first each on a ``LeaseKeepAlive`` bidirectional
+stream of its own (one HTTP/2 channel), then each with a POST to ``/v3/lease/keepalive``
+(32 threads with keep-alive sessions). The member's idle CPU is measured between them.
+The protobuf messages are written by hand (an int64 field each) so that no generated code
+is needed.
+
+Needs ``grpcio``, which is not a dependency of ftrun (``pip install grpcio``), and Debian's
+``etcd-server``. Prints a table and, with ``--json``, one JSON object. Above about 500
+leases the stream side's client threads (grpcio runs a thread per request iterator) load
+this 2-core machine more than etcd does, so keep ``--leases`` small.
+
+    python scripts/etcd_keepalive_grpc.py --leases 500 --seconds 10 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import requests
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | 0x80 if n else low)
+        if not n:
+            return bytes(out)
+
+
+def _field(message: bytes, number: int) -> int:
+    """The varint field ``number`` of a protobuf message (skipping length-delimited ones)."""
+    i = 0
+    while i < len(message):
+        key, i = _read_varint(message, i)
+        if key & 7 == 0:
+            value, i = _read_varint(message, i)
+            if key >> 3 == number:
+                return value
+        elif key & 7 == 2:
+            length, i = _read_varint(message, i)
+            i += length
+        else:
+            raise ValueError(f"wire type {key & 7}")
+    raise ValueError(f"no field {number}")
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, i
+
+
+def measure(leases: int, seconds: float) -> dict[str, Any]:
+    import grpc
+
+    client_port, peer_port = _free_port(), _free_port()
+    root = tempfile.mkdtemp(prefix="ftrun-ka-", dir="/dev/shm")
+    client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    member = subprocess.Popen(
+        ["etcd", "--name", "ka", "--data-dir", f"{root}/data", "--listen-client-urls", client,
+         "--advertise-client-urls", client, "--listen-peer-urls", peer,
+         "--initial-advertise-peer-urls", peer, "--initial-cluster", f"ka={peer}",
+         "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                requests.post(f"{client}/v3/maintenance/status", json={}, timeout=1)
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("etcd did not start") from None
+                time.sleep(0.1)
+        proc = psutil.Process(member.pid)
+
+        def cpu_s() -> float:
+            times = proc.cpu_times()
+            return float(times.user + times.system)
+
+        def window(count: list[int]) -> tuple[float, float]:
+            """(keepalives a second, etcd cores) over ``seconds``."""
+            c0, n0, t0 = cpu_s(), count[0], time.monotonic()
+            time.sleep(seconds)
+            c1, n1, t1 = cpu_s(), count[0], time.monotonic()
+            return (n1 - n0) / (t1 - t0), (c1 - c0) / (t1 - t0)
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{client_port}")
+        same = lambda x: x  # noqa: E731  (messages are bytes both ways)
+        grant = channel.unary_unary("/etcdserverpb.Lease/LeaseGrant",
+                                    request_serializer=same, response_deserializer=same)
+        ids = [_field(grant(b"\x08" + _varint(30), timeout=10), 2) for _ in range(leases)]
+
+        keepalive = channel.stream_stream("/etcdserverpb.Lease/LeaseKeepAlive",
+                                          request_serializer=same, response_deserializer=same)
+        inboxes: list[queue.Queue[bytes | None]] = [queue.Queue() for _ in ids]
+
+        def requests_of(inbox: queue.Queue[bytes | None]) -> Iterator[bytes]:
+            while (item := inbox.get()) is not None:
+                yield item
+        answered = [0]
+
+        def read(stream: Any) -> None:
+            for _ in stream:
+                answered[0] += 1
+        for inbox in inboxes:
+            threading.Thread(target=read, args=(keepalive(requests_of(inbox)),),
+                             daemon=True).start()
+
+        def pump() -> None:
+            due = time.monotonic()
+            while not stop.is_set():
+                for inbox, lease in zip(inboxes, ids, strict=True):
+                    inbox.put(b"\x08" + _varint(lease))
+                due += 1.0
+                time.sleep(max(0.0, due - time.monotonic()))
+        threading.Thread(target=pump, daemon=True).start()
+        time.sleep(2.0)
+        stream_rate, stream_cores = window(answered)
+        stop.set()
+        for inbox in inboxes:
+            inbox.put(None)
+        time.sleep(1.0)
+        c0 = cpu_s()
+        time.sleep(3.0)
+        idle_cores = (cpu_s() - c0) / 3.0
+
+        posted, stop_posting = [0], threading.Event()
+
+        def post(part: list[int]) -> None:
+            session, due = requests.Session(), time.monotonic()
+            while not stop_posting.is_set():
+                for lease in part:
+                    try:
+                        session.post(f"{client}/v3/lease/keepalive", json={"ID": str(lease)},
+                                     timeout=5)
+                        posted[0] += 1
+                    except requests.RequestException:
+                        return
+                due += 1.0
+                time.sleep(max(0.0, due - time.monotonic()))
+        posters = [threading.Thread(target=post, args=(ids[k::32],), daemon=True)
+                   for k in range(32)]
+        for thread in posters:
+            thread.start()
+        time.sleep(2.0)
+        gateway_rate, gateway_cores = window(posted)
+        stop_posting.set()
+        for thread in posters:
+            thread.join(10)
+        channel.close()
+    finally:
+        stop.set()
+        member.kill()
+        member.wait(10)
+        shutil.rmtree(root, ignore_errors=True)
+
+    def per_keepalive_us(rate: float, cores: float) -> float | None:
+        return round((cores - idle_cores) / rate * 1e6, 1) if rate > 0 else None
+    return {
+        "leases": leases, "window_s": seconds, "etcd_idle_cores": round(idle_cores, 4),
+        "grpc_stream": {"keepalives_per_s": round(stream_rate, 1),
+                        "etcd_cores": round(stream_cores, 4),
+                        "etcd_us_per_keepalive": per_keepalive_us(stream_rate, stream_cores)},
+        "json_gateway": {"keepalives_per_s": round(gateway_rate, 1),
+                         "etcd_cores": round(gateway_cores, 4),
+                         "etcd_us_per_keepalive": per_keepalive_us(gateway_rate,
+                                                                   gateway_cores)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--leases", type=int, default=500)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = measure(args.leases, args.seconds)
+    print(f"{'keepalive path':<16} {'per s':>8} {'etcd cores':>11} {'etcd us each (net)':>19}")
+    for name in ("grpc_stream", "json_gateway"):
+        row = result[name]
+        print(f"{name:<16} {row['keepalives_per_s']:>8} {row['etcd_cores']:>11} "
+              f"{row['etcd_us_per_keepalive']!s:>19}")
+    print(f"etcd idle: {result['etcd_idle_cores']} cores")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
