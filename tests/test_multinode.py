@@ -258,13 +258,17 @@ def test_a_failed_client_is_never_reused_even_when_its_reconnect_fails() -> None
 def test_end_watcher_wakes_on_the_write_and_stops_within_a_slice(store) -> None:  # type: ignore[no-untyped-def]
     """The watcher's server-side wait returns when the end key is written (its fd becomes
     readable at once, not at the next poll), costs one request per slice meanwhile, and
-    stop() does not leave its thread inside torch."""
+    stop() does not leave its thread inside torch. An end key that holds several records
+    (two nodes ended the generation; one forged) wakes its watcher too, which says nothing
+    of them: the agent reads, verifies and says; and ``wait_any`` gives its first valid
+    record, not a rejection of the whole value."""
     import select
 
     from ftrun.control.endwatch import EndWatcher
 
     signer = Signer(TOKEN.encode())
-    writer = JsonStore(store, "ftrun/ew", signer=signer)
+    said: list[str] = []
+    writer = JsonStore(store, "ftrun/ew", signer=signer, on_reject=said.append)
     connect = lambda: connect_store("127.0.0.1", store.port, 5.0, op_timeout_s=1.0)  # noqa: E731
     idle = EndWatcher(connect, writer, "gen/0/end", slice_s=0.2).start()
     watcher = EndWatcher(connect, writer, "gen/1/end", slice_s=0.5).start()
@@ -282,6 +286,20 @@ def test_end_watcher_wakes_on_the_write_and_stops_within_a_slice(store) -> None:
         started = time.monotonic()
         idle.stop()
         assert time.monotonic() - started < 0.2 + 1.0 and not idle._thread.is_alive()
+        JsonStore(store, "ftrun/ew", signer=Signer(b"not-the-token")).put_record(
+            "gen/2/end", {"kind": "forged"})
+        writer.put_record("gen/2/end", {"kind": "worker", "rank": 1})
+        several = EndWatcher(connect, writer, "gen/2/end", slice_s=0.2).start()
+        try:
+            assert select.select([several.fd], [], [], 5.0)[0] == [several.fd]
+        finally:
+            several.stop()
+        assert said == [], said
+        writer.put_record("gen/3/end", {"kind": "worker", "rank": 1})
+        writer.put_record("gen/3/end", {"kind": "node", "node": "n2"})
+        assert writer.wait_any(["gen/3/end"], 1.0) == ("gen/3/end",
+                                                        {"kind": "worker", "rank": 1})
+        assert said == [], said
     finally:
         watcher.stop()
         if idle._thread.is_alive():

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from ftrun.control.auth import Signer
-from ftrun.control.etcd import EtcdOptions, connect_etcd
+from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
 from ftrun.control.etcdwire import deadline_error
 from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import (
@@ -364,6 +364,11 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
         calls
 
 
+def _held_wait_threads() -> set[int | None]:
+    """The held etcd waits' stream threads alive now (ftrun/control/etcdheld.py)."""
+    return {t.ident for t in threading.enumerate() if t.name == "ftrun-etcd-wait"}
+
+
 def _etcd_metric(endpoint: str, line_start: str) -> float:
     """One counter of the etcd member's own ``/metrics`` (its gRPC server, which the JSON
     gateway calls)."""
@@ -588,6 +593,7 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
     from ftrun.control.etcdheld import note_failure
 
     monkeypatch.setattr(etcdheld, "UNHEARD_S", 60.0)  # no look at the member, but below
+    others = _held_wait_threads()  # another test's, still ending: not this one's
 
     handled = 'grpc_server_handled_total{grpc_code="OK"'
     streams = 'grpc_server_started_total{grpc_method="Watch"'
@@ -645,8 +651,7 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
         monkeypatch.setattr(etcdheld, "UNHEARD_S", 60.0)
 
         reader._held.close()
-        assert _until(lambda: not any(t.name == "ftrun-etcd-wait"
-                                      for t in threading.enumerate()), 10)
+        assert _until(lambda: not _held_wait_threads() - others, 10)
         reader._held.hold_s = 1.0  # the gateway ends each stream after 1 s
         assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
         assert _until(lambda: reader._held.held is not None and reader._held.held.done.is_set(),
@@ -655,8 +660,7 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
         assert costs(lambda: reader.wait_any(keys, 0.3)) == (None, 1, 1)
         assert reader._current == 1
         reader._held.close()
-        assert _until(lambda: not any(t.name == "ftrun-etcd-wait"
-                                      for t in threading.enumerate()), 10)
+        assert _until(lambda: not _held_wait_threads() - others, 10)
 
         class NoWatch:  # a gateway whose streams fail at once (HTTP 404)
             def __init__(self, real: Any) -> None:
@@ -706,6 +710,10 @@ def test_a_held_etcd_wait_on_a_member_nobody_hears_moves_to_the_next_endpoint(
                 assert reader.wait_any(keys, 0.3) is None
             moved = reader._held.held
             assert moved is not None and moved is not first and moved.endpoint == endpoint
+            # a new client of the process (a reconnect, the next end watch) starts where
+            # the others are heard, not at the frozen first endpoint
+            fresh = EtcdClient(EtcdOptions.parse(f"{relay.endpoint},{endpoint}", {}), 1.0)
+            assert fresh.endpoint == endpoint  # before any request of its own
             writer.set("as/9", "assigned")
             found = None
             while found is None:
@@ -734,20 +742,27 @@ def test_an_etcd_end_watcher_holds_one_stream_and_wakes_on_the_end(
         pytest.skip(etcd_missing_reason() or "")
     monkeypatch.setattr(etcdheld, "UNHEARD_S", 60.0)  # no other client here: no look
 
+    done: dict[str, int] = {"gen/0/end": 0, "gen/1/end": 0}  # finished slices, per key
+
     class Counted(JsonStore):
-        """The watcher's store (``with_client`` keeps the class): counts its slices."""
-        slices = 0
+        """The watchers' stores (``with_client`` keeps the class): count finished slices."""
 
         def with_client(self, client: Any) -> JsonStore:
             return Counted(client, self.prefix, signer=self.signer)
 
-        def wait_any(self, *args: Any, **kwargs: Any) -> Any:
-            Counted.slices += 1
-            return super().wait_any(*args, **kwargs)
+        def wait_any(self, names: list[str], timeout_s: float) -> Any:
+            try:
+                return super().wait_any(names, timeout_s)
+            finally:
+                done[names[0]] += 1
 
-        def wait_for(self, *args: Any, **kwargs: Any) -> Any:
-            Counted.slices += 1
-            return super().wait_for(*args, **kwargs)
+        def wait_for(self, name: str, timeout_s: float) -> bool:
+            try:
+                return super().wait_for(name, timeout_s)
+            finally:
+                done[name] += 1
+
+    others = _held_wait_threads()  # another test's, still ending: not this one's
 
     handled = 'grpc_server_handled_total{grpc_code="OK"'
     started = 'grpc_server_started_total{grpc_method="Watch"'
@@ -757,12 +772,16 @@ def test_an_etcd_end_watcher_holds_one_stream_and_wakes_on_the_end(
         connect = lambda: connect_etcd(options, 10, op_timeout_s=5)  # noqa: E731
         writer = Counted(connect(), "ftrun/ew", signer=Signer(TOKEN))
         baseline = _etcd_metric(endpoint, open_streams)
+        streams = _etcd_metric(endpoint, started)
         watcher = EndWatcher(connect, writer, "gen/0/end", slice_s=0.2).start()
         idle = EndWatcher(connect, writer, "gen/1/end", slice_s=0.2).start()
         try:
-            assert _until(lambda: Counted.slices >= 4, 30)  # each one's first slice is over
+            # each one's first slice (its read) is over and both streams reached etcd
+            assert _until(lambda: min(done.values()) >= 1
+                          and _etcd_metric(endpoint, started) >= streams + 2, 30)
             before = (_etcd_metric(endpoint, handled), _etcd_metric(endpoint, started))
-            assert _until(lambda: Counted.slices >= 24, 30)
+            first = dict(done)
+            assert _until(lambda: all(done[k] >= first[k] + 10 for k in done), 30)
             after = (_etcd_metric(endpoint, handled), _etcd_metric(endpoint, started))
             assert after == before, (before, after)
             assert _etcd_metric(endpoint, open_streams) == baseline + 2
@@ -780,8 +799,7 @@ def test_an_etcd_end_watcher_holds_one_stream_and_wakes_on_the_end(
             if idle._thread.is_alive():  # the test failed before its stop
                 idle.stop()
         assert not watcher._thread.is_alive() and not idle._thread.is_alive()
-        assert _until(lambda: not any(t.name == "ftrun-etcd-wait"
-                                      for t in threading.enumerate()), 10)
+        assert _until(lambda: not _held_wait_threads() - others, 10)
         assert _until(lambda: _etcd_metric(endpoint, open_streams) == baseline, 10)
 
 

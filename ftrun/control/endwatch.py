@@ -30,7 +30,13 @@ client of the process for ``etcdheld.UNHEARD_S``, then a failed read). Before, e
 (0.83 s at the 5 s default) watched again: ``scripts/bench_etcd.py`` measured 2.4
 requests per second per agent and 4.9 ms of etcd CPU per second net of etcd's idle CPU
 (a lease keepalive beat costs 0.5 ms), and these renewals, not the leases, were what one
-member could not carry at 2,000 agents (README, "Scale of the control plane").
+member could not carry at 2,000 agents (README, "Scale of the control plane"). Such a
+slice asks etcd nothing, so there :attr:`EndWatcher.healthy` says that the thread's waits
+come back, not that etcd answered: a silent member is noticed through the process's other
+requests (as above), and then the wait moves to the next endpoint, or, with one endpoint,
+fails and the watcher reconnects (unhealthy until it can: the agent reads the end key
+itself meanwhile). Not covered: a stream whose connection a middlebox drops without a
+reset while its member stays heard tells nothing until the gateway's end (``HOLD_S``).
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ class EndWatcher:
                 try:
                     if store is None:
                         store = self._template.with_client(self._connect())
+                        store.on_reject = None  # the agent reads, verifies and says
                     found = store.wait_any([self.key], self.slice_s)
                     self._last_wait = time.monotonic()
                     if found is not None:  # it exists (its record: the agent's to verify)

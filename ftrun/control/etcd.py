@@ -56,7 +56,13 @@ from etcd3gw.client import Etcd3Client
 
 from ftrun.control import etcdwire as wire
 from ftrun.control.errors import StoreError
-from ftrun.control.etcdheld import BoundedSession, HeldWaits, note_answer, note_failure
+from ftrun.control.etcdheld import (
+    BoundedSession,
+    HeldWaits,
+    freshest,
+    note_answer,
+    note_failure,
+)
 
 DEFAULT_PREFIX = "/ftrun"
 DEFAULT_ETCD_PORT = 2379
@@ -146,7 +152,7 @@ class EtcdClient:
             self._clients.append(Etcd3Client(host=host, port=port, protocol=options.protocol,
                                              timeout=(self._connect_s, timeout_s),  # type: ignore[arg-type]
                                              session=session))
-        self._current = 0
+        self._current = freshest([f"{h}:{p}" for h, p in options.endpoints])
         self._root = options.prefix.rstrip("/").encode() + b"/"
         self._appended = wire.AppendedReads()
         self._missed = wire.MissedAt()  # a renewed wait's watch needs no read first

@@ -106,6 +106,20 @@ def note_answer(endpoint: str) -> None:
     HEARD_AT[endpoint] = time.monotonic()
 
 
+def freshest(endpoints: list[str]) -> int:
+    """Where a new client starts: the endpoint this process last had an answer from and
+    that has not failed since (0 when none has). A new client (each generation's end
+    watch, a reconnect) then talks to the member the others moved to, which keeps it
+    heard, rather than to the first one, which a held wait would then read from every
+    :data:`UNHEARD_S`."""
+    best, best_at = 0, -1.0
+    for index, endpoint in enumerate(endpoints):
+        heard = HEARD_AT.get(endpoint, -1.0)
+        if heard > best_at and heard > FAILED_AT.get(endpoint, -1.0):
+            best, best_at = index, heard
+    return best
+
+
 class HeldWatch:
     """One stream on several keys' spans from one revision, read by a daemon thread until
     its first event, the gateway's end of it, a failure, or :meth:`close`."""
@@ -214,7 +228,11 @@ class HeldWaits:
         if self.held is None or self.held.unheard():
             # a read of each key: the first slice's, or a look at an unheard member's (a
             # silent one fails it and the read moves on: the stream moves with it)
-            result = self._txn([], [{"request_range": wire.span(e)} for e in ekeys], [])
+            try:
+                result = self._txn([], [{"request_range": wire.span(e)} for e in ekeys], [])
+            except RuntimeError:  # no endpoint answered: the stream goes with the wait
+                self.close()
+                raise
             for index, response in enumerate(result.get("responses") or []):
                 kvs = (response.get("response_range") or {}).get("kvs") or []
                 if kvs:
