@@ -280,6 +280,53 @@ def test_log_dir_layout_redirects_and_rank_filter(job_dir: Path) -> None:
     assert (run_dir / "events.jsonl").exists()
 
 
+_STORE_HOST_DIES = """
+import datetime, sys
+import torch.distributed as dist
+host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                       timeout=datetime.timedelta(seconds=5))
+client.set("a", "1")
+del host  # the store's host is gone: torch logs the failed request with its C++ backtrace
+try:
+    client.add("b", 1)
+except Exception as error:
+    print(f"store request failed: {type(error).__name__}", file=sys.stderr, flush=True)
+print("after the backtrace", file=sys.stderr, flush=True)
+"""
+
+
+def test_torch_cpp_backtraces_collapse_to_one_console_line(job_dir: Path) -> None:
+    """A worker whose store's host died: torch logs the failed request with a C++
+    backtrace of twenty-odd frames, which the console shows as one line (the warning
+    itself and the worker's next lines stay); ``--log-dir`` keeps the backtrace whole, and
+    ``FTRUN_CPP_BACKTRACES=1`` prints it."""
+    script = job_dir / "store_dies.py"
+    script.write_text(_STORE_HOST_DIES)
+    logs = job_dir / "logs"
+    run = Launch(["--nproc-per-node", "1", "--log-dir", str(logs), "--tee", "3", str(script)],
+                 cwd=job_dir)
+    assert run.wait(60) == 0, run.output
+    shown = [line for line in run.lines if line.startswith("[rank0]:")]
+    assert any("sendBytes failed" in line or "recvValue failed" in line for line in shown), \
+        run.output
+    collapsed = [line for line in shown if "C++ backtrace from" in line]
+    assert collapsed and "FTRUN_CPP_BACKTRACES=1" in collapsed[0], run.output
+    assert not any("frame #" in line or "Exception raised from" in line for line in shown), \
+        run.output
+    assert "[rank0]: store request failed" in run.output
+    assert "[rank0]: after the backtrace" in run.output
+    (stderr_log,) = logs.glob("*/attempt_0/0/stderr.log")
+    kept = stderr_log.read_text()
+    assert "Exception raised from" in kept and kept.count("frame #") >= 5, kept[-2000:]
+    assert "C++ backtrace from" not in kept
+    whole = Launch(["--nproc-per-node", "1", str(script)], cwd=job_dir,
+                   env={"FTRUN_CPP_BACKTRACES": "1"})
+    assert whole.wait(60) == 0, whole.output
+    assert "[rank0]: Exception raised from" in whole.output
+    assert "C++ backtrace from" not in whole.output
+
+
 def test_static_multi_node_on_localhost_restarts_both_nodes(job_dir: Path) -> None:
     script = copy_train_script(job_dir)
     port = 29651

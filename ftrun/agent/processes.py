@@ -44,6 +44,11 @@ STDERR_TAIL_LINES = 200  # a fault handler's dump of every thread (ftrun.agent.s
 _libc = ctypes.CDLL(None, use_errno=True)
 _console_lock = threading.Lock()
 
+#: torch's C++ backtrace in an error it logs (c10d's store warnings once a store's host
+#: died): its head, then its frames
+_CPP_TRACE_HEAD = re.compile(r"^Exception raised from (\S+) at \S+ \(most recent call first\):$")
+_CPP_TRACE_LINE = re.compile(r"^(frame #\d+: |<omitting python frames>$)")
+
 
 @dataclass(frozen=True)
 class WorkerLaunch:
@@ -193,6 +198,36 @@ def spawn(launch: WorkerLaunch, start: Callable[[WorkerLaunch], Child] = _exec) 
     return worker
 
 
+class _ConsoleLines:
+    """What of a worker's stream the console shows: each C++ backtrace that torch logs with
+    an error collapses to one line. After a store's host died every connection to it logs
+    one (twenty-odd frames per connection, per worker), which buries the agent's own
+    account of the fault. The log files (``--log-dir``) keep every line;
+    ``FTRUN_CPP_BACKTRACES=1`` shows them on the console too."""
+
+    def __init__(self) -> None:
+        self.whole = os.environ.get("FTRUN_CPP_BACKTRACES", "") not in ("", "0")
+        self._in_trace = False
+
+    def shown(self, line: str) -> str | None:
+        """The line to print for ``line``, or None."""
+        if self.whole:
+            return line
+        body = line.rstrip("\n")
+        if self._in_trace:
+            if _CPP_TRACE_LINE.match(body):
+                return None
+            self._in_trace = False
+            if not body.strip():
+                return None  # the blank line that ends it
+        head = _CPP_TRACE_HEAD.match(body)
+        if head is None:
+            return line
+        self._in_trace = True
+        return (f"(C++ backtrace from {head[1]} not shown: --log-dir keeps it, "
+                "FTRUN_CPP_BACKTRACES=1 prints it)\n")
+
+
 def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std,
           tail: collections.deque[str] | None) -> None:
     """Copy one worker stream, line by line, to wherever it belongs (and its last lines to
@@ -206,6 +241,7 @@ def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std,
     duplicate = None
     if filters and launch.duplicate_dir is not None:
         duplicate = (launch.duplicate_dir / f"filtered_{stream}.log").open("a", buffering=1)
+    lines = _ConsoleLines()
     try:
         for raw in iter(pipe.readline, b""):
             line = raw.decode(errors="replace")
@@ -215,9 +251,10 @@ def _pump(launch: WorkerLaunch, stream: str, pipe: IO[bytes], bit: Std,
                 tail.append(line[:1000])
             if log_file is not None:
                 log_file.write(line)
-            if show:
+            shown = lines.shown(line) if show else None
+            if shown is not None:
                 with _console_lock:
-                    console.write(f"{launch.prefix} {line}")
+                    console.write(f"{launch.prefix} {shown}")
                     console.flush()
             if duplicate is not None and any(f in line for f in filters):
                 with _console_lock:
