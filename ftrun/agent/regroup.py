@@ -344,6 +344,7 @@ class _RegroupRun:
         for member in live:  # a member is ready once its status exists: one check each
             if member.state is MemberState.STARTING and self.m.has_status(member.id):
                 member.advance(MemberState.READY)
+                member.alive_at = now  # its silence counts from here, not from its spawn
                 self.services.events.emit(Event.READY, member=member.id,
                                           pid=member.process.pid)
         self._read_statuses([x.id for x in live if x.state is MemberState.READY])
