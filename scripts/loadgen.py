@@ -97,9 +97,7 @@ from ftrun.control.auth import Signer
 from ftrun.control.etcdheld import HOLD_S
 from ftrun.control.etcdwire import (
     PART,
-    PARTS_END,
     AnyStream,
-    WaitStream,
     b64,
     deadline_error,
     span,
@@ -700,8 +698,7 @@ class Agent:
         self.frozen = False
         self.wait_no = 0
         self.waiting = False  # an end wait (or an assignment wait) is held
-        # etcd-v3: what the end watch's held stream said
-        self.wait_stream = WaitStream(b"", False)
+        self.end_stream = AnyStream([])  # etcd-v3: the end watch's held wait
         self.any_stream = AnyStream([])  # the rendezvous's held wait
         self.cancelling = False
         self.fired = 0.0  # when the end wait came back with the key
@@ -904,10 +901,9 @@ class Agent:
         assert conn is not None
         ekey = self._ekey(gen.end_name)
         self.wait_no += 1
-        self.wait_stream = WaitStream(ekey, False)
-        conn.stream("/watch", {"create_request": {
-            "key": b64(ekey), "range_end": b64(ekey + PARTS_END),
-            "start_revision": revision + 1}}, self._ew_event, HOLD_S, self._ew_ended)
+        self.end_stream = AnyStream([ekey])  # the held wait's wire (etcdheld.HeldWatch)
+        conn.stream("/watch", self.end_stream.requests(revision), self._ew_event, HOLD_S,
+                    self._ew_ended)
         if gen.in_window(conn.sent_at):
             gen.count("endwatch.watch", 1)
         # the client's own bound (its read timeout), should the gateway not end the stream
@@ -926,7 +922,7 @@ class Agent:
         self._ew_live()
 
     def _ew_event(self, result: dict[str, Any]) -> None:
-        if self.frozen or not self.wait_stream.take({"result": result})[0]:
+        if self.frozen or self.end_stream.take({"result": result}) is None:
             return
         assert self.ewc is not None
         self.wait_no += 1  # this wait is over: written (or canceled: compacted), read it

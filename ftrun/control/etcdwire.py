@@ -91,8 +91,8 @@ def watched_value(ekey: bytes, events: list[dict[str, Any]]) -> bytes | None:
 
 
 class WaitStream:
-    """One wait's watch stream, as its messages come (``EtcdClient._watch_create`` feeds it;
-    scripts/loadgen.py's etcd agents too): the watch of ``ekey``'s span from the revision
+    """One wait's watch stream, as its messages come (``EtcdClient._watch_create`` feeds it):
+    the watch of ``ekey``'s span from the revision
     after one that found it missing. With ``replay`` that revision is one an earlier wait
     kept (:class:`MissedAt`): an event at or before the store's revision when etcd made the
     watch (its "created" answer) may predate this wait and have been undone since."""

@@ -453,28 +453,25 @@ class JsonStore:
     def wait_record(self, name: str, timeout_s: float) -> tuple[bool, dict[str, Any] | None]:
         """Block up to ``timeout_s`` until ``name`` exists, then read it, in one call
         (torch's ``get`` waits for its key with the client's timeout, here ``timeout_s``):
-        (False, None) on timeout; (True, the :meth:`set_record` record or None if it is not
-        valid). One wake-up instead of two (a wait, then a get), which is what thousands of
-        agents woken at once by their assignments pay. Errors as :meth:`wait_for`."""
-        raw = self._wait_value(name, timeout_s)
-        return (False, None) if raw is None else (True, self.check_record(name, raw))
-
-    def _wait_value(self, name: str, timeout_s: float) -> bytes | None:
-        """:meth:`wait_record`'s wait and read: the value, None on timeout."""
+        (False, None) on timeout; (True, its first valid record, or None if none is: a
+        :meth:`set_record` key holds one, an appended key several). One wake-up instead of
+        two (a wait, then a get), which is what thousands of agents woken at once by their
+        assignments pay. Errors as :meth:`wait_for`."""
         if not self._usable(timeout_s):
-            return None
+            return False, None
         client = self.raw
         bound = client.timeout
         client.set_timeout(timedelta(seconds=max(timeout_s, 0.001)))
         try:
-            return bytes(client.get(self.key(name)))
+            raw = client.get(self.key(name))
         except (RuntimeError, ValueError) as error:
             if "wait timeout after" not in str(error):
                 self._wait_failed(error)
-            return None
+            return False, None
         finally:
             if not self._conn.failed and client is self.raw:
                 client.set_timeout(bound)
+        return True, self._first_valid(name, raw)
 
     def wait_any(self, names: list[str], timeout_s: float
                  ) -> tuple[str, dict[str, Any] | None] | None:
@@ -484,9 +481,9 @@ class JsonStore:
         no request); on a TCPStore a wait for the first name, then a check of each other.
         Errors as :meth:`wait_for`: a failed request is a slice without news."""
         if not hasattr(self.raw, "wait_any"):
-            raw = self._wait_value(names[0], timeout_s)  # an appended key: its first record
-            if raw is not None:
-                return names[0], self._first_valid(names[0], raw)
+            found, body = self.wait_record(names[0], timeout_s)
+            if found:
+                return names[0], body
             present = next((n for n in names[1:] if self.exists(n)), None)
             return None if present is None else (present, self.first_record(present))
         if not self._usable(timeout_s):
