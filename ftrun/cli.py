@@ -331,10 +331,11 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     if spares and recovery is not Recovery.REGROUP:
         raise ConfigError("--spares needs --recovery regroup (spares run the worker API)")
     standby_nodes = _count(ns.standby_nodes, "--standby-nodes", minimum=0)
-    if standby_nodes and (recovery is not Recovery.REGROUP or backend != "c10d"
-                          or nnodes_max < 2):
-        raise ConfigError("--standby-nodes needs --recovery regroup, --rdzv-backend c10d and "
-                          "--nnodes MAX of at least 2 (a standby node's workers are spares)")
+    if standby_nodes and (recovery is not Recovery.REGROUP
+                          or backend not in ("c10d", "etcd-v3") or nnodes_max < 2):
+        raise ConfigError("--standby-nodes needs --recovery regroup, --rdzv-backend c10d or "
+                          "etcd-v3 and --nnodes MAX of at least 2 (a standby node's workers "
+                          "are spares)")
     min_workers = _count(ns.min_workers, "--min-workers", minimum=1)
     if min_workers > nproc * nnodes_max:
         raise ConfigError(f"--min-workers={min_workers}: more than the job's "
