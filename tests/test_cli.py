@@ -132,6 +132,8 @@ def busy_port() -> int:
         (["--max-restarts", "-1", "{script}"], "negative"),
         (["--recovery", "sometimes", "{script}"], "auto, restart or regroup"),
         (["--redirects", "9", "{script}"], "expected 0-3"),
+        (["--nnodes", "2", "--standby-nodes", "1", "--recovery", "regroup", "--rdzv-backend",
+          "static", "--node-rank", "0", "{script}"], "c10d or etcd-v3"),
         ([], "required"),
     ],
 )

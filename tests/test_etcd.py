@@ -34,12 +34,10 @@ from ftrun.control.errors import StoreError
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
 from ftrun.control.store import JsonStore
 from tests.infra.etcd_cluster import (
-    EtcdCluster,
     FreezableRelay,
     etcd_missing_reason,
     loopback_etcd,
 )
-from tests.infra.procs import pid_alive
 from tests.launch import REPO, Launch, launcher, wait_until
 from tests.lines import Done, ElasticStep, find, parse, reached
 from tests.test_multinode import TOKEN, HostLaunch, _check_regroup_across_nodes
@@ -428,25 +426,6 @@ def test_etcd_bad_input_is_one_line(tmp_path: Path) -> None:
 
 
 # --- a job across three namespace hosts ----------------------------------------------------
-
-
-@pytest.fixture
-def etcd_net(infra_leak_check, netns_factory):  # type: ignore[no-untyped-def]
-    """Four namespace hosts, a 3-member etcd cluster on h1..h3 (each member killed and
-    waited for, its data removed, after the test)."""
-    if subprocess.run(["sh", "-c", "command -v iptables || test -x /usr/sbin/iptables"],
-                      capture_output=True).returncode != 0:
-        pytest.skip("iptables not installed: run scripts/install_test_services.sh")
-    net = netns_factory(4)
-    cluster = EtcdCluster(list(net)[:3])
-    try:
-        cluster.start()
-        yield net, cluster
-    finally:
-        cluster.stop()
-        left = [p.pid for p in cluster.procs if p is not None and pid_alive(p.pid)]
-        assert not left, f"etcd members left running: {left}"
-        assert not cluster.root.exists(), f"etcd data {cluster.root} not removed"
 
 
 def _etcd_job(net, cluster, job_dir: Path, steps: int) -> list[Launch]:  # type: ignore[no-untyped-def]

@@ -103,6 +103,7 @@ class RegroupLeader:
         self.gate_since = 0.0
         self.gate_said: set[tuple[int, int]] = set()
         self.finishing = False
+        self.took_over = False  # etcd-v3: formed on the store of a writer that died
         # The recovery record's half that only the leader sees: formed epochs, steps.
         marks = [f.step for f in config.inject.faults if f.step is not None] \
             if config.inject is not None else []
@@ -204,6 +205,8 @@ class RegroupLeader:
                      + restart_all_words(self.generation.restart_count,
                                          self.config.max_restarts))
             return StopJob("a worker without the worker API failed", {"member": never_ready[0]})
+        if self._catching_up(survivors):
+            return None
         if not any(self._synced(x) for x in survivors):
             return StopJob("no surviving member holds the job's state")
         # Every surviving node aborts its communicators of the ended epoch first.
@@ -245,6 +248,7 @@ class RegroupLeader:
         before it does (its node cut off, or lost in a later takeover) must not look like a
         script without the worker API, so none of them gets the restart fallback."""
         m = self.m
+        self.took_over = True
         self.ready_checked.update(x.id for x in latest.members)
         m.publish(latest)
         m.lost_nodes.add(lost.node_rank)
@@ -307,6 +311,27 @@ class RegroupLeader:
                 members.append(P.Member(member, len(members), True))
                 taken.add(member)
         return members
+
+    def _catching_up(self, survivors: list[P.Member]) -> bool:
+        """After a takeover (etcd-v3, ``take_over``: a new, empty store), whether the
+        regroup waits for records that died with the old one: a live node's pool, and, while
+        no survivor is known to hold the job's state, the surviving joiners' statuses.
+        Without them the first regroup would find no standby's spares (and shrink, or stop
+        the job below ``--nnodes`` MIN) or take a promoted standby's worker for one that
+        never received the state. The agents that follow the move write both again
+        (agent/regroup.py, ``_follow_moved_store``). Bounded by the heartbeat timeout from
+        the regroup's start: what is still missing then is left out (a silent node is the
+        heartbeat's to judge). Never on the store the job started with, where every node
+        wrote its pool at its first tick."""
+        if not self.took_over or self.waiting_since is None \
+                or self.clock() - self.waiting_since >= self.config.heartbeat_timeout_s:
+            return False
+        self._read_pools()
+        if any(n.node_rank not in self.m.lost_nodes and n.node_rank not in self.pools
+               for n in self.generation.nodes):
+            return True
+        return not any(self._synced(x) for x in survivors) \
+            and any(x.joiner and x.id not in self.m.statuses for x in survivors)
 
     def _promotable(self, node_rank: int) -> bool | None:
         """Whether ``node_rank``'s idle spares may take ranks. Yes on a node that is not a

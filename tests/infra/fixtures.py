@@ -10,6 +10,7 @@ one test cannot leak into the next):
 - ``netns_factory``: ``make(n) -> NetnsNetwork`` for other sizes; all closed at teardown.
 - ``etcd_cluster``: a healthy 3-member etcd cluster, one member on each of
   ``netns_network``'s hosts (:class:`EtcdCluster`; skipped when etcd-server is missing).
+- ``etcd_net``: ``(net, cluster)``, four namespace hosts with such a cluster on h1..h3.
 - ``infra_leak_check``: fails the test if it leaves ftrun namespaces or cluster processes;
   request it first (before the fixtures it watches) so its check runs after their teardown.
 
@@ -20,16 +21,18 @@ nothing was left behind and errors the test if something was.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.infra.etcd_cluster import EtcdCluster, etcd_missing_reason
-from tests.infra.netns import NetnsNetwork, ftrun_namespaces
+from tests.infra.netns import NetnsHost, NetnsNetwork, ftrun_namespaces
 from tests.infra.procs import pid_alive
 from tests.infra.slurm_cluster import SlurmCluster, marked_processes
 
-__all__ = ["etcd_cluster", "infra_leak_check", "netns_factory", "netns_network",
+__all__ = ["etcd_cluster", "etcd_net", "infra_leak_check", "netns_factory", "netns_network",
            "slurm_cluster"]
 
 
@@ -91,14 +94,14 @@ def infra_leak_check() -> Iterator[None]:
     assert not procs_left, f"test-cluster processes left behind: {sorted(procs_left)}"
 
 
-@pytest.fixture
-def etcd_cluster(netns_network: NetnsNetwork) -> Iterator[EtcdCluster]:
-    """A 3-member etcd cluster on the namespace hosts h1..h3 (``.endpoints``, ``.kill(i)``);
-    every member is killed and waited for, and its data removed, after the test."""
+@contextlib.contextmanager
+def _running_etcd(hosts: list[NetnsHost]) -> Iterator[EtcdCluster]:
+    """An etcd cluster with one member on each of ``hosts``: every member killed and waited
+    for, and its data removed, on the way out."""
     reason = etcd_missing_reason()
     if reason:
         pytest.skip(reason)
-    cluster = EtcdCluster(list(netns_network))
+    cluster = EtcdCluster(hosts)
     try:
         cluster.start()
         yield cluster
@@ -107,3 +110,23 @@ def etcd_cluster(netns_network: NetnsNetwork) -> Iterator[EtcdCluster]:
         left = [p.pid for p in cluster.procs if p is not None and pid_alive(p.pid)]
         assert not left, f"etcd members left running: {left}"
         assert not cluster.root.exists(), f"etcd data {cluster.root} not removed"
+
+
+@pytest.fixture
+def etcd_cluster(netns_network: NetnsNetwork) -> Iterator[EtcdCluster]:
+    """A 3-member etcd cluster on the namespace hosts h1..h3 (``.endpoints``, ``.kill(i)``)."""
+    with _running_etcd(list(netns_network)) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def etcd_net(infra_leak_check: None, netns_factory: Callable[..., NetnsNetwork]
+             ) -> Iterator[tuple[NetnsNetwork, EtcdCluster]]:
+    """Four namespace hosts and a 3-member etcd cluster on h1..h3: ftrun nodes on all four,
+    so that a job can lose a node that serves no member (iptables needed: link cuts)."""
+    if subprocess.run(["sh", "-c", "command -v iptables || test -x /usr/sbin/iptables"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("iptables not installed: run scripts/install_test_services.sh")
+    net = netns_factory(4)
+    with _running_etcd(list(net)[:3]) as cluster:
+        yield net, cluster
