@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from ftrun.control.auth import AuthError, Signer, TokenError, load_secret
 from ftrun.exitcodes import ExitCode
 from ftrun.faultspec import NODE_KINDS, FaultSpecError, parse_item
-from ftrun.jobref import JobRefError, resolve
+from ftrun.jobref import JobRef, JobRefError, resolve
 
 POLL_S = 0.05  # between two looks at the agent's answer (a check, never a blocking wait)
 
@@ -48,17 +48,18 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> _Parser:
     parser = _Parser(prog="ftrun inject", description="Inject a fault into a running job now.")
     parser.add_argument("--job", required=True,
-                        help="the job: HOST:PORT of its control store, or its run id (on the "
-                        "leader's host)")
+                        help="the job: HOST:PORT of its control store, "
+                        "etcd-v3://HOST:PORT,.../RUN_ID, or its run id (on the leader's "
+                        "host; on any node of an etcd-v3 job)")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="seconds to wait for the store and the agent's answer")
     parser.add_argument("fault", nargs="+", help="KIND key=value ... (e.g. kill rank=3)")
     return parser
 
 
-def read_job(client: Any, signer: Signer) -> dict[str, Any]:
-    """The job's ``ftrun/job`` record, checked against this command's token."""
-    key = "ftrun/job"
+def read_job(client: Any, signer: Signer, key: str = "ftrun/job") -> dict[str, Any]:
+    """The job's record (``key``: ``ftrun/job`` in a job's TCPStore, ``ftrun/<run
+    id>/job`` on etcd), checked against this command's token."""
     if not client.check([key]):
         raise InjectError("no ftrun job record in that store (is it an ftrun job's control "
                           "store, and has it started?)")
@@ -79,6 +80,26 @@ def read_job(client: Any, signer: Signer) -> dict[str, Any]:
     return body
 
 
+def open_job(name: str, timeout_s: float) -> tuple[JobRef, Signer, Any]:
+    """The job named ``name`` (ftrun.jobref), this command's token and a client of the
+    job's store, reached within ``timeout_s``. Raises InjectError (its code says which exit:
+    bad input 2, an unreachable store 3)."""
+    from ftrun.control.errors import StoreError
+
+    try:
+        ref = resolve(name)
+        signer = Signer(load_secret())
+    except (JobRefError, TokenError) as error:
+        raise InjectError(str(error)) from None
+    try:
+        return ref, signer, ref.connect(timeout_s)
+    except JobRefError as error:
+        raise InjectError(str(error)) from None
+    except StoreError as error:
+        raise InjectError(f"cannot reach the job's store ({ref.describe()}): {error}",
+                          ExitCode.RENDEZVOUS_FAILED) from None
+
+
 def run(args: Sequence[str]) -> str:
     """Inject; returns what was done. Raises :class:`InjectError`."""
     ns = _parser().parse_args(list(args))
@@ -91,21 +112,13 @@ def run(args: Sequence[str]) -> str:
                           "rank=random belong to --inject schedules")
     if not 0 < ns.timeout <= 3600:
         raise InjectError("--timeout must be in (0, 3600] seconds")
-    try:
-        host, port = resolve(ns.job)
-        signer = Signer(load_secret())
-    except (JobRefError, TokenError) as error:
-        raise InjectError(str(error)) from None
     from ftrun.control.errors import StoreError
-    from ftrun.control.store import JsonStore, connect_store
+    from ftrun.control.store import JsonStore
 
+    ref, signer, client = open_job(ns.job, ns.timeout)
+    where = ref.describe()
     try:
-        client = connect_store(host, port, ns.timeout, op_timeout_s=ns.timeout)
-    except StoreError as error:
-        raise InjectError(f"cannot reach the job's store at {host}:{port}: {error}",
-                          ExitCode.RENDEZVOUS_FAILED) from None
-    try:
-        job = read_job(client, signer)
+        job = read_job(client, signer, ref.job_key)
         world, nnodes = job["world_size"], job.get("nnodes")
         if fault.rank is not None and not fault.rank < world:
             raise InjectError(f"rank {fault.rank} does not exist: the job has {world} ranks "
@@ -131,7 +144,7 @@ def run(args: Sequence[str]) -> str:
                 raise InjectError(f"refused by the job: {answer.get('detail')}")
             time.sleep(POLL_S)
     except StoreError as error:
-        raise InjectError(f"the job's store at {host}:{port} failed: {error}",
+        raise InjectError(f"the job's store ({where}) failed: {error}",
                           ExitCode.RENDEZVOUS_FAILED) from None
     raise InjectError(f"no agent answered request {number} within {ns.timeout:g} s",
                       ExitCode.RENDEZVOUS_FAILED)

@@ -1,11 +1,16 @@
-"""Naming a running job from another shell: ``ENDPOINT`` (HOST:PORT of its control store) or
-``RUN_ID`` (looked up in this host's run registry).
+"""Naming a running job from another shell: ``ENDPOINT`` (HOST:PORT of its control store),
+``etcd-v3://HOST:PORT[,HOST:PORT...]/RUN_ID[?protocol=https&cacert=...]`` (an etcd-v3 job:
+its cluster's endpoints, its run id and ``--rdzv-conf``'s etcd options), or ``RUN_ID``
+(looked up in this host's run registry).
 
-The leader agent registers its run id and control endpoint in a per-user directory
-(``$XDG_RUNTIME_DIR/ftrun`` or ``<tmp>/ftrun-<uid>``, mode 0700) while the job runs, so that
-``ftrun status RUN_ID`` and ``ftrun inject --job RUN_ID`` work on the leader's host; from any
-other host give HOST:PORT. Nothing secret is stored: the job token stays in the environment.
-Errors are :class:`JobRefError`, one line.
+The agents register the run id in a per-user directory (``$XDG_RUNTIME_DIR/ftrun`` or
+``<tmp>/ftrun-<uid>``, mode 0700) while the job runs: a TCPStore job's leader its control
+endpoint (``<run id>.json``), every agent of an etcd-v3 job the cluster's endpoints and
+options (``<run id>@<pid>.json``: the writer moves, so any live agent's entry names the
+job). ``ftrun status RUN_ID`` and ``ftrun inject --job RUN_ID`` so work on the leader's host,
+and on any node of an etcd-v3 job; from elsewhere give the endpoint or the etcd-v3 URL.
+Nothing secret is stored: the job token stays in the environment (certificate paths are
+paths). Errors are :class:`JobRefError`, one line.
 """
 
 from __future__ import annotations
@@ -15,13 +20,57 @@ import json
 import os
 import re
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
+#: ``--rdzv-conf`` keys an etcd-v3 job reference may carry (ftrun.control.etcd.EtcdOptions)
+ETCD_OPTIONS = ("protocol", "cacert", "cert", "key", "etcd_prefix")
+ETCD_SCHEME = "etcd-v3"
+
+
 class JobRefError(ValueError):
     """The job cannot be named this way; the message is one line."""
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Where a running job's control records are: a TCPStore (``host``, ``port``: the job
+    owns the store, its record is ``ftrun/job``) or etcd (``etcd``: the endpoints, with
+    ``options``; many jobs share it, so the record is under the run id)."""
+
+    host: str = ""
+    port: int = 0
+    etcd: str = ""
+    options: dict[str, str] = field(default_factory=dict)
+    run_id: str = ""
+
+    @property
+    def job_key(self) -> str:
+        return f"ftrun/{self.run_id}/job" if self.etcd else "ftrun/job"
+
+    def describe(self) -> str:
+        return f"etcd at {self.etcd} (run id {self.run_id})" if self.etcd \
+            else f"{self.host}:{self.port}"
+
+    def connect(self, timeout_s: float) -> Any:
+        """A client of the job's store, reached within ``timeout_s`` (each request bounded
+        by it too). Raises StoreError (unreachable) or JobRefError (bad etcd options)."""
+        if not self.etcd:
+            from ftrun.control.store import connect_store
+
+            return connect_store(self.host, self.port, timeout_s, op_timeout_s=timeout_s)
+        from ftrun.control.etcd import EtcdConfigError, EtcdOptions, connect_etcd
+
+        try:
+            options = EtcdOptions.parse(self.etcd, self.options)
+        except EtcdConfigError as error:
+            raise JobRefError(str(error)) from None
+        return connect_etcd(options, timeout_s, op_timeout_s=timeout_s)
 
 
 def registry_dir() -> Path:
@@ -46,36 +95,102 @@ def register(run_id: str, host: str, port: int) -> Path | None:
     return path
 
 
+def register_etcd(run_id: str, endpoint: str, conf: dict[str, str]) -> Path | None:
+    """Note that ``run_id`` is an etcd-v3 job at ``endpoint`` with ``conf``'s etcd options,
+    as this agent (one file per agent: any live one names the job); None as for
+    :func:`register`."""
+    if not _RUN_ID.match(run_id):
+        return None
+    options = {k: v for k, v in conf.items() if k in ETCD_OPTIONS}
+    try:
+        directory = registry_dir()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = directory / f"{run_id}@{os.getpid()}.json"
+        path.write_text(json.dumps({"etcd": endpoint, "options": options,
+                                    "pid": os.getpid()}))
+    except OSError:
+        return None
+    return path
+
+
 def unregister(path: Path | None) -> None:
     if path is not None:
         with contextlib.suppress(OSError):
             path.unlink()
 
 
-def resolve(text: str) -> tuple[str, int]:
-    """(host, port) for ``HOST:PORT`` or a registered run id. Raises :class:`JobRefError`."""
+def resolve(text: str) -> JobRef:
+    """The job named by ``HOST:PORT``, an etcd-v3 URL or a registered run id. Raises
+    :class:`JobRefError`."""
+    if text.startswith(f"{ETCD_SCHEME}://"):
+        return _etcd_url(text)
     host, colon, port = text.rpartition(":")
     if colon and port.isdigit():
         number = int(port)
         if not 0 < number < 65536:
             raise JobRefError(f"{text!r}: port out of range")
-        return host.strip("[]") or "127.0.0.1", number
+        return JobRef(host=host.strip("[]") or "127.0.0.1", port=number)
     if not _RUN_ID.match(text):
-        raise JobRefError(f"{text!r}: expected HOST:PORT or a run id")
-    path = registry_dir() / f"{text}.json"
+        raise JobRefError(f"{text!r}: expected HOST:PORT, {ETCD_SCHEME}://HOST:PORT,.../RUN_ID "
+                          "or a run id")
+    entries = [registry_dir() / f"{text}.json",
+               *sorted(registry_dir().glob(f"{text}@*.json"))]  # '@' is in no run id
+    ended: int | None = None
+    for path in entries:
+        ref, pid = _registered(path, text)
+        if ref is None:
+            continue
+        if _alive(pid):
+            return ref
+        ended = pid
+    if ended is not None:
+        raise JobRefError(f"the job with run id {text!r} has ended (its agent, pid {ended}, "
+                          "is gone)")
+    raise JobRefError(f"no job with run id {text!r} is registered on this host (give "
+                      f"HOST:PORT of its control store, or {ETCD_SCHEME}://HOST:PORT/RUN_ID)")
+
+
+def _registered(path: Path, run_id: str) -> tuple[JobRef | None, int]:
+    """One registry entry: (where the job is, the registering agent's pid); (None, 0) when
+    it is missing or not an entry (a half-written file of an agent starting now)."""
     try:
         data = json.loads(path.read_text())
-        host, number, pid = data["host"], int(data["port"]), int(data["pid"])
+        pid = int(data["pid"])
+        if "etcd" in data:
+            options = data["options"]
+            if not isinstance(data["etcd"], str) or not isinstance(options, dict) or \
+                    not all(isinstance(v, str) and k in ETCD_OPTIONS for k, v in options.items()):
+                return None, 0
+            return JobRef(etcd=data["etcd"], options=options, run_id=run_id), pid
+        host, number = data["host"], int(data["port"])
     except (OSError, ValueError, KeyError, TypeError):
-        raise JobRefError(f"no job with run id {text!r} is registered on this host (give "
-                          "HOST:PORT of its control store)") from None
+        return None, 0
     if not isinstance(host, str) or not 0 < number < 65536:
-        raise JobRefError(f"{path}: not a run registration")
+        return None, 0
+    return JobRef(host=host, port=number), pid
+
+
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        raise JobRefError(f"the job with run id {text!r} has ended (its agent, pid {pid}, "
-                          "is gone)") from None
+        return False
     except PermissionError:
         pass
-    return host, number
+    return True
+
+
+def _etcd_url(text: str) -> JobRef:
+    """``etcd-v3://HOST:PORT[,HOST:PORT...]/RUN_ID[?KEY=VALUE&...]``, the keys those of
+    ``--rdzv-conf`` that say how to reach etcd (:data:`ETCD_OPTIONS`)."""
+    parts = urlsplit(text)
+    run_id = parts.path.strip("/")
+    if not parts.netloc or not _RUN_ID.match(run_id):
+        raise JobRefError(f"{text!r}: expected {ETCD_SCHEME}://HOST:PORT[,HOST:PORT...]/RUN_ID")
+    options: dict[str, str] = {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key not in ETCD_OPTIONS:
+            raise JobRefError(f"{text!r}: unknown option {key!r} (expected one of "
+                              f"{', '.join(ETCD_OPTIONS)})")
+        options[key] = value
+    return JobRef(etcd=parts.netloc, options=options, run_id=run_id)

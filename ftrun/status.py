@@ -5,7 +5,8 @@ refreshes it every second (ftrun.agent.statusboard): job generation, member epoc
 nodes, each member's rank, process, state and step rate, the committed step, the last
 faults with their recovery times, and the ranks judged stragglers. A rich table for
 people, ``--json`` for programs (the record as it is, plus ``age_s``: how old it is).
-Works from any host that reaches the store; a job that signs its records is read only
+Works from any host that reaches the store (an etcd-v3 job: ``etcd-v3://HOST:PORT,.../RUN_ID``,
+ftrun.jobref); a job that signs its records is read only
 with its token (``FTRUN_JOB_TOKEN``), the same rule as ``ftrun inject``.
 
 Exit codes: 0; 2 bad input (a bad name, no or a wrong token); 3 the store cannot be
@@ -26,10 +27,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ftrun.control.auth import Signer, TokenError, load_secret
 from ftrun.exitcodes import ExitCode
-from ftrun.inject import InjectError, read_job
-from ftrun.jobref import JobRefError, resolve
+from ftrun.inject import InjectError, open_job, read_job
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,19 +38,13 @@ class _Parser(argparse.ArgumentParser):
 
 def fetch(name: str, timeout_s: float) -> dict[str, Any]:
     """The job's record, checked. Raises InjectError (its code says which exit)."""
-    try:
-        host, port = resolve(name)
-        signer = Signer(load_secret())
-    except (JobRefError, TokenError) as error:
-        raise InjectError(str(error)) from None
     from ftrun.control.errors import StoreError
-    from ftrun.control.store import connect_store
 
+    ref, signer, client = open_job(name, timeout_s)
     try:
-        client = connect_store(host, port, timeout_s, op_timeout_s=timeout_s)
-        record = read_job(client, signer)
+        record = read_job(client, signer, ref.job_key)
     except StoreError as error:
-        raise InjectError(f"cannot read the job's store at {host}:{port}: {error}",
+        raise InjectError(f"cannot read the job's store ({ref.describe()}): {error}",
                           ExitCode.RENDEZVOUS_FAILED) from None
     except InjectError as error:
         if "no ftrun job record" in str(error):
@@ -60,7 +53,7 @@ def fetch(name: str, timeout_s: float) -> dict[str, Any]:
     updated = record.get("updated")
     record["age_s"] = round(time.time() - updated, 3) if isinstance(updated, (int, float)) \
         else None
-    record["endpoint"] = f"{host}:{port}"
+    record["endpoint"] = f"{ref.host}:{ref.port}" if not ref.etcd else ref.describe()
     return record
 
 
@@ -113,7 +106,8 @@ def render(console: Console, job: dict[str, Any]) -> None:
 
 def main(args: Sequence[str]) -> int:
     parser = _Parser(prog="ftrun status", description="One look at a running job.")
-    parser.add_argument("job", help="HOST:PORT of its control store, or its run id")
+    parser.add_argument("job", help="HOST:PORT of its control store, "
+                        "etcd-v3://HOST:PORT,.../RUN_ID, or its run id")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="seconds to reach the store")

@@ -425,6 +425,67 @@ def test_etcd_bad_input_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and len(lines) == 1 and "etcd-v3" in lines[0], done
 
 
+
+def _status_or_inject(*args: str, token: str = TOKEN, registry: Path | None = None
+                      ) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "FTRUN_JOB_TOKEN": token}
+    if registry is not None:
+        env["XDG_RUNTIME_DIR"] = str(registry)
+    return subprocess.run([launcher(), *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+def _one_line(done: subprocess.CompletedProcess[str], code: int, says: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code and len(lines) == 1 and says in lines[0], done
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_status_and_inject_name_an_etcd_job_or_say_why_not(tmp_path: Path) -> None:
+    """``ftrun status`` and ``ftrun inject`` name an etcd-v3 job as
+    ``etcd-v3://HOST:PORT,.../RUN_ID`` or by a run id registered on this host (by every
+    agent: ``<run id>@<pid>.json``). A record signed with another token is refused, an
+    unknown run id or an unreachable etcd is exit 3, a malformed name or option exit 2, a
+    registration whose agent died says the job ended: each one line. (A live job is read
+    and steered in tests/test_etcd_standby.py.)"""
+    with loopback_etcd() as endpoint:
+        url = f"etcd-v3://{endpoint}/job1"
+        _one_line(_status_or_inject("status", url), 3, "no ftrun job record")
+        client = connect_etcd(EtcdOptions.parse(endpoint, {}), 10)
+        other = JsonStore(client, "ftrun/job1", signer=Signer(b"another job's token"))
+        other.set_record("job", {"run_id": "job1", "world_size": 2, "nnodes": 1,
+                                 "updated": time.time()})
+        _one_line(_status_or_inject("status", url), 2, "this token is not the job's")
+        _one_line(_status_or_inject("inject", "--job", url, "kill", "rank=0"), 2,
+                  "this token is not the job's")
+        done = _status_or_inject("status", "--json", url, token="another job's token")
+        assert done.returncode == 0 and json.loads(done.stdout)["world_size"] == 2, done
+        # the registry: a live agent's entry names the job, a dead one's says it ended
+        registry = tmp_path / "run"
+        (registry / "ftrun").mkdir(parents=True)
+        entry = {"etcd": endpoint, "options": {"etcd_prefix": "/ftrun"}, "pid": os.getpid()}
+        (registry / "ftrun" / f"job1@{os.getpid()}.json").write_text(json.dumps(entry))
+        done = _status_or_inject("status", "--json", "job1", token="another job's token",
+                                 registry=registry)
+        assert done.returncode == 0, done
+        assert json.loads(done.stdout)["endpoint"] == f"etcd at {endpoint} (run id job1)"
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        (registry / "ftrun" / f"job2@{dead.pid}.json").write_text(
+            json.dumps({**entry, "pid": dead.pid}))
+        _one_line(_status_or_inject("status", "job2", registry=registry), 2, "has ended")
+    started = time.monotonic()
+    _one_line(_status_or_inject("status", "--timeout", "2", "etcd-v3://127.0.0.1:1/job1"), 3,
+              "cannot reach the job's store (etcd at 127.0.0.1:1 (run id job1))")
+    assert time.monotonic() - started < 30
+    for name, says in [("etcd-v3://127.0.0.1:2379/", "RUN_ID"),
+                       ("etcd-v3://127.0.0.1:2379/a/b", "RUN_ID"),
+                       ("etcd-v3://127.0.0.1:2379/job1?bogus=1", "unknown option 'bogus'"),
+                       ("etcd-v3://127.0.0.1:2379/job1?protocol=ftp", "protocol"),
+                       ("etcd-v3://127.0.0.1:99999/job1", "port")]:
+        _one_line(_status_or_inject("status", name), 2, says)
+        _one_line(_status_or_inject("inject", "--job", name, "kill", "rank=0"), 2, says)
+
 # --- a job across three namespace hosts ----------------------------------------------------
 
 

@@ -22,16 +22,19 @@ exiting 0.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 
 from tests.infra.etcd_cluster import etcd_missing_reason
-from tests.launch import REPO
+from tests.infra.netns import NetnsHost
+from tests.launch import REPO, launcher
 from tests.lines import ElasticStep, check_regroup_invariants, find, parse
 from tests.test_multinode import HostLaunch
 
@@ -39,6 +42,7 @@ pytestmark = pytest.mark.skipif(etcd_missing_reason() is not None,
                                 reason=etcd_missing_reason() or "")
 
 TOKEN = "etcd-standby-test-token"
+RUN_ID = "etcdstandby"
 STEPS = 150
 HB_TIMEOUT_S = 5.0
 #: From a kill to the promoted standby's first step in the world of 2: detection (~0.2 s by
@@ -72,6 +76,25 @@ def _wait_promoted(standby: HostLaunch, killed: float, what: str) -> None:
     assert first - killed < KILL_TO_STEP_S, first - killed
 
 
+def _ftrun(host: NetnsHost, *args: str) -> subprocess.CompletedProcess[str]:
+    """``ftrun ARGS`` inside ``host`` with the job's token (a command of a person there)."""
+    return host.run([launcher(), *args], timeout=60,
+                    env={**os.environ, "FTRUN_JOB_TOKEN": TOKEN})
+
+
+def _status(host: NetnsHost, job: str, until: Callable[[dict], bool]) -> dict:
+    """``ftrun status --json JOB`` from ``host`` until ``until(record)`` (30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        done = _ftrun(host, "status", "--json", job)
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        record = json.loads(done.stdout)
+        if until(record):
+            return record
+        assert time.monotonic() < deadline, record
+        time.sleep(0.2)
+
+
 def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type: ignore[no-untyped-def]
         job_dir: Path, etcd_net) -> None:
     net, cluster = etcd_net
@@ -82,7 +105,7 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
         for host in net:
             args = ["--nnodes", "2", "--standby-nodes", "2", "--nproc-per-node", "1",
                     "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", cluster.endpoints,
-                    "--rdzv-id", "etcdstandby", "--rdzv-conf", "last_call_timeout=10",
+                    "--rdzv-id", RUN_ID, "--rdzv-conf", "last_call_timeout=10",
                     "--heartbeat-interval", "0.5", "--heartbeat-timeout", str(HB_TIMEOUT_S),
                     "--recovery", "regroup", "--local-addr", host.addr,
                     "--events-file", str(job_dir / f"events-{host.name}.jsonl"),
@@ -101,11 +124,20 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
             "a standby stepped before any loss"
         writer, victim = by_rank[0], by_rank[1]  # the writer forms generations as node 0
         assert any("job's writer (elected" in x for x in writer.lines), writer.output[-2000:]
-        # Fault 1: the active node that is not the writer's.
+        url = f"etcd-v3://{cluster.endpoints}/{RUN_ID}"
+        job = _status(victim.host, url, lambda job: job["world_size"] == 2)
+        assert job["backend"] == "etcd-v3" and job["host"] == writer.host.addr, job
+        assert job["endpoint"] == f"etcd at {cluster.endpoints} (run id {RUN_ID})", job
+        # Fault 1: the active node that is not the writer's, its agent SIGKILLed by `ftrun
+        # inject` (its worker dies with it), named by its run id on a node's host
         reached_at = _reached([writer])
-        killed = time.time()
-        victim.kill()
-        _wait_promoted(by_rank[2], killed, "non-writer")
+        sent = _ftrun(by_rank[3].host, "inject", "--job", RUN_ID, "kill-agent", "node=1")
+        assert sent.returncode == 0 and "sent: kill-agent node=1" in sent.stdout, sent
+        victim.wait_for(lambda lines: any("injected: kill-agent" in x for x in lines), 30,
+                        "node 1's agent executing the request")
+        (injected,) = [e for e in _events(job_dir / f"events-{victim.host.name}.jsonl")
+                       if e["event"] == "inject"]
+        _wait_promoted(by_rank[2], injected["ts"], "non-writer")
         for node in (writer, by_rank[2]):  # both go on in the new world before the next fault
             node.wait_for(lambda lines: sum(s.world == 2 and s.gen > 0
                                             for s in find(lines, ElasticStep)) >= 3, 60,
@@ -121,6 +153,10 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
         took = [n for n in survivors if any("took over" in x
                                             for x in n.lines[marks[n.host.name]:])]
         assert len(took) == 1, {n.host.name: n.output[-2000:] for n in survivors}
+        # ftrun status: the new writer keeps the job's record now (from the run id's
+        # registration, on a live node's host: the dead writer's entry names nothing)
+        job = _status(by_rank[2].host, RUN_ID, lambda job: job["host"] == took[0].host.addr)
+        assert job["world_size"] == 2 and job["age_s"] < 5, job
         for node in survivors:
             assert node.wait(180) == 0, node.output[-3000:]
         records = [r for n in nodes.values() for r in parse(n.lines, origin=n.host.name)]

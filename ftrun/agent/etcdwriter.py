@@ -77,6 +77,14 @@ def close_monitor(agent: Agent, timeout_s: float | None = None) -> None:
             agent.say(f"node {agent.node_id}: {stuck}", style="yellow")
 
 
+def job_record(agent: Agent) -> dict[str, Any]:
+    """The job's record as the writer keeps it (ftrun status adds what the status board
+    knows; agent/inject.py). No store endpoint: the job's store is etcd. ``started`` is
+    when this writer began to keep it."""
+    return {"run_id": agent.run_id, "backend": "etcd-v3", "host": agent.store_host,
+            "started": time.time()}
+
+
 def promote(agent: Agent, rdzv: Rendezvous, election: Election) -> None:
     """This agent became the job's writer (called from the writer watch's thread): it
     serves the presence connections (ftrun/control/presence.py: a killed agent is lost at
@@ -102,6 +110,7 @@ def promote(agent: Agent, rdzv: Rendezvous, election: Election) -> None:
     rdzv.monitor = monitor
     if agent._services is not None:
         agent._services.nodes = agent.nodes
+    agent.injector.keep_job(job_record(agent))  # ftrun status and inject read it
     rdzv.is_leader = True  # last: the rest is in place when the main thread sees it
     how = "its agent died: its lease was revoked" if election.gone_at is not None \
         else "its lease expired"

@@ -24,6 +24,9 @@ Store keys (under the job's prefix ``ftrun/<run id>``, signed like every control
 request: a :class:`ftrun.faultspec.Fault`), ``inject/<n>/done/<node rank>`` (the result:
 ``{"ok": bool, "detail": str}``). The leader also keeps ``ftrun/job`` (outside the run's
 prefix, so that a client given only HOST:PORT finds it): the run id, world size and nodes.
+On etcd-v3, which many jobs share, the writer keeps it under the run's prefix instead
+(``ftrun/<run id>/job``), and the agent that takes a dead writer's place keeps it from then
+on (:meth:`Injector.keep_job`).
 A request whose signature fails is refused by the store wrapper (said once, a
 ``rejected`` event) and never executed. Store errors end the thread quietly: the job's own
 loop notices a lost store.
@@ -169,6 +172,8 @@ class Injector:
         self._thread: threading.Thread | None = None
         self._poll_s = POLL_STORE_S
         self._status: Callable[[], dict[str, Any]] | None = None
+        self._job: dict[str, Any] | None = None  # the job's record, on the leader (keep_job)
+        self._job_in_run = False
         events.add_listener(self.observe)
 
     # --- what the events say -------------------------------------------------------------
@@ -219,24 +224,35 @@ class Injector:
     # --- the thread ----------------------------------------------------------------------
 
     def start(self, store: Callable[[], JsonStore] | None, job: dict[str, Any] | None,
-              status: Callable[[], dict[str, Any]] | None = None) -> None:
+              status: Callable[[], dict[str, Any]] | None = None, *,
+              job_in_run: bool = False) -> None:
         """Start the thread. ``store`` opens this thread's own client (None: no requests);
         ``job``: the ``ftrun/job`` record to keep (the leader only), refreshed every
-        second with ``status()`` (ftrun.agent.statusboard) for ``ftrun status``."""
-        self._poll_s = POLL_STORE_S if job is not None or self.pending \
-            else POLL_STORE_OTHERS_S
+        second with ``status()`` (ftrun.agent.statusboard) for ``ftrun status``;
+        ``job_in_run``: the record is the run's own ``job`` key (etcd-v3)."""
+        self._job_in_run = job_in_run
         self._status = status
-        self._thread = threading.Thread(target=self._run, args=(store, job),
+        self.keep_job(job)
+        self._thread = threading.Thread(target=self._run, args=(store,),
                                         name="ftrun-inject", daemon=True)
         self._thread.start()
+
+    def keep_job(self, job: dict[str, Any] | None) -> None:
+        """Keep (from the thread's next look at the store) the job's record ``job``: the
+        leader's duty, taken by an etcd-v3 agent that became the job's writer."""
+        self._poll_s = POLL_STORE_S if job is not None or self.pending \
+            else POLL_STORE_OTHERS_S
+        self._job = job
+
+    def _job_store(self, store: JsonStore) -> JsonStore:
+        return store if self._job_in_run else store.scoped("ftrun")
 
     def stop(self, timeout_s: float = 1.0) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def _run(self, open_store: Callable[[], JsonStore] | None,
-             job: dict[str, Any] | None) -> None:
+    def _run(self, open_store: Callable[[], JsonStore] | None) -> None:
         store: JsonStore | None = None
         handled = 0
         next_poll = 0.0
@@ -246,6 +262,7 @@ class Injector:
             self._fire_due()
             # a new world is written at the next tick, not at the next refresh: ftrun inject
             # checks a rank against it (a fast request after a regroup was refused)
+            job = self._job
             reshaped = job is not None and (self.world_size, self.nnodes) != written
             if open_store is None or (time.monotonic() < next_poll and not reshaped):
                 continue
@@ -259,7 +276,7 @@ class Injector:
                     record = {**job, "world_size": self.world_size, "nnodes": self.nnodes}
                     if self._status is not None:
                         record.update(self._status())
-                    store.scoped("ftrun").set_record(JOB_KEY, record)
+                    self._job_store(store).set_record(JOB_KEY, record)
                 elif job is None and self.pending:
                     self._read_job_step(store)
                 handled = self._requests(store, handled)
@@ -269,7 +286,7 @@ class Injector:
     def _read_job_step(self, store: JsonStore) -> None:
         """Another node's agent: the job's committed step from the leader's job record
         (only the leader sees progress), so that step and after triggers fire here too."""
-        record = store.scoped("ftrun").get_record(JOB_KEY)
+        record = self._job_store(store).get_record(JOB_KEY)
         step = record.get("step") if isinstance(record, dict) else None
         if isinstance(step, int) and not isinstance(step, bool):
             self.observe({"event": Event.PROGRESS.value, "step": step})

@@ -68,7 +68,7 @@ from ftrun.control.rendezvous import (
 from ftrun.control.store import JsonStore, connect_store, serve_store
 from ftrun.exitcodes import ExitCode, exit_at_once, for_signal
 from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
-from ftrun.jobref import register, unregister
+from ftrun.jobref import register, register_etcd, unregister
 
 if TYPE_CHECKING:  # imported where used: requests and etcd3gw cost every agent's start
     from ftrun.control.election import Election, WriterWatch
@@ -437,20 +437,23 @@ class Agent:
     def _start_injector(self, host: str, port: int, signer: Signer, hosting: bool,
                         op_timeout: float, connect: Callable[[], Any] | None = None) -> None:
         """The injector's thread on a store client of its own (ftrun inject's requests);
-        the leader keeps the job's record for ftrun inject and status and registers the
-        run id on this host (ftrun.jobref). ``connect``: the etcd-v3 backend's clients
-        (ftrun inject and status reach a TCPStore only: an etcd job is not registered)."""
+        the leader keeps the job's record and registers the run id here (ftrun.jobref).
+        ``connect``: etcd-v3's clients: the writer keeps the record, every agent registers."""
         def open_store() -> JsonStore:
             client = connect() if connect is not None else connect_store(
                 host, port, op_timeout, op_timeout_s=op_timeout)
             return JsonStore(client, f"ftrun/{self.run_id}", signer=signer,
                              on_reject=self._rejected_record)
 
-        job = {"run_id": self.run_id, "host": host, "port": port,
-               "started": time.time()} if hosting and connect is None else None
-        if job is not None:
+        job = None
+        if connect is not None:
+            job = etcdwriter.job_record(self) if hosting else None
+            self._registration = register_etcd(self.run_id, self.config.rdzv_endpoint,
+                                               self.config.rdzv_conf)
+        elif hosting:
+            job = {"run_id": self.run_id, "host": host, "port": port, "started": time.time()}
             self._registration = register(self.run_id, host, port)
-        self.injector.start(open_store, job, self.board.snapshot)
+        self.injector.start(open_store, job, self.board.snapshot, job_in_run=connect is not None)
 
     def _lost_reason(self) -> str | None:
         """Why the store host counts as lost (this agent's heartbeats fail; etcd-v3: this
