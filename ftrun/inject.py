@@ -112,11 +112,11 @@ def run(args: Sequence[str]) -> str:
                           "rank=random belong to --inject schedules")
     if not 0 < ns.timeout <= 3600:
         raise InjectError("--timeout must be in (0, 3600] seconds")
-    from ftrun.control.errors import StoreError
-    from ftrun.control.store import JsonStore
-
     ref, signer, client = open_job(ns.job, ns.timeout)
     where = ref.describe()
+    from ftrun.control.errors import StoreError
+    from ftrun.control.store import JsonStore  # imports torch: after the checks that fail fast
+
     try:
         job = read_job(client, signer, ref.job_key)
         world, nnodes = job["world_size"], job.get("nnodes")
