@@ -504,13 +504,11 @@ def _etcd_job(net, cluster, job_dir: Path, steps: int) -> list[Launch]:  # type:
             for host in net]
 
 
-def _liveness_keys(host, port: int) -> dict[str, tuple[object, int]]:  # type: ignore[no-untyped-def]
-    """The job's liveness keys, read from ``host``'s etcd member (its v3 gateway, from the
-    host's namespace): key (as the job's store names it) -> (its record, its lease)."""
-    root, prefix = b"/ftrun/", b"ftrun/etcdjob/hb/"
-    span = root + prefix
-    payload = json.dumps({"key": base64.b64encode(span).decode(),
-                          "range_end": base64.b64encode(span[:-1] + b"0").decode()}).encode()
+def _etcd_range(host, port: int, start: bytes, end: bytes) -> list[tuple[bytes, bytes, int]]:  # type: ignore[no-untyped-def]
+    """(key, value, lease) of every key in [start, end), read from ``host``'s etcd member
+    (its v3 gateway, from the host's namespace)."""
+    payload = json.dumps({"key": base64.b64encode(start).decode(),
+                          "range_end": base64.b64encode(end).decode()}).encode()
     sock = host.socket()
     try:
         sock.settimeout(10)
@@ -523,9 +521,16 @@ def _liveness_keys(host, port: int) -> dict[str, tuple[object, int]]:  # type: i
     finally:
         sock.close()
     reply = json.loads(data.partition(b"\r\n\r\n")[2])
-    return {base64.b64decode(kv["key"])[len(root):].decode():
-            (json.loads(base64.b64decode(kv["value"])), int(kv.get("lease", 0)))
-            for kv in reply.get("kvs") or []}
+    return [(base64.b64decode(kv["key"]), base64.b64decode(kv.get("value", "")),
+             int(kv.get("lease", 0))) for kv in reply.get("kvs") or []]
+
+
+def _liveness_keys(host, port: int) -> dict[str, tuple[object, int]]:  # type: ignore[no-untyped-def]
+    """The job's liveness keys, read from ``host``'s etcd member: key (as the job's store
+    names it) -> (its record, its lease)."""
+    root, span = b"/ftrun/", b"/ftrun/ftrun/etcdjob/hb/"
+    return {key[len(root):].decode(): (json.loads(value), lease)
+            for key, value, lease in _etcd_range(host, port, span, span[:-1] + b"0")}
 
 
 def _steps_by_pid(node: Launch) -> dict[int, list[ElasticStep]]:
@@ -699,6 +704,66 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
         for node in nodes:
             node.kill()
 
+
+def test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation(
+        job_dir: Path, etcd_net) -> None:  # type: ignore[no-untyped-def]
+    """The writer dies during a rendezvous. h1's agent is elected the job's writer; h2 and
+    h3 offer their slots to generation 0 and wait while the writer holds its last call
+    (``--nnodes 2:4``, ``last_call_timeout`` 15 s: a fourth node may still come). The
+    writer's agent is SIGKILLed before it forms the generation: one waiting agent takes
+    the writer's key and forms generation 0 itself from the slots already offered (its
+    own last call again), the other joins it as node 1 of 2, and both train to the end
+    and exit 0 with the same parameters; nothing restarts."""
+    net, cluster = etcd_net
+    script = job_dir / "train_elastic.py"
+    shutil.copy(REPO / "scripts" / "train_elastic.py", script)
+    run_id, steps = "waitjob", 30
+    args = ["--nnodes", "2:4", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
+            "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", run_id,
+            "--rdzv-conf", "last_call_timeout=15", "--heartbeat-interval", "0.5",
+            "--heartbeat-timeout", str(HB_TIMEOUT_S), "--recovery", "regroup"]
+    train = [str(script), "--steps", str(steps), "--hidden", "32", "--step-sleep", "0.05"]
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
+
+    def launch(name: str) -> HostLaunch:
+        host = net[name]
+        return HostLaunch(host, [*args, "--local-addr", host.addr, *train], env=env,
+                          cwd=job_dir)
+
+    nodes: list[HostLaunch] = []
+    try:
+        nodes.append(launch("h1"))
+        writer = nodes[0]
+        writer.wait_for(lambda lines: any("job's writer (elected" in x for x in lines), 120,
+                        "h1's agent elected the writer")
+        nodes += [launch("h2"), launch("h3")]
+        waiting = nodes[1:]
+        slots = f"/ftrun/ftrun/{run_id}/gen/0/slots".encode()
+        wait_until(lambda: len(_etcd_range(cluster.hosts[0], cluster.client_port, slots,
+                                           slots + b"\x01")) >= 2, 120,
+                   "h2's and h3's slots in generation 0")
+        formed = [x for n in nodes for x in n.lines if "joined generation" in x]
+        assert not formed, formed  # still in the writer's last call
+        writer.kill()
+        killed = time.monotonic()
+        for node in waiting:
+            node.wait_for(lambda lines: any(re.search(r"joined generation 0 as node \d of 2",
+                                                      x) for x in lines), 120,
+                          "generation 0 of the two waiting nodes")
+        print(f"writer SIGKILLed in its last call to both others in generation 0: "
+              f"{time.monotonic() - killed:.2f} s (the new writer's last call is 15 s)")
+        took = [n for n in waiting if any("took over" in x for x in n.lines)]
+        assert len(took) == 1, [n.output[-2000:] for n in waiting]
+        for node in waiting:
+            assert node.wait(180) == 0, node.output[-3000:]
+        done = [d for n in waiting for d in find(n.lines, Done)]
+        assert sorted(d.rank for d in done) == [0, 1], done
+        assert len({d.param_sum for d in done}) == 1 and done[0].steps == steps, done
+        out = "\n".join(n.output for n in waiting)
+        assert "restarting" not in out and "Traceback" not in out, out[-3000:]
+    finally:
+        for node in nodes:
+            node.kill()
 
 #: An agent's heartbeat thread (the real HeartbeatSender) in a process of its own, which
 #: the test stops and continues: it prints its lease, its expired count, its last error and

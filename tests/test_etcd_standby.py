@@ -124,20 +124,21 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
             "a standby stepped before any loss"
         writer, victim = by_rank[0], by_rank[1]  # the writer forms generations as node 0
         assert any("job's writer (elected" in x for x in writer.lines), writer.output[-2000:]
-        url = f"etcd-v3://{cluster.endpoints}/{RUN_ID}"
-        job = _status(victim.host, url, lambda job: job["world_size"] == 2)
-        assert job["backend"] == "etcd-v3" and job["host"] == writer.host.addr, job
-        assert job["endpoint"] == f"etcd at {cluster.endpoints} (run id {RUN_ID})", job
         # Fault 1: the active node that is not the writer's, its agent SIGKILLed by `ftrun
         # inject` (its worker dies with it), named by its run id on a node's host
         reached_at = _reached([writer])
         sent = _ftrun(by_rank[3].host, "inject", "--job", RUN_ID, "kill-agent", "node=1")
         assert sent.returncode == 0 and "sent: kill-agent node=1" in sent.stdout, sent
-        victim.wait_for(lambda lines: any("injected: kill-agent" in x for x in lines), 30,
+        victim.wait_for(lambda lines: any("injected: kill-agent" in x for x in lines), 60,
                         "node 1's agent executing the request")
         (injected,) = [e for e in _events(job_dir / f"events-{victim.host.name}.jsonl")
                        if e["event"] == "inject"]
         _wait_promoted(by_rank[2], injected["ts"], "non-writer")
+        url = f"etcd-v3://{cluster.endpoints}/{RUN_ID}"  # the same job, named by its cluster
+        job = _status(by_rank[3].host, url, lambda job: job["epoch"] >= 1)
+        assert job["backend"] == "etcd-v3" and job["host"] == writer.host.addr, job
+        assert job["endpoint"] == f"etcd at {cluster.endpoints} (run id {RUN_ID})", job
+        assert job["world_size"] == 2, job
         for node in (writer, by_rank[2]):  # both go on in the new world before the next fault
             node.wait_for(lambda lines: sum(s.world == 2 and s.gen > 0
                                             for s in find(lines, ElasticStep)) >= 3, 60,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ftrun import cli
 from ftrun.control.auth import Signer
 from ftrun.control.store import JsonStore
-from ftrun.faultspec import parse_schedule
+from ftrun.faultspec import parse_item, parse_schedule
 from ftrun.jobref import registry_dir
 from tests.launch import PRELOAD, REPO, Launch, launcher, wait_until
 from tests.lines import ElasticStep, find
@@ -351,5 +351,46 @@ def test_the_job_record_says_a_new_world_at_once(monkeypatch: pytest.MonkeyPatch
         changed = time.monotonic()
         wait_until(lambda: world() == 2, 10, "the job record of the new world")
         print(f"the job record said the new world {time.monotonic() - changed:.2f}s after it")
+    finally:
+        injector.stop()
+
+
+def test_the_inject_thread_outlives_a_failed_store_request(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A store request that fails (an etcd member slow past the request bound, here a port
+    that refuses) does not end the agent's inject thread: it opens a client again after a
+    pause and answers a request written later. Before, the thread ended at the first error
+    and a CI run's ``ftrun inject`` was never executed on that node."""
+    from ftrun.agent import inject
+    from ftrun.agent.events import EventLog
+    from ftrun.control.store import connect_store, serve_store
+
+    monkeypatch.setattr(inject, "RETRY_S", 0.2)
+    server = serve_store(0, 10.0)
+    signer = Signer(b"retry-secret")
+    writer = JsonStore(server, "ftrun/retry", signer=signer)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    opened: list[int] = []
+
+    def open_store() -> JsonStore:
+        opened.append(1)
+        port = dead if len(opened) == 1 else server.port
+        client = connect_store("127.0.0.1", port, 0.5, op_timeout_s=0.5)  # StoreError
+        return JsonStore(client, "ftrun/retry", signer=signer)
+
+    injector = inject.Injector(None, EventLog("vm"), say=lambda *a, **k: None,
+                               node_rank=lambda: 0)
+    injector.start(open_store, None)
+    try:
+        wait_until(lambda: len(opened) >= 2, 20, "a second client after the failed one")
+        number = writer.add("inject/next", 1)
+        # a cut-link of node 0 is answered first, and refused outside a named namespace
+        writer.set_record(f"inject/{number}", parse_item("cut-link node=0 for=1").to_json())
+        wait_until(lambda: writer.exists(f"inject/{number}/done/0"), 20, "the answer")
+        answer = writer.get_record(f"inject/{number}/done/0")
+        assert answer is not None and answer["ok"] is False, answer
+        assert "namespace" in answer["detail"], answer
     finally:
         injector.stop()

@@ -94,6 +94,8 @@ def promote(agent: Agent, rdzv: Rendezvous, election: Election) -> None:
     the others wait, is formed here (ftrun.control.rendezvous: a promoted waiter
     forms the generation it waited for)."""
     agent.election = election
+    if election.previous is not None:  # a join in progress leaves the dead writer's slot out
+        rdzv.gone.add(election.previous)
     agent._bind_stores()
     # the presence connections move here: every agent's heartbeat thread connects to the
     # server the record names, once its connection to the dead writer has ended

@@ -28,8 +28,8 @@ On etcd-v3, which many jobs share, the writer keeps it under the run's prefix in
 (``ftrun/<run id>/job``), and the agent that takes a dead writer's place keeps it from then
 on (:meth:`Injector.keep_job`).
 A request whose signature fails is refused by the store wrapper (said once, a
-``rejected`` event) and never executed. Store errors end the thread quietly: the job's own
-loop notices a lost store.
+``rejected`` event) and never executed. A store error is not said: the thread opens a new
+client after ``RETRY_S`` (the job's own loop notices a lost store and ends the agent).
 
 Timeouts and cost: each store request is bounded by the client's request timeout; the
 thread looks at its schedule every 0.1 s, and at the store (one ``add`` of 0) every
@@ -68,6 +68,7 @@ TICK_S = 0.1
 POLL_STORE_S = 0.25  # the leader
 POLL_STORE_OTHERS_S = 2.0  # every other agent (the store's load grows with the nodes)
 JOB_EVERY_S = 1.0  # the leader refreshes the job's record (ftrun status reads it)
+RETRY_S = 2.0  # after a store error, before the thread's next client
 
 
 CUT_CHAIN = "FTRUN_CUT"
@@ -281,7 +282,11 @@ class Injector:
                     self._read_job_step(store)
                 handled = self._requests(store, handled)
             except StoreError:
-                return  # the agent's own loop deals with a lost store
+                # one request that failed (etcd under load: a member slow past the request
+                # bound) must not end injection for the rest of the job: a client of its
+                # own again after a pause; a lost store is the agent's loop to act on
+                store = None
+                next_poll = time.monotonic() + max(self._poll_s, RETRY_S)
 
     def _read_job_step(self, store: JsonStore) -> None:
         """Another node's agent: the job's committed step from the leader's job record

@@ -57,6 +57,8 @@ class Election:
         # ...or, when a survivor found the last holder's agent dead and revoked its lease
         # (WriterWatch.nudge): when (time.time()) its death was seen
         self.gone_at: float | None = None
+        # ...and the last holder's value (its node id) as this agent last saw it, if it did
+        self.previous: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -198,6 +200,7 @@ class WriterWatch:
                     continue
                 election = Election(self._connect, self.key, self.value, self.ttl_s)
                 election.vacated_at, election.held_at = time.time(), held_at
+                election.previous = holder.decode(errors="replace") if holder else None
                 if dead is not None and holder == dead[0].encode():
                     election.gone_at = dead[1]
                 if election.campaign():

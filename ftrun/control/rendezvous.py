@@ -97,6 +97,9 @@ class Rendezvous:
         self.store = store
         self.on_refused = on_refused  # leader: a node that failed its health gate, once each
         self._refused: set[str] = set()
+        # Leader: node ids known dead, whose offered slots a generation formed here leaves
+        # out (etcd-v3: the last writer, when this agent took its place during a join)
+        self.gone: set[str] = set()
         self.is_leader = is_leader
         self.poll_s = poll_s
         self.interrupted = interrupted
@@ -498,7 +501,8 @@ class DynamicRendezvous(Rendezvous):
             now = time.monotonic()
             for index in range(seen, len(arrived)):
                 slot = arrived[index]
-                if slot.node_id not in slots and self._healthy(slot):
+                if slot.node_id not in slots and slot.node_id not in self.gone \
+                        and self._healthy(slot):
                     slots[slot.node_id] = (index + 1, slot)
             seen = len(arrived)
             waiting -= slots.keys() | self._refused
