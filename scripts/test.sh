@@ -26,4 +26,7 @@ fi
 # longer keeps 2 cores busy with 2 workers: 3 pytest-xdist workers took 15:46 against 18:51
 # for 2 on a 2-core machine (2026-12-02). The infrastructure's leak checks see only their
 # own process's namespaces and clusters (tests/infra), so the workers never see each other's.
-exec .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-3}" --durations=25 "$@"
+# 4 workers overload 2 cores (a try on 2026-12-03 had 9 failures by half the suite). Work
+# stealing hands a worker that ran dry the others' queued tests, so the suite's tail is not
+# one worker's backlog of minute-long tests.
+exec .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-3}" --dist worksteal --durations=25 "$@"

@@ -707,20 +707,21 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
 
 def test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation(
         job_dir: Path, etcd_net) -> None:  # type: ignore[no-untyped-def]
-    """The writer dies during a rendezvous. h1's agent is elected the job's writer; h2 and
-    h3 offer their slots to generation 0 and wait while the writer holds its last call
-    (``--nnodes 2:4``, ``last_call_timeout`` 15 s: a fourth node may still come). The
-    writer's agent is SIGKILLed before it forms the generation: one waiting agent takes
-    the writer's key and forms generation 0 itself from the slots already offered (its
-    own last call again), the other joins it as node 1 of 2, and both train to the end
-    and exit 0 with the same parameters; nothing restarts."""
+    """The writer dies during a rendezvous. h1's agent is elected the job's writer, offers
+    its own slot to generation 0 and is then stopped (SIGSTOP) in its collection of slots;
+    h2 and h3 offer theirs (read from etcd) and wait; h1's agent is SIGKILLed before it
+    formed anything (``--nnodes 2:4``: no generation is full). One waiting agent takes the
+    writer's key (the dead writer's lease revoked, or expired while it was stopped) and
+    forms generation 0 from the slots offered, the dead writer's left out (its last call,
+    3 s); the other joins it as node 1 of 2, and both train to the end and exit 0 with the
+    same parameters; nothing restarts."""
     net, cluster = etcd_net
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
     run_id, steps = "waitjob", 30
     args = ["--nnodes", "2:4", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
             "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", run_id,
-            "--rdzv-conf", "last_call_timeout=15", "--heartbeat-interval", "0.5",
+            "--rdzv-conf", "last_call_timeout=3", "--heartbeat-interval", "0.5",
             "--heartbeat-timeout", str(HB_TIMEOUT_S), "--recovery", "regroup"]
     train = [str(script), "--steps", str(steps), "--hidden", "32", "--step-sleep", "0.05"]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}
@@ -736,22 +737,26 @@ def test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation(
         writer = nodes[0]
         writer.wait_for(lambda lines: any("job's writer (elected" in x for x in lines), 120,
                         "h1's agent elected the writer")
+        slots = f"/ftrun/ftrun/{run_id}/gen/0/slots".encode()
+
+        def offered() -> int:
+            return len(_etcd_range(cluster.hosts[0], cluster.client_port, slots,
+                                   slots + b"\x01"))
+        wait_until(lambda: offered() >= 1, 60, "the writer's own slot in generation 0")
+        os.kill(writer.proc.pid, signal.SIGSTOP)  # the agent itself: ip netns exec execs it
         nodes += [launch("h2"), launch("h3")]
         waiting = nodes[1:]
-        slots = f"/ftrun/ftrun/{run_id}/gen/0/slots".encode()
-        wait_until(lambda: len(_etcd_range(cluster.hosts[0], cluster.client_port, slots,
-                                           slots + b"\x01")) >= 2, 120,
-                   "h2's and h3's slots in generation 0")
+        wait_until(lambda: offered() >= 3, 120, "h2's and h3's slots in generation 0")
         formed = [x for n in nodes for x in n.lines if "joined generation" in x]
-        assert not formed, formed  # still in the writer's last call
+        assert not formed, formed
         writer.kill()
         killed = time.monotonic()
         for node in waiting:
             node.wait_for(lambda lines: any(re.search(r"joined generation 0 as node \d of 2",
                                                       x) for x in lines), 120,
                           "generation 0 of the two waiting nodes")
-        print(f"writer SIGKILLed in its last call to both others in generation 0: "
-              f"{time.monotonic() - killed:.2f} s (the new writer's last call is 15 s)")
+        print(f"writer SIGKILLed during the join to both others in generation 0: "
+              f"{time.monotonic() - killed:.2f} s (the new writer's last call is 3 s)")
         took = [n for n in waiting if any("took over" in x for x in n.lines)]
         assert len(took) == 1, [n.output[-2000:] for n in waiting]
         for node in waiting:
