@@ -707,14 +707,14 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
 
 def test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation(
         job_dir: Path, etcd_net) -> None:  # type: ignore[no-untyped-def]
-    """The writer dies during a rendezvous. h1's agent is elected the job's writer, offers
-    its own slot to generation 0 and is then stopped (SIGSTOP) in its collection of slots;
-    h2 and h3 offer theirs (read from etcd) and wait; h1's agent is SIGKILLed before it
-    formed anything (``--nnodes 2:4``: no generation is full). One waiting agent takes the
-    writer's key (the dead writer's lease revoked, or expired while it was stopped) and
-    forms generation 0 from the slots offered, the dead writer's left out (its last call,
-    3 s); the other joins it as node 1 of 2, and both train to the end and exit 0 with the
-    same parameters; nothing restarts."""
+    """The writer dies during a rendezvous. h1's agent is elected the job's writer and
+    stopped (SIGSTOP); h2 and h3 start, and h1's agent is SIGKILLed before it formed
+    anything (``--nnodes 2:4``). One of the others takes the writer's key (at its start if
+    the stopped writer's lease had already expired, else while it waits) and forms
+    generation 0 with no slot of the dead writer's (a writer offers none: one it had
+    offered outlived it, and the generation formed with the dead node failed on its
+    heartbeat); its last call is 3 s. The other joins as node 1 of 2, and both train to
+    the end and exit 0 with the same parameters; nothing restarts."""
     net, cluster = etcd_net
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
@@ -737,18 +737,9 @@ def test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation(
         writer = nodes[0]
         writer.wait_for(lambda lines: any("job's writer (elected" in x for x in lines), 120,
                         "h1's agent elected the writer")
-        slots = f"/ftrun/ftrun/{run_id}/gen/0/slots".encode()
-
-        def offered() -> int:
-            return len(_etcd_range(cluster.hosts[0], cluster.client_port, slots,
-                                   slots + b"\x01"))
-        wait_until(lambda: offered() >= 1, 60, "the writer's own slot in generation 0")
         os.kill(writer.proc.pid, signal.SIGSTOP)  # the agent itself: ip netns exec execs it
         nodes += [launch("h2"), launch("h3")]
         waiting = nodes[1:]
-        wait_until(lambda: offered() >= 3, 120, "h2's and h3's slots in generation 0")
-        formed = [x for n in nodes for x in n.lines if "joined generation" in x]
-        assert not formed, formed
         writer.kill()
         killed = time.monotonic()
         for node in waiting:
@@ -757,7 +748,8 @@ def test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation(
                           "generation 0 of the two waiting nodes")
         print(f"writer SIGKILLed during the join to both others in generation 0: "
               f"{time.monotonic() - killed:.2f} s (the new writer's last call is 3 s)")
-        took = [n for n in waiting if any("took over" in x for x in n.lines)]
+        took = [n for n in waiting if any("took over" in x or "job's writer (elected" in x
+                                          for x in n.lines)]
         assert len(took) == 1, [n.output[-2000:] for n in waiting]
         for node in waiting:
             assert node.wait(180) == 0, node.output[-3000:]

@@ -471,6 +471,8 @@ class DynamicRendezvous(Rendezvous):
         self._gated: dict[int, int] = {}  # generation -> arrived slots health-checked
 
     def _offer(self, number: int, slot: NodeSlot) -> None:
+        if self.is_leader:  # its own slot is ``own`` to _collect; offered, it would outlive
+            return  # a writer that died before it formed the generation (etcd-v3)
         self.store.put_record(f"gen/{number}/slots", slot.to_json())
 
     def _arrivals(self, number: int) -> list[NodeSlot]:
