@@ -320,19 +320,22 @@ def test_leader_reads_each_slot_once_skips_forged_ones_and_agents_wait_in_the_st
     jstore = JsonStore(store, "ftrun/rd", signer=Signer(TOKEN.encode()))
     rdzv = DynamicRendezvous(jstore, min_nodes=1, max_nodes=100, last_call_s=0,
                              is_leader=True, poll_s=0.01, interrupted=lambda: False)
+    # the other agents' offers (a leader offers none of its own)
+    others = DynamicRendezvous(jstore, min_nodes=1, max_nodes=100, last_call_s=0,
+                               is_leader=False, poll_s=0.01, interrupted=lambda: False)
 
     def slot(i: int) -> NodeSlot:
         return NodeSlot(-1, 1, f"10.0.0.{i}", f"h{i}", 1, f"node-{i}")
 
     for i in (1, 2):
-        rdzv._offer(0, slot(i))
+        others._offer(0, slot(i))
     store.append("ftrun/rd/gen/0/slots", "\n{forged")  # not a record: skipped
     JsonStore(store, "ftrun/rd", signer=Signer(b"wrong")).put_record("gen/0/slots",
                                                                      slot(9).to_json())
-    rdzv._offer(0, slot(3))
+    others._offer(0, slot(3))
     assert rdzv._arrivals(0) == [slot(1), slot(2), slot(3)]
     read = rdzv._arrived[0][1]
-    rdzv._offer(0, slot(4))
+    others._offer(0, slot(4))
     assert rdzv._arrivals(0) == [slot(1), slot(2), slot(3), slot(4)]
     assert rdzv._arrived[0][1] > read  # only the new bytes were parsed
     # An agent's wait for the generation record is one server-side wait per slice; a
