@@ -53,7 +53,7 @@ def fetch(name: str, timeout_s: float) -> dict[str, Any]:
     updated = record.get("updated")
     record["age_s"] = round(time.time() - updated, 3) if isinstance(updated, (int, float)) \
         else None
-    record["endpoint"] = f"{ref.host}:{ref.port}" if not ref.etcd else ref.describe()
+    record["endpoint"] = ref.describe()
     return record
 
 
