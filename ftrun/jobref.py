@@ -9,6 +9,8 @@ endpoint (``<run id>.json``), every agent of an etcd-v3 job the cluster's endpoi
 options (``<run id>@<pid>.json``: the writer moves, so any live agent's entry names the
 job). ``ftrun status RUN_ID`` and ``ftrun inject --job RUN_ID`` so work on the leader's host,
 and on any node of an etcd-v3 job; from elsewhere give the endpoint or the etcd-v3 URL.
+An entry names its agent by pid and start time: an agent that was SIGKILLed leaves its entry
+behind, and a pid alone, reused by a later process, would make it look alive.
 Nothing secret is stored: the job token stays in the environment (certificate paths are
 paths). Errors are :class:`JobRefError`, one line.
 """
@@ -20,10 +22,13 @@ import json
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+import psutil
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -89,7 +94,7 @@ def register(run_id: str, host: str, port: int) -> Path | None:
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = directory / f"{run_id}.json"
-        path.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
+        path.write_text(json.dumps({"host": host, "port": port, **_this_process()}))
     except OSError:
         return None
     return path
@@ -107,7 +112,7 @@ def register_etcd(run_id: str, endpoint: str, conf: dict[str, str]) -> Path | No
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = directory / f"{run_id}@{os.getpid()}.json"
         path.write_text(json.dumps({"etcd": endpoint, "options": options,
-                                    "pid": os.getpid()}))
+                                    **_this_process()}))
     except OSError:
         return None
     return path
@@ -137,10 +142,10 @@ def resolve(text: str) -> JobRef:
                *sorted(registry_dir().glob(f"{text}@*.json"))]  # '@' is in no run id
     ended: int | None = None
     for path in entries:
-        ref, pid = _registered(path, text)
+        ref, pid, started = _registered(path, text)
         if ref is None:
             continue
-        if _alive(pid):
+        if _alive(pid, started):
             return ref
         ended = pid
     if ended is not None:
@@ -150,34 +155,51 @@ def resolve(text: str) -> JobRef:
                       f"HOST:PORT of its control store, or {ETCD_SCHEME}://HOST:PORT/RUN_ID)")
 
 
-def _registered(path: Path, run_id: str) -> tuple[JobRef | None, int]:
-    """One registry entry: (where the job is, the registering agent's pid); (None, 0) when
-    it is missing or not an entry (a half-written file of an agent starting now)."""
+def _registered(path: Path, run_id: str) -> tuple[JobRef | None, int, float | None]:
+    """One registry entry: (where the job is, the registering agent's pid and start time);
+    (None, 0, None) when it is missing or not an entry (a half-written file of an agent
+    starting now). An entry written before start times were recorded has None."""
     try:
         data = json.loads(path.read_text())
         pid = int(data["pid"])
+        started = float(data["started"]) if "started" in data else None
         if "etcd" in data:
             options = data["options"]
             if not isinstance(data["etcd"], str) or not isinstance(options, dict) or \
                     not all(isinstance(v, str) and k in ETCD_OPTIONS for k, v in options.items()):
-                return None, 0
-            return JobRef(etcd=data["etcd"], options=options, run_id=run_id), pid
+                return None, 0, None
+            return JobRef(etcd=data["etcd"], options=options, run_id=run_id), pid, started
         host, number = data["host"], int(data["port"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None, 0
+        return None, 0, None
     if not isinstance(host, str) or not 0 < number < 65536:
-        return None, 0
-    return JobRef(host=host, port=number), pid
+        return None, 0, None
+    return JobRef(host=host, port=number), pid, started
 
 
-def _alive(pid: int) -> bool:
+#: Two reads of one process's start time differ by less (they are clock ticks from boot).
+_SAME_START_S = 0.5
+
+
+def _this_process() -> dict[str, Any]:
+    """This agent's pid and start time, as an entry records them."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        started = psutil.Process().create_time()
+    except psutil.Error:
+        started = time.time()
+    return {"pid": os.getpid(), "started": started}
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    """Whether the entry's agent still runs: its pid names a process that started when the
+    agent did (not a later one that reuses the pid)."""
+    try:
+        process = psutil.Process(pid)
+        return started is None or abs(process.create_time() - started) < _SAME_START_S
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        pass
-    return True
+    except psutil.Error:  # another user's process: the pid is taken, the start unknown
+        return started is None
 
 
 def _etcd_url(text: str) -> JobRef:

@@ -11,6 +11,28 @@ from tests.launch import Launch, assert_no_processes_mention
 
 pytest_plugins = ["tests.infra.fixtures"]
 
+#: ``@pytest.mark.long``: a test whose ground another test in the default run already covers
+#: by the same path (another variant, a sibling fault), left out of the default run that CI
+#: makes (its budget is 20 minutes on 2 cores) and run by ``bash scripts/test.sh --long``.
+LONG_REASON = "in the long tier only: bash scripts/test.sh --long"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true",
+                     help="also run the tests marked long (the whole suite)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "long: left out unless --long (see tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(pytest.mark.skip(reason=LONG_REASON))
+
 
 @pytest.fixture
 def job_dir(tmp_path: Path) -> Iterator[Path]:

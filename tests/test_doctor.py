@@ -38,8 +38,19 @@ STATUSES = {"pass", "warn", "fail", "skip"}
 #: s with the fake 8-GPU NVML, median about 3 s (25 runs). 12 s passes the worst of those
 #: with room and fails a 10x regression of every one (the fastest, 1.5 s, would take 15 s).
 ELAPSED_BOUND_S = 12.0
-#: ``--timeout``'s default: doctor stops waiting for its checks this long after the start.
+#: ``--timeout``'s default, which the speed test keeps.
 DEFAULT_TIMEOUT_S = 4.0
+DEFAULT_TIMEOUT = ("--timeout", str(DEFAULT_TIMEOUT_S))
+#: Every other run reads what the checks found, not how soon: it gets 30 s. Under CI load
+#: (3 pytest workers on 2 cores) the torch check's child took more than the default 4 s to
+#: import torch, and even a socket connect was cut ("timed out", official CI of 7fa697a).
+#: A test's own --timeout comes later in the command line, and wins.
+ROOMY_TIMEOUT = ("--timeout", "30")
+#: Tests of one area run its checks only: the torch and shim checks (a child that imports
+#: torch, about 3 s of CPU) would otherwise run in every one of them.
+ONLY_GPU = ("--check", "gpu")
+ONLY_NET = ("--check", "net", "--check", "rdzv.endpoint")
+ONLY_SLURM = ("--check", "slurm")
 
 
 def _has_real_nvml() -> bool:
@@ -103,7 +114,8 @@ def run_doctor(*args: str, env: dict[str, str] | None = None, scenario: str | No
     extra = dict(env or {})
     if scenario:
         extra["FAKE_NVML_SCENARIO"] = scenario
-    argv = [sys.executable, "-m", *module.split(), *args, *(["--json"] if as_json else [])]
+    argv = [sys.executable, "-m", *module.split(), *ROOMY_TIMEOUT, *args,
+            *(["--json"] if as_json else [])]
     t = time.monotonic()
     proc = subprocess.run(argv, cwd=REPO, env=_clean_env(extra, fake=scenario is not None),
                           capture_output=True, text=True, timeout=timeout)
@@ -149,7 +161,7 @@ def _free_port() -> int:
 
 
 def test_real_node_json_is_fast_and_matches_the_machine() -> None:
-    run = run_doctor()
+    run = run_doctor(*DEFAULT_TIMEOUT)
     assert run.wall_s < ELAPSED_BOUND_S, run
     # The checks themselves end at the timeout whatever the load (a slow check is failed).
     assert run.doc["elapsed_s"] < DEFAULT_TIMEOUT_S + 1.0, run
@@ -161,7 +173,9 @@ def test_real_node_json_is_fast_and_matches_the_machine() -> None:
                 "rdzv.endpoint", "slurm"]
     assert list(run.checks) == expected
     assert run.status("python") == "pass"
-    assert run.status("torch") == "pass"
+    # Under CI load the torch check's child may not have imported torch within the default
+    # 4 s: that is the timeout working. test_fake_healthy_8_gpu_node gives it the time.
+    assert run.status("torch") == "pass" or "timed out" in run.detail("torch"), run
     # /dev/shm and the limits, as this test sees them.
     shm = shutil.disk_usage("/dev/shm")
     want_shm = ("fail" if shm.free < doctor.SHM_FAIL_FREE
@@ -176,7 +190,7 @@ def test_real_node_json_is_fast_and_matches_the_machine() -> None:
         assert run.status("gpu") == "skip"
         assert "no GPU: CPU only" in run.detail("gpu")
         assert all(run.status(n) == "skip" for n in expected if n.startswith("gpu."))
-    if not TORCH_CUDA:
+    if not TORCH_CUDA and run.status("torch") == "pass":
         assert run.status("nccl.dynamic") == "skip"
         assert "CPU build" in run.detail("nccl.dynamic")
     fails = [n for n, c in run.checks.items() if c["status"] == "fail"]
@@ -194,19 +208,19 @@ def test_real_node_table_for_people() -> None:
 
 @pytest.mark.skipif(HAS_NVML, reason="this machine has an NVIDIA driver")
 def test_real_no_driver_fails_only_when_gpus_are_asked_for() -> None:
-    run = run_doctor("--nproc-per-node", "gpu")
+    run = run_doctor("--nproc-per-node", "gpu", *ONLY_GPU)
     assert run.rc == 1
     assert run.status("gpu") == "fail"
     assert "--nproc-per-node gpu" in run.detail("gpu")
     # torchrun's PET_* variables work the same way as the flags.
-    run = run_doctor(env={"PET_NPROC_PER_NODE": "gpu"})
+    run = run_doctor(*ONLY_GPU, env={"PET_NPROC_PER_NODE": "gpu"})
     assert run.status("gpu") == "fail"
-    run = run_doctor("--nproc-per-node", "4")
+    run = run_doctor("--nproc-per-node", "4", *ONLY_GPU)
     assert run.status("gpu") == "skip"
 
 
 def test_cpu_mode_skips_gpu_checks() -> None:
-    run = run_doctor("--nproc-per-node", "cpu", scenario="ecc")
+    run = run_doctor("--nproc-per-node", "cpu", *ONLY_GPU, scenario="ecc")
     assert run.status("gpu") == "skip"
     assert run.status("gpu.ecc") == "skip"
 
@@ -251,7 +265,8 @@ def test_unknown_option_is_exit_2_without_traceback() -> None:
 def test_broken_host_settings_fail(listener: int) -> None:
     """A bad NCCL/Gloo interface, an occupied port and an unresolvable store, all real."""
     run = run_doctor(
-        "--master-port", str(listener), "--rdzv-endpoint", "no-such-host.invalid:29400",
+        *ONLY_NET, "--master-port", str(listener),
+        "--rdzv-endpoint", "no-such-host.invalid:29400",
         env={"NCCL_SOCKET_IFNAME": "bogus0", "GLOO_SOCKET_IFNAME": "bogus1"},
     )
     assert run.rc == 1
@@ -271,7 +286,7 @@ def test_good_host_settings_pass(listener: int) -> None:
     up = [n for n, s in psutil.net_if_stats().items() if s.isup]
     assert "lo" in up
     run = run_doctor(
-        "--master-port", str(free),
+        *ONLY_NET, "--master-port", str(free),
         env={"PET_RDZV_ENDPOINT": f"127.0.0.1:{listener}", "NCCL_SOCKET_IFNAME": "=lo",
              "GLOO_SOCKET_IFNAME": "lo"},
     )
@@ -288,7 +303,7 @@ def test_good_host_settings_pass(listener: int) -> None:
 
 def test_rdzv_endpoint_on_this_node_not_yet_listening_passes() -> None:
     port = _free_port()
-    run = run_doctor("--rdzv-endpoint", f"localhost:{port}")
+    run = run_doctor(*ONLY_NET, "--rdzv-endpoint", f"localhost:{port}")
     assert run.status("rdzv.endpoint") == "pass", run
     assert "host the store here" in run.detail("rdzv.endpoint")
     assert run.status("net.ports") == "pass", run
@@ -301,12 +316,12 @@ def test_nccl_ifname_exclusion_and_down_interfaces() -> None:
     routable = [n for n, s in stats.items() if s.isup and n != "lo"
                 and any(a.family == socket.AF_INET for a in addrs.get(n, []))]
     down = [n for n, s in stats.items() if not s.isup]
-    run = run_doctor(env={"NCCL_SOCKET_IFNAME": "^lo"})
+    run = run_doctor(*ONLY_NET, env={"NCCL_SOCKET_IFNAME": "^lo"})
     if routable:
         assert run.status("net.nccl_ifname") == "pass", run
         assert routable[0] in run.detail("net.nccl_ifname")
     if down:  # an interface that exists but is down is as good as none for NCCL
-        run = run_doctor(env={"NCCL_SOCKET_IFNAME": f"={down[0]}"})
+        run = run_doctor(*ONLY_NET, env={"NCCL_SOCKET_IFNAME": f"={down[0]}"})
         assert run.status("net.nccl_ifname") == "fail", run
 
 
@@ -355,9 +370,10 @@ def test_fake_healthy_8_gpu_node() -> None:
     if not TORCH_CUDA:  # a CPU torch on a GPU node would train on CPU: that is a failure
         assert run.status("cuda") == "fail", run
         assert "CPU build" in run.detail("cuda")
+        assert run.status("nccl.dynamic") == "skip" and "CPU build" in run.detail("nccl.dynamic")
+    assert run.status("torch") == "pass", run
     fails = {n for n, c in run.checks.items() if c["status"] == "fail"}
     assert fails <= {"cuda"}, run
-    assert run.wall_s < ELAPSED_BOUND_S
 
 
 @pytest.mark.parametrize("scenario, check, status, needle", [
@@ -469,13 +485,14 @@ def _slurm_env(**over: str) -> dict[str, str]:
 
 
 def test_slurm_consistent_environment_passes() -> None:
-    run = run_doctor("--nproc-per-node", "2", scenario="healthy", env=_slurm_env())
+    run = run_doctor("--nproc-per-node", "2", *ONLY_SLURM, scenario="healthy",
+                     env=_slurm_env())
     assert run.status("slurm") == "pass", run
     assert "3 node(s), 6 task(s), this is task 1, 2 GPU(s) granted" in run.detail("slurm")
 
 
 def test_slurm_inconsistent_environment_fails() -> None:
-    run = run_doctor(scenario="healthy", env=_slurm_env(
+    run = run_doctor(*ONLY_SLURM, scenario="healthy", env=_slurm_env(
         SLURM_NTASKS="5", SLURM_PROCID="7", SLURMD_NODENAME="gpu09",
         SLURM_STEP_GPUS="0,1,2,3", FAKE_NVML_GPUS="2", CUDA_VISIBLE_DEVICES="0,1"))
     assert run.status("slurm") == "fail", run
@@ -484,7 +501,7 @@ def test_slurm_inconsistent_environment_fails() -> None:
     assert "SLURM_PROCID=7 >= SLURM_NTASKS=5" in detail
     assert "'gpu09' is not in SLURM_JOB_NODELIST" in detail
     assert "Slurm granted 4 GPU(s) (SLURM_STEP_GPUS) but only 2 visible" in detail
-    run = run_doctor(env=_slurm_env(SLURM_JOB_NODELIST="gpu[03-"))
+    run = run_doctor(*ONLY_SLURM, env=_slurm_env(SLURM_JOB_NODELIST="gpu[03-"))
     assert run.status("slurm") == "fail", run
     assert "does not expand" in run.detail("slurm")
 
@@ -510,7 +527,7 @@ def test_slurm_real_srun(slurm_cluster: Any) -> None:
 
 
 def test_python_dash_m_ftrun_doctor() -> None:
-    run = run_doctor(module="ftrun doctor")
+    run = run_doctor("--check", "host", module="ftrun doctor")
     assert "host.shm" in run.checks
     run = run_doctor("--nproc-per-node", "abc", module="ftrun doctor")
     assert run.rc == 2

@@ -44,6 +44,11 @@ pytestmark = pytest.mark.skipif(etcd_missing_reason() is not None,
 TOKEN = "etcd-standby-test-token"
 RUN_ID = "etcdstandby"
 STEPS = 150
+#: The job holds at these steps (scripts/train_elastic.py --hold-at-step) until the test has
+#: made the fault that comes before them: under CI load the job once reached step 150 before
+#: the writer's node was killed. A fault made while the others hold is seen when they are let
+#: go: the lost rank's peer then meets the loss in its next collective.
+HOLD_BEFORE_FAULT_1, HOLD_BEFORE_FAULT_2 = 30, 140
 HB_TIMEOUT_S = 5.0
 #: From a kill to the promoted standby's first step in the world of 2: detection (~0.2 s by
 #: the presence connection), the standbys' health gates, a writer takeover for the second
@@ -100,6 +105,8 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
     net, cluster = etcd_net
     script = job_dir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
+    holds = job_dir / "holds"
+    holds.mkdir()
     nodes: dict[str, HostLaunch] = {}
     try:
         for host in net:
@@ -109,7 +116,9 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
                     "--heartbeat-interval", "0.5", "--heartbeat-timeout", str(HB_TIMEOUT_S),
                     "--recovery", "regroup", "--local-addr", host.addr,
                     "--events-file", str(job_dir / f"events-{host.name}.jsonl"),
-                    str(script), "--steps", str(STEPS), "--hidden", "32", "--step-sleep", "0.05"]
+                    str(script), "--steps", str(STEPS), "--hidden", "32", "--step-sleep", "0.05",
+                    "--hold-at-step", str(HOLD_BEFORE_FAULT_1),
+                    "--hold-at-step", str(HOLD_BEFORE_FAULT_2), "--hold-dir", str(holds)]
             nodes[host.name] = HostLaunch(host, args, env={"GLOO_SOCKET_IFNAME": "eth0",
                                                           "FTRUN_JOB_TOKEN": TOKEN}, cwd=job_dir)
         for node in nodes.values():
@@ -131,6 +140,7 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
         assert sent.returncode == 0 and "sent: kill-agent node=1" in sent.stdout, sent
         victim.wait_for(lambda lines: any("injected: kill-agent" in x for x in lines), 60,
                         "node 1's agent executing the request")
+        (holds / str(HOLD_BEFORE_FAULT_1)).touch()
         (injected,) = [e for e in _events(job_dir / f"events-{victim.host.name}.jsonl")
                        if e["event"] == "inject"]
         _wait_promoted(by_rank[2], injected["ts"], "non-writer")
@@ -149,6 +159,7 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
         reached_at = {**_reached([by_rank[2]]), **reached_at}
         killed = time.time()
         writer.kill()
+        (holds / str(HOLD_BEFORE_FAULT_2)).touch()
         _wait_promoted(by_rank[3], killed, "writer")
         survivors = [by_rank[2], by_rank[3]]
         took = [n for n in survivors if any("took over" in x

@@ -394,3 +394,26 @@ def test_the_inject_thread_outlives_a_failed_store_request(monkeypatch: pytest.M
         assert "namespace" in answer["detail"], answer
     finally:
         injector.stop()
+
+
+def test_a_registry_entry_whose_pid_was_reused_names_no_job(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A SIGKILLed agent leaves its entry; a later process with its pid must not make the
+    job look alive (it did: a test's `ftrun inject RUN_ID` went to an old etcd cluster)."""
+    from ftrun.jobref import JobRefError, register, register_etcd, resolve
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    live = register("reused", "10.0.0.1", 29400)
+    assert live is not None and resolve("reused").port == 29400  # this process: alive
+    stale = json.loads(live.read_text())
+    stale["started"] -= 3600.0  # the same pid, started an hour before: another process
+    live.write_text(json.dumps(stale))
+    with pytest.raises(JobRefError, match="has ended"):
+        resolve("reused")
+    entry = register_etcd("reusedetcd", "10.0.0.2:2379", {})
+    assert entry is not None and resolve("reusedetcd").etcd == "10.0.0.2:2379"
+    stale = json.loads(entry.read_text())
+    stale["started"] += 3600.0
+    entry.write_text(json.dumps(stale))
+    with pytest.raises(JobRefError, match="has ended"):
+        resolve("reusedetcd")

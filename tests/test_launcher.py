@@ -101,26 +101,13 @@ def test_worker_environment_matches_torchrun(job_dir: Path, flags: list[str]) ->
         assert seen["ftrun"][rank]["FTRUN_GENERATION"] == "0"
 
 
-def test_ddp_training_completes_with_identical_parameters(job_dir: Path) -> None:
+def test_killed_worker_restarts_resumes_from_checkpoint_and_completes(job_dir: Path) -> None:
     script = copy_train_script(job_dir)
     events = job_dir / "events.jsonl"
     run = Launch(
-        ["--nproc-per-node", "4", "--events-file", str(events), str(script), "--steps", "30"],
-        cwd=job_dir,
-    )
-    assert run.wait(180) == 0, run.output
-    done = find(run.lines, Done)
-    assert len({d.param_sum for d in done}) == 1, run.output  # the same parameters everywhere
-    assert len(done) == 4
-    kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
-    assert kinds.count("spawn") == 4 and kinds.count("exit") == 4 and kinds[-1] == "done"
-
-
-def test_killed_worker_restarts_and_resumes_from_checkpoint(job_dir: Path) -> None:
-    script = copy_train_script(job_dir)
-    events = job_dir / "events.jsonl"
-    run = Launch(
-        ["--nproc-per-node", "4", "--max-restarts", "3", "--events-file", str(events),
+        # Three workers: each spawned worker imports torch, and the restart spawns them all
+        # again; with four this was the suite's dearest test in CPU (53 s under CI load).
+        ["--nproc-per-node", "3", "--max-restarts", "3", "--events-file", str(events),
          str(script), "--steps", "60", "--checkpoint-dir", str(job_dir),
          "--checkpoint-every", "10", "--step-sleep", "0.05"],
         cwd=job_dir,
@@ -139,6 +126,10 @@ def test_killed_worker_restarts_and_resumes_from_checkpoint(job_dir: Path) -> No
     assert failure["pid"] == victim.pid
     assert any(r["event"] == "restart" for r in records)
     assert "generation 0 ended: rank 2 (killed by SIGKILL)" in run.output
+    done = find(run.lines, Done)  # after the restart, every rank ends with one set of weights
+    assert len(done) == 3 and len({d.param_sum for d in done}) == 1, run.output
+    kinds = [r["event"] for r in records]  # an exit record is a worker's own end, not a kill
+    assert kinds.count("spawn") == 6 and kinds.count("exit") == 3 and kinds[-1] == "done", kinds
     detected = failure["detected"] - killed
     back = min(s.t for s in run.steps() if s.pid not in first_pids) - killed
     print(f"crash to failure record {detected:.3f} s, to a step after the restart {back:.2f} s")
