@@ -51,7 +51,9 @@ def _at_exit(run: Launch) -> dict:
     return json.loads(line[line.index("AT_EXIT ") + len("AT_EXIT "):])
 
 
-@pytest.mark.parametrize("preload", [False, True], ids=["spawned", "preloaded"])
+# A forked worker exits by the same hook as a spawned one (long tier).
+@pytest.mark.parametrize("preload", [False, pytest.param(True, marks=pytest.mark.long)],
+                         ids=["spawned", "preloaded"])
 def test_a_raising_worker_destroys_its_groups_and_exits_1(job_dir: Path, preload: bool) -> None:
     script = job_dir / "raiser.py"
     script.write_text(SCRIPT)

@@ -152,7 +152,7 @@ def test_a_killed_worker_gets_one_record_a_line_and_the_success_summary(job_dir:
     assert "first failure: rank 1 killed by SIGKILL" in run.output
 
 
-def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: Path) -> None:
+def test_a_restart_gets_its_record_and_line(job_dir: Path) -> None:
     script = _copy(DDP, job_dir)
     # One restart left: the failure restarts every worker and the record says how long.
     events = job_dir / "events.jsonl"
@@ -175,6 +175,13 @@ def test_restart_records_and_no_restarting_all_without_a_restart_left(job_dir: P
     assert len(rows) == 1 and re.search(rf"{ENDED}: RuntimeError", rows[0]), run.output
     summary = next(m for line in run.lines if (m := SUMMARY.search(line)))
     assert summary["prod"] is None and int(summary["n"]) == 1  # no steps seen: no goodput
+
+
+# Long tier: test_launcher.py::test_restarts_exhausted_prints_summary_with_root_cause and
+# test_recovery_modes.py's max_restarts tests end jobs with no restart left in the default run.
+@pytest.mark.long
+def test_no_restarting_all_without_a_restart_left(job_dir: Path) -> None:
+    script = _copy(DDP, job_dir)
     # No restart left: never "restarting all", then the failure summary and the record.
     events = job_dir / "events0.jsonl"
     run = Launch(["--nproc-per-node", "2", "--recovery", "auto", "--max-restarts", "0",

@@ -116,6 +116,9 @@ def test_a_hang_across_nodes_is_named_with_its_node_from_every_nodes_view(
     assert restarted_s < 60, f"hang to restart took {restarted_s:.1f}s"
 
 
+# Long tier: the hung-rank tests above name the culprit the same way, and
+# test_launcher.py::test_restarts_exhausted_prints_summary_with_root_cause the summary.
+@pytest.mark.long
 def test_a_hang_with_no_restart_left_names_the_culprit_in_the_summary(job_dir: Path) -> None:
     script = copy_train_script(job_dir)
     run = Launch(

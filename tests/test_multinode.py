@@ -592,6 +592,9 @@ def test_netns_node_cut_off_is_declared_lost_then_rejoins(job_dir: Path, net) ->
     _stop_all(nodes)
 
 
+# Long tier: test_netns_node_cut_off_is_declared_lost_then_rejoins re-forms a restart job
+# after a node loss, and test_netns_node_lost_survivors_regroup_in_process SIGKILLs a node.
+@pytest.mark.long
 def test_netns_agent_sigkilled_survivors_regroup(job_dir: Path, net) -> None:  # type: ignore[no-untyped-def]
     """h3's agent is SIGKILLed (its workers die with it): h1 and h2 re-form a job of two
     nodes, finish the training from the checkpoint with the same parameters, and exit 0."""

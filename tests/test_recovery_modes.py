@@ -87,7 +87,8 @@ def _training(job_dir: Path, script: str, steps: int) -> list[str]:
 
 @pytest.mark.parametrize(("mode", "script"), [
     ("restart", "train_ddp.py"),
-    ("auto", "train_ddp.py"),  # no worker API: auto falls back to a restart
+    # no worker API: auto falls back to a restart, as restart-no-api (long tier)
+    pytest.param("auto", "train_ddp.py", marks=pytest.mark.long),
     ("restart", "train_elastic.py"),  # the API does not turn restart mode into regroup
 ], ids=["restart-no-api", "auto-no-api", "restart-api"])
 def test_crash_restarts_every_worker_and_resumes_from_the_checkpoint(
@@ -157,12 +158,14 @@ def test_crash_with_the_worker_api_survivors_continue_in_place(job_dir: Path, mo
 # --- signals --------------------------------------------------------------------------------
 
 
-# Each mode once, and each signal with and without the worker API: all eight pairings cost
-# 200 s of a CI run whose budget is 20 minutes, and ftrun forwards both signals by one path.
+# Each signal once with the worker API and once without: all eight pairings of mode, API and
+# signal cost 200 s of a CI run whose budget is 20 minutes, and ftrun forwards both signals by
+# one path. auto takes regroup's path with the API and restart's without (long tier).
 @pytest.mark.parametrize(("mode", "api", "sig"), [
-    ("restart", False, signal.SIGTERM), ("regroup", True, signal.SIGINT),
-    ("auto", True, signal.SIGTERM), ("auto", False, signal.SIGINT),
-], ids=["restart-SIGTERM", "regroup-api-SIGINT", "auto-api-SIGTERM", "auto-no-api-SIGINT"])
+    ("restart", False, signal.SIGINT), ("regroup", True, signal.SIGTERM),
+    pytest.param("auto", True, signal.SIGINT, marks=pytest.mark.long),
+    pytest.param("auto", False, signal.SIGTERM, marks=pytest.mark.long),
+], ids=["restart-SIGINT", "regroup-api-SIGTERM", "auto-api-SIGINT", "auto-no-api-SIGTERM"])
 def test_signal_reaches_every_worker_as_itself_and_ftrun_exits_128_plus_n(
         job_dir: Path, mode: str, api: bool, sig: signal.Signals) -> None:
     reports = job_dir / "reports"

@@ -41,11 +41,12 @@ def test_outside_slurm_nothing_changes(tmp_path: Path) -> None:
 def test_srun_two_agents_form_one_job(slurm_cluster, job_dir: Path) -> None:  # type: ignore[no-untyped-def]
     script = copy_train_script(job_dir)
     result = slurm_cluster.srun(
+        # one worker per agent: every worker spawned imports torch (CI's CPU is the limit)
         ["-N1", "-n2", "--export=ALL,FTRUN_RDZV_PORT=29671", launcher(),
-         "--nproc-per-node", "2", str(script), "--steps", "10"],
+         "--nproc-per-node", "1", str(script), "--steps", "10"],
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     done = find(result.stdout.splitlines(), Done)
-    assert sorted(d.rank for d in done) == [0, 1, 2, 3], result.stdout
+    assert sorted(d.rank for d in done) == [0, 1], result.stdout
     assert len({d.param_sum for d in done}) == 1
