@@ -22,7 +22,6 @@ import json
 import os
 import re
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,11 +182,7 @@ _SAME_START_S = 0.5
 
 def _this_process() -> dict[str, Any]:
     """This agent's pid and start time, as an entry records them."""
-    try:
-        started = psutil.Process().create_time()
-    except psutil.Error:
-        started = time.time()
-    return {"pid": os.getpid(), "started": started}
+    return {"pid": os.getpid(), "started": psutil.Process().create_time()}
 
 
 def _alive(pid: int, started: float | None) -> bool:
