@@ -517,7 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         fork_server = start_fork_server(config)
-        from ftrun.agent import run_agent  # imports torch: only once the command line is good
+        from ftrun.control.store import tcpstore_class
+
+        tcpstore_class()  # torch, with its C++ log quiet: before the agent's modules import it
+        from ftrun.agent import run_agent
 
         # torch's modules and ftrun's live as long as the agent: out of the collector's way,
         # the first rendezvous does not pay for a full collection over them (the leader's

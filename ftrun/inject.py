@@ -115,7 +115,7 @@ def run(args: Sequence[str]) -> str:
     ref, signer, client = open_job(ns.job, ns.timeout)
     where = ref.describe()
     from ftrun.control.errors import StoreError
-    from ftrun.control.store import JsonStore  # imports torch: after the checks that fail fast
+    from ftrun.control.store import JsonStore
 
     try:
         job = read_job(client, signer, ref.job_key)

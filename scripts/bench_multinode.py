@@ -25,6 +25,10 @@
   but the node SIGKILLed is the last one whose agent is not the writer; the figure is
   from the kill to a step of both survivors (the writer declares the node lost and the
   survivors regroup in process).
+* ``ftrun_etcd_spare`` under both (``--etcd-variants``): the same job as two active
+  nodes and a standby (``--nnodes 2 --standby-nodes 1``); the victim is active, and the
+  figure waits for the standby's first step in the lost node's ranks. A run whose elected
+  writer is the standby has no writer loss to measure: it is left out and says so.
 * ``rendezvous_s.ftrun_etcd``: the light-agent rendezvous below with the etcd-v3 backend's
   client on a one-member etcd on loopback (``rendezvous_light_runs_etcd``); first, the
   protocol's own share at each N without live agents (``rendezvous_leader_share_etcd``:
@@ -197,6 +201,9 @@ TORCHRUN_RDZV_QUOTE_SOURCE = (
 #: without the worker API), ftrun's in-process regroup (scripts/train_elastic.py), and the
 #: same with a standby node that takes the lost node's ranks (--standby-nodes 1).
 VARIANTS = ("ftrun", "ftrun_regroup", "torchrun", "ftrun_spare")
+#: --only leader-loss / node-loss-etcd: the etcd-v3 job on three hosts, and the same job as
+#: two active nodes and a standby (--standby-nodes 1)
+ETCD_VARIANTS = ("ftrun_etcd", "ftrun_etcd_spare")
 
 
 def _launcher_args(variant: str, leader_addr: str, host_addr: str, script: Path,
@@ -374,20 +381,26 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def _wait_standby(readers: list[_Reader], candidates: tuple[int, ...] = (0, 1, 2),
+                  timeout_s: float = 180.0) -> int:
+    """The index of the host whose agent says it stands by (``--standby-nodes``)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for index in candidates:
+            if any("standing by" in line for line in readers[index].lines):
+                return index
+        time.sleep(0.1)
+    raise RuntimeError(f"no standby node: {readers[candidates[0]].lines[-20:]}")
+
+
 def _wait_victim(readers: list[_Reader], timeout_s: float = 180.0) -> int:
     """ftrun_spare: the index of the active non-leader (h2 or h3: the one that did not say
     it stands by)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for index in (1, 2):
-            if any("standing by" in line for line in readers[index].lines):
-                return 3 - index
-        time.sleep(0.1)
-    raise RuntimeError(f"ftrun_spare: no standby node: {readers[1].lines[-20:]}")
+    return 3 - _wait_standby(readers, (1, 2), timeout_s)
 
 
-def leader_loss_once_etcd(cap_s: float, victim: str = "writer"
-                          ) -> tuple[float | None, int | None]:
+def leader_loss_once_etcd(cap_s: float, victim: str = "writer", spare: bool = False
+                          ) -> tuple[float | None, int | None] | None:
     """``--rdzv-backend etcd-v3`` on three namespace hosts, one etcd member and one ftrun
     agent (one gloo worker, scripts/train_elastic.py, ``--recovery regroup``) per host: the
     node of the agent elected as the job's writer (``victim="writer"``), or the last node
@@ -395,7 +408,13 @@ def leader_loss_once_etcd(cap_s: float, victim: str = "writer"
     SIGKILLed (agent and workers). Seconds from the kill to a new step on both survivors,
     and the committed steps they lost (for the writer: the survivors follow the
     member-epoch store to the new writer and regroup in process; for another node: the
-    writer declares it lost and the survivors regroup in process)."""
+    writer declares it lost and the survivors regroup in process).
+
+    ``spare`` (``ftrun_etcd_spare``): the job is ``--nnodes 2 --standby-nodes 1``, so one
+    host stands by with its worker started; the victim is an active node (the writer's, or
+    the active one whose agent is not the writer) and the survivors measured are the other
+    active node and the standby, whose worker takes the lost ranks. None when the fault
+    asked for does not exist in this run: the writer elected was the standby's agent."""
     from tests.infra.etcd_cluster import EtcdCluster
     from tests.infra.netns import NetnsNetwork
 
@@ -403,11 +422,12 @@ def leader_loss_once_etcd(cap_s: float, victim: str = "writer"
     script = workdir / "train_elastic.py"
     shutil.copy(REPO / "scripts" / "train_elastic.py", script)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", FTRUN_JOB_TOKEN="bench-token")
+    nnodes = ["2", "--standby-nodes", "1"] if spare else ["2:3"]
     try:
         with NetnsNetwork(3) as net, EtcdCluster(list(net)) as cluster:
             readers, procs = [], []
             for host in net:
-                args = [str(BIN / "ftrun"), "--nnodes", "2:3", "--nproc-per-node", "1",
+                args = [str(BIN / "ftrun"), "--nnodes", *nnodes, "--nproc-per-node", "1",
                         "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", cluster.endpoints,
                         "--rdzv-id", "bench", "--max-restarts", "3", "--local-addr", host.addr,
                         "--rdzv-conf", "last_call_timeout=15", "--recovery", "regroup",
@@ -417,8 +437,9 @@ def leader_loss_once_etcd(cap_s: float, victim: str = "writer"
                                   text=True, errors="replace", env=env, cwd=workdir)
                 procs.append(proc)
                 readers.append(_Reader(proc))
+            standby = _wait_standby(readers) if spare else None
             deadline = time.time() + 180
-            while not all(len(r.steps) >= 5 for r in readers):
+            while not all(len(r.steps) >= 5 for i, r in enumerate(readers) if i != standby):
                 if time.time() > deadline:
                     raise RuntimeError(f"ftrun_etcd: no steps: {readers[0].lines[-20:]}")
                 time.sleep(0.1)
@@ -426,8 +447,10 @@ def leader_loss_once_etcd(cap_s: float, victim: str = "writer"
                        if any("job's writer (elected" in x for x in r.lines)]
             if len(writers) != 1:
                 raise RuntimeError(f"ftrun_etcd: {len(writers)} agents say they are the writer")
+            if victim == "writer" and writers[0] == standby:
+                return None
             lost = writers[0] if victim == "writer" else \
-                max(i for i in range(len(procs)) if i != writers[0])
+                max(i for i in range(len(procs)) if i not in (writers[0], standby))
             os.killpg(procs[lost].pid, signal.SIGKILL)
             killed = time.time()
             return _progress_after([r for i, r in enumerate(readers) if i != lost], killed,
@@ -2347,6 +2370,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="recovery: the variants to run (ftrun_spare also runs "
                              "ftrun_spare_kill: the same job, the node SIGKILLed)")
+    parser.add_argument("--etcd-variants", default=",".join(ETCD_VARIANTS),
+                        help="leader-loss, node-loss-etcd: the etcd-v3 variants to run "
+                             "(ftrun_etcd_spare: two active nodes and a standby)")
     parser.add_argument("--minutes", type=float, default=10.0,
                         help="false-alarms: how long the loaded job runs")
     parser.add_argument("--busy", type=int, default=0,
@@ -2418,11 +2444,11 @@ def main() -> None:
         print(f"  {args.only}: the sandbox's 5 s reverse-DNS stalls (TEST-INFRA.md) cut to 1 s "
               f"with RES_OPTIONS={_RESOLVER_WORKAROUND}", file=sys.stderr, flush=True)
     result: dict[str, object] = {
-        "node_loss_recovery_s": {variant: [] for variant in (*VARIANTS, "ftrun_etcd")},
-        "node_loss_steps_lost": {variant: [] for variant in (*VARIANTS, "ftrun_etcd")},
+        "node_loss_recovery_s": {variant: [] for variant in (*VARIANTS, *ETCD_VARIANTS)},
+        "node_loss_steps_lost": {variant: [] for variant in (*VARIANTS, *ETCD_VARIANTS)},
         "rendezvous_s": {"ftrun": {}, "ftrun_process": {}, "torchrun": {}, "ftrun_etcd": {}},
-        "leader_loss_recovery_s": {"ftrun_etcd": []},
-        "leader_loss_steps_lost": {"ftrun_etcd": []},
+        "leader_loss_recovery_s": {variant: [] for variant in ETCD_VARIANTS},
+        "leader_loss_steps_lost": {variant: [] for variant in ETCD_VARIANTS},
         "censored": {"torchrun": []},
     }
     if args.only in (None, "recovery"):
@@ -2448,22 +2474,28 @@ def main() -> None:
                     assert isinstance(censored, dict)
                     censored.setdefault(key, []).append(len(recovery[key]))
                 recovery[key].append(round(took, 2))
-    if args.only in (None, "leader-loss"):
+    etcd_variants = [v.strip() for v in args.etcd_variants.split(",") if v.strip()]
+    for only, victim, what in (("leader-loss", "writer", "leader"), ("node-loss-etcd", "other",
+                                                                     "node")):
+        if args.only not in (None, only):
+            continue
         for _ in range(args.runs):
-            took, steps_lost = leader_loss_once_etcd(args.cap)
-            print(f"  writer's node lost, ftrun_etcd: {took} s, {steps_lost} steps lost",
-                  file=sys.stderr, flush=True)
-            result["leader_loss_recovery_s"]["ftrun_etcd"].append(  # type: ignore[index]
-                None if took is None else round(took, 2))
-            result["leader_loss_steps_lost"]["ftrun_etcd"].append(steps_lost)  # type: ignore[index]
-    if args.only in (None, "node-loss-etcd"):
-        for _ in range(args.runs):
-            took, steps_lost = leader_loss_once_etcd(args.cap, victim="other")
-            print(f"  a non-writer node lost, ftrun_etcd: {took} s, {steps_lost} steps lost",
-                  file=sys.stderr, flush=True)
-            result["node_loss_recovery_s"]["ftrun_etcd"].append(  # type: ignore[index]
-                None if took is None else round(took, 2))
-            result["node_loss_steps_lost"]["ftrun_etcd"].append(steps_lost)  # type: ignore[index]
+            for variant in etcd_variants:
+                measured = leader_loss_once_etcd(args.cap, victim=victim,
+                                                 spare=variant == "ftrun_etcd_spare")
+                fault = "the writer's node" if victim == "writer" else "a non-writer node"
+                if measured is None:
+                    print(f"  {fault} lost, {variant}: not measured (the writer elected "
+                          f"was the standby's agent)", file=sys.stderr, flush=True)
+                    continue
+                took, steps_lost = measured
+                print(f"  {fault} lost, {variant}: {took} s, {steps_lost} steps lost",
+                      file=sys.stderr, flush=True)
+                recovery = result[f"{what}_loss_recovery_s"]
+                lost = result[f"{what}_loss_steps_lost"]
+                assert isinstance(recovery, dict) and isinstance(lost, dict)
+                recovery.setdefault(variant, []).append(None if took is None else round(took, 2))
+                lost.setdefault(variant, []).append(steps_lost)
     if args.only in (None, "rendezvous"):
         rendezvous(args, result)
     if args.only in (None, "rendezvous-light"):
@@ -2486,20 +2518,25 @@ def main() -> None:
     if any(rec.values()):  # type: ignore[union-attr]
         print("node loss -> training progressing again (s), link of h3 cut (ftrun_spare: "
               "the active non-leader's; ftrun_spare_kill: its launcher SIGKILLed; "
-              "ftrun_etcd: a non-writer node of an etcd-v3 job SIGKILLed):")
+              "ftrun_etcd: a non-writer node of an etcd-v3 job SIGKILLed; ftrun_etcd_spare: "
+              "the same, the job's standby node taking its ranks):")
     for program in rec:  # type: ignore[union-attr]
         values = rec[program]  # type: ignore[index]
         if values:
             note = f"  (>= cap {args.cap:.0f} s: no progress)" if program in result[
                 "censored"] and result["censored"][program] else ""  # type: ignore[index]
             lost = result["node_loss_steps_lost"][program]  # type: ignore[index]
-            print(f"  {program:14} {' '.join(f'{v:7.2f}' for v in values)}"
+            print(f"  {program:16} "
+                  f"{' '.join('none' if v is None else f'{v:7.2f}' for v in values)}"
                   f"   steps lost {lost}{note}")
-    leader = result["leader_loss_recovery_s"]["ftrun_etcd"]  # type: ignore[index]
-    if leader:
+    leader = result["leader_loss_recovery_s"]
+    assert isinstance(leader, dict)
+    if any(leader.values()):
         print("the etcd-v3 writer's node SIGKILLed -> both survivors stepping again (s):")
-        print(f"  ftrun_etcd     {' '.join('none' if v is None else f'{v:7.2f}' for v in leader)}"
-              f"   steps lost {result['leader_loss_steps_lost']['ftrun_etcd']}")  # type: ignore[index]
+    for variant, values in leader.items():
+        if values:
+            print(f"  {variant:16} {' '.join('none' if v is None else f'{v:7.2f}' for v in values)}"
+                  f"   steps lost {result['leader_loss_steps_lost'][variant]}")  # type: ignore[index]
     if result["rendezvous_s"]["ftrun_process"]:  # type: ignore[index]
         print_rendezvous_table(result)
     if result.get("rendezvous_light_runs"):

@@ -426,9 +426,15 @@ def test_etcd_bad_input_is_one_line(tmp_path: Path) -> None:
 
 
 
+#: Before torch on sys.path, a package named torch that fails to import
+NO_TORCH = Path(__file__).parent / "data" / "no_torch"
+
+
 def _status_or_inject(*args: str, token: str = TOKEN, registry: Path | None = None
                       ) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "FTRUN_JOB_TOKEN": token}
+    """The command, where torch cannot be imported: an etcd-v3 job's record needs no torch
+    (3-4 CPU-seconds an import on this machine, for a command a person waits on)."""
+    env = {"PATH": "/usr/bin:/bin", "FTRUN_JOB_TOKEN": token, "PYTHONPATH": str(NO_TORCH)}
     if registry is not None:
         env["XDG_RUNTIME_DIR"] = str(registry)
     return subprocess.run([launcher(), *args], capture_output=True, text=True, timeout=60,

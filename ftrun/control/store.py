@@ -26,24 +26,35 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftrun.control.auth import AuthError, Signer
 from ftrun.control.errors import StoreError, StoreValueError
 from ftrun.control.sockbounds import bound_requests, socket_fds
 
-# torch's C++ store client logs every failed connect attempt and every timed-out request
-# (tens of lines while a store host is down). The agent turns those failures into one line
-# of its own, so it imports torch with its C++ log at FATAL unless the user chose a level;
-# the variable is restored at once, so workers keep torch's default.
-_QUIET = "TORCH_CPP_LOG_LEVEL" not in os.environ
-if _QUIET:
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-try:
+if TYPE_CHECKING:
     from torch.distributed import TCPStore
-finally:
-    if _QUIET:
-        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+
+def tcpstore_class() -> type[TCPStore]:
+    """torch's ``TCPStore``, imported at the first store served or reached: ``JsonStore``
+    also wraps etcd-v3 clients (``ftrun inject`` of an etcd job), which need no torch.
+
+    torch's C++ client logs every failed connect and timed-out request (tens of lines while
+    a store host is down); the agent says one line of its own instead, so torch is imported
+    with its C++ log at FATAL unless the user chose a level, restored at once for the
+    workers. ``ftrun``'s command line calls this before it imports the agent (whose
+    snapshot modules import torch), and connects call it before their thread starts."""
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        from torch.distributed import TCPStore
+    finally:
+        if quiet:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+    return TCPStore
+
 
 # Bounds each blocking connect so that a signal to the agent is acted on promptly.
 _CONNECT_SLICE_S = 2.0
@@ -53,26 +64,25 @@ _CONNECT_THREAD = "ftrun-store-connect"
 def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") -> TCPStore:
     """Host a store on ``host``'s address only; ``port=0`` takes a free port (see ``.port``).
 
-    ``host`` is an address (or a name) of this machine: loopback, the default, for a store
-    that only this machine's processes use; the address other nodes reach this node at for
-    a multi-node job. ``None`` listens on every interface (only when no single address is
-    known to be the right one: the caller says so to the user).
+    ``host``, an address or name of this machine: loopback (the default) for a store only
+    this machine uses, the address other nodes reach this node at for a multi-node job;
+    ``None`` listens on every interface (when no single address is known to be the right
+    one: the caller says so to the user).
 
     Why not torch's ``host_name``: a master ``TCPStore`` ignores it and binds the wildcard
-    address (``0.0.0.0`` or ``::``, read in torch's TCPStoreLibUvBackend.cpp,
-    ``makeWithPort``), so a single-node job's stores were open to the whole network. torch
-    does take an already-listening socket (``master_listen_fd``, ``makeWithSocket``): the
-    socket is bound here to the one address and handed over, and the store owns it from
-    then on (it closes it when the store is destroyed). ``SO_REUSEADDR`` as torch sets it:
-    a port whose last job's connections linger in TIME_WAIT can be served again at once.
+    address (torch's TCPStoreLibUvBackend.cpp, ``makeWithPort``), so a single-node job's
+    stores were open to the whole network. torch takes an already-listening socket
+    (``master_listen_fd``): it is bound here to the one address and handed over, and the
+    store owns (and closes) it from then on. ``SO_REUSEADDR`` as torch sets it: a port whose
+    last job's connections linger in TIME_WAIT can be served again at once.
 
-    Errors: :class:`StoreError` naming the address and port (taken, not an address of this
-    machine, a name that does not resolve).
-    """
+    Errors: :class:`StoreError` naming the address and port (taken, not this machine's, a
+    name that does not resolve)."""
     where = f"{host}:{port}" if host is not None else f"port {port}"
+    tcpstore = tcpstore_class()
     if host is None:
         try:
-            return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+            return tcpstore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                             timeout=timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as error:
             raise StoreError(f"cannot serve the store on {where}: {_first_line(error)}"
@@ -94,21 +104,16 @@ def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") 
     bound_port = int(listener.getsockname()[1])
     fd = listener.detach()  # from here the store owns the socket (and closes it)
     try:
-        return TCPStore(address[0], bound_port, is_master=True, wait_for_workers=False,
+        return tcpstore(address[0], bound_port, is_master=True, wait_for_workers=False,
                         timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
     except (RuntimeError, ValueError) as error:
         # torch closed the socket if it had taken it; a second close could hit a reused fd
         raise StoreError(f"cannot serve the store on {where}: {_first_line(error)}") from None
 
 
-def connect_store(
-    host: str,
-    port: int,
-    timeout_s: float,
-    *,
-    interrupted: Callable[[], bool] = lambda: False,
-    op_timeout_s: float | None = None,
-) -> TCPStore:
+def connect_store(host: str, port: int, timeout_s: float, *,
+                  interrupted: Callable[[], bool] = lambda: False,
+                  op_timeout_s: float | None = None) -> TCPStore:
     """Connect to a store that may not be up yet, retrying until ``timeout_s``.
 
     With ``op_timeout_s``, every later request of this client fails after that long
@@ -123,13 +128,13 @@ def connect_store(
     in a thread of its own, and the caller stops waiting for it at the deadline (the thread
     finishes, and its client is dropped, if the host ever resumes); the attempt holds the
     lock that attributes new sockets to a client, and other connects give up on that lock
-    at their deadline. Nothing that calls this hangs on a frozen host.
-    """
+    at their deadline. Nothing that calls this hangs on a frozen host."""
+    tcpstore = tcpstore_class()
     deadline = time.monotonic() + timeout_s
     last_error = "no attempt"
     while True:
         slice_s = min(_CONNECT_SLICE_S, max(deadline - time.monotonic(), 0.1))
-        attempt = _ConnectAttempt(host, port, slice_s, op_timeout_s)
+        attempt = _ConnectAttempt(tcpstore, host, port, slice_s, op_timeout_s)
         attempt.thread.start()
         give_up = max(deadline, time.monotonic() + slice_s) + 0.5
         while attempt.thread.is_alive() and time.monotonic() < give_up and not interrupted():
@@ -148,16 +153,13 @@ def connect_store(
 def reconnect_store(host: str, port: int, timeout_s: float, *,
                     op_timeout_s: float | None = None) -> TCPStore:
     """:func:`connect_store` to a store that was up and may have died with its host's
-    agent: a plain connect first, so that a refused one (nothing listens there now) fails
-    at once with :class:`~ftrun.control.errors.StoreError` instead of being retried until
-    ``timeout_s`` as torch's client does for a store still starting (one no answer
-    within 2 s fails too). A caller that retries, as ``JsonStore``'s reconnect does, then
-    asks its ``lost()`` again after its pause, not after a whole connect timeout: an
-    etcd-v3 agent learns within 0.05 s that a new writer holds the job. Once the plain
-    connect found a listener, the client's own is bounded by a second: a store that died
-    in between (torch's client retries refused connects, silently, until its timeout)
-    costs that, and a worker then reads its store file again (seen: a worker held 3 s in
-    a connect to its dead writer's store, begun as the writer was being killed)."""
+    agent. A plain connect first: a refused one (nothing listens there now) fails at once
+    with :class:`~ftrun.control.errors.StoreError`, where torch's client retries it until
+    ``timeout_s`` as for a store still starting; so a retrying caller (``JsonStore``'s
+    reconnect) asks its ``lost()`` again after its pause (an etcd-v3 agent learns within
+    0.05 s that a new writer holds the job). Then the client's own connect is bounded by a
+    second: a store that died in between costs that, and a worker reads its store file
+    again (seen: a worker held 3 s connecting to its dead writer's store)."""
     try:
         socket.create_connection((host, port), timeout=min(2.0, timeout_s)).close()
     except OSError as error:
@@ -169,8 +171,9 @@ def reconnect_store(host: str, port: int, timeout_s: float, *,
 class _ConnectAttempt:
     """One TCPStore client construction, in a daemon thread (see :func:`connect_store`)."""
 
-    def __init__(self, host: str, port: int, slice_s: float, op_timeout_s: float | None
-                 ) -> None:
+    def __init__(self, tcpstore: type[TCPStore], host: str, port: int, slice_s: float,
+                 op_timeout_s: float | None) -> None:
+        self.tcpstore = tcpstore
         self.store: TCPStore | None = None
         self.error = "no attempt"
         self.thread = threading.Thread(target=self._run, args=(host, port, slice_s,
@@ -183,7 +186,8 @@ class _ConnectAttempt:
             return
         try:
             before = socket_fds()
-            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=slice_s))
+            store = self.tcpstore(host, port, is_master=False,
+                                  timeout=timedelta(seconds=slice_s))
             if op_timeout_s is not None:
                 bound_requests(socket_fds() - before, op_timeout_s)
             self.store = store
