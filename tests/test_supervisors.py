@@ -285,6 +285,44 @@ def test_the_job_is_done_when_every_member_with_the_state_finished() -> None:
     assert job.store.first_record(P.DONE) == {"generation": 0}
 
 
+def test_a_status_is_verified_again_only_when_its_bytes_changed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The leader reads every member's status each tick (0.1 s) and each changes once a beat
+    (0.2 s): unchanged bytes are neither parsed nor verified again, changed ones always are,
+    and a forged overwrite is refused (the last valid status stays)."""
+    store = JsonStore(dist.HashStore(), "ftrun/test/rg0", signer=Signer(SECRET))
+    m = Membership(store, lambda *a, **k: None)
+    members = ["0.0", "0.1", "1.0", "1.1"]
+    verified: list[str] = []
+    real_unwrap = Signer.unwrap_line
+
+    def counting(self: Signer, key: str, raw: bytes) -> dict[str, object]:
+        verified.append(key.rsplit("/", 1)[-1])
+        return real_unwrap(self, key, raw)
+
+    monkeypatch.setattr(Signer, "unwrap_line", counting)
+
+    def beat(member: str, beats: int, signer: Signer = store.signer) -> None:
+        JsonStore(store.raw, store.prefix, signer=signer).set_record(
+            P.status_key(member), P.Status(beats, beats, 0, True, False).to_json())
+
+    for member in members:
+        beat(member, 1)
+    m.read_statuses(members, set(members))
+    assert sorted(verified) == sorted(members) and all(
+        m.statuses[x].beats == 1 for x in members)
+    verified.clear()
+    beat("0.1", 2)
+    m.read_statuses(members, set(members))
+    assert verified == ["0.1"] and m.statuses["0.1"].beats == 2
+    assert all(m.statuses[x].beats == 1 for x in members if x != "0.1")
+    verified.clear()
+    m.read_statuses(members, set(members))
+    assert verified == []
+    beat("1.0", 7, Signer(b"f" * 32))  # not the job's secret
+    m.read_statuses(members, set(members))
+    assert verified == ["1.0"] and m.statuses["1.0"].beats == 1
+
+
 # --- member states ----------------------------------------------------------------------------
 
 def test_member_states_move_only_along_the_documented_transitions() -> None:

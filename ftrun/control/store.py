@@ -227,8 +227,7 @@ class JsonStore:
     expected"), a ``get`` reads a length from the middle of a value and torch allocates
     that much (``std::bad_alloc``, a ``MemoryError`` that ended agents at 512 nodes under
     load: the retry loop reused the failed client whenever its reconnect timed out).
-    :meth:`scoped` stores share one connection, so a reconnect in one is seen by all.
-    """
+    :meth:`scoped` stores share one connection, so a reconnect in one is seen by all."""
 
     def __init__(
         self,
@@ -351,41 +350,43 @@ class JsonStore:
                     ) -> list[dict[str, Any] | None]:
         """Several :meth:`set_record` records in one round trip when all exist.
 
-        ``seen``: a cache the caller keeps between calls (name -> the bytes last read and
-        their record, filled here): a value whose bytes have not changed is not parsed
-        and verified again (the same bytes under the same key verify the same way). A
-        leader's heartbeat scan reads every node's beat every quarter second while each
-        changes once a second, so most of its verifications were repeats (at 5,000 agents
-        the scan's store read took 133-305 ms of its 250 ms period:
-        ``scripts/bench_multinode.py --only store-load``). The records returned from the
-        cache are the same objects each time: callers must not change them."""
+        ``seen``: the caller's cache between calls (name -> the bytes last read and their
+        record, filled here): unchanged bytes are not parsed and verified again. A leader
+        reads each node's beat 4 times a second (each changes once) and each member's
+        status twice for each change; at 5,000 agents the beat scan took 133-305 ms of its
+        250 ms before this. Cached records are the same objects each time: keep them."""
         if not names:
             return []
         keys = [self.key(n) for n in names]
         if self._check(keys):
-            values = self._multi_get(keys)
-            if seen is None:
-                return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
-            found: list[dict[str, Any] | None] = []
-            for name, value in zip(names, values, strict=True):
-                last = seen.get(name)
-                if last is None or last[0] != value:
-                    last = seen[name] = (value, self.check_record(name, value))
-                found.append(last[1])
-            return found
+            return self._checked(names, self._multi_get(keys), seen)
         return [self.get_record(n) for n in names]
+
+    def _checked(self, names: list[str], values: list[bytes],
+                 seen: dict[str, tuple[bytes, dict[str, Any] | None]] | None
+                 ) -> list[dict[str, Any] | None]:
+        if seen is None:
+            return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
+        found: list[dict[str, Any] | None] = []
+        for name, value in zip(names, values, strict=True):
+            last = seen.get(name)
+            if last is None or last[0] != value:
+                last = seen[name] = (value, self.check_record(name, value))
+            found.append(last[1])
+        return found
 
     def exist_all(self, names: list[str]) -> bool:
         """Whether every one of these keys exists (one round trip)."""
         return self._check([self.key(n) for n in names])
 
-    def read_records(self, names: list[str]) -> list[dict[str, Any] | None]:
-        """:meth:`set_record` records of keys known to exist, in one ``multi_get`` (torch's
-        ``multi_get`` waits for a missing key, so callers check first)."""
+    def read_records(self, names: list[str],
+                     seen: dict[str, tuple[bytes, dict[str, Any] | None]] | None = None
+                     ) -> list[dict[str, Any] | None]:
+        """:meth:`set_record` records of keys known to exist (torch's ``multi_get`` waits
+        for a missing key: callers check first); ``seen`` as for :meth:`get_records`."""
         if not names:
             return []
-        values = self._multi_get([self.key(n) for n in names])
-        return [self.check_record(n, v) for n, v in zip(names, values, strict=True)]
+        return self._checked(names, self._multi_get([self.key(n) for n in names]), seen)
 
     #: Keys per ``check`` or ``multi_get`` request. torch's TCPStore answers one request of
     #: n keys in time that grows faster than n: 4,096 keys took 0.136 s in one request and
@@ -428,13 +429,12 @@ class JsonStore:
         return found
 
     def wait_for(self, name: str, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until ``name`` exists, in one server-side wait (no
-        polling); False on timeout. A timed-out wait is cancelled in-protocol by torch's
-        client, so the connection stays in step and is reused. Any other failure replaces
-        the connection and returns False too, also when no new one can be made yet (the
-        caller's loop, with its deadline and lost-store check, decides when to give up; a
-        waiting agent under load is not failed by one connect that timed out). StoreError
-        only without ``reconnect`` or once ``lost()``."""
+        """Block up to ``timeout_s`` until ``name`` exists, in one server-side wait; False
+        on timeout (torch's client cancels a timed-out wait in-protocol: the connection
+        stays in step). Any other failure replaces the connection and returns False too,
+        also when no new one can be made yet: the caller's loop, with its deadline and
+        lost-store check, decides when to give up. StoreError only without ``reconnect``
+        or once ``lost()``."""
         if not self._usable(timeout_s):
             return False
         try:
