@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,9 +44,11 @@ def tcpstore_class() -> type[TCPStore]:
     torch's C++ client logs every failed connect and timed-out request (tens of lines while
     a store host is down); the agent says one line of its own instead, so torch is imported
     with its C++ log at FATAL unless the user chose a level, restored at once for the
-    workers. ``ftrun``'s command line calls this before it imports the agent (whose
-    snapshot modules import torch), and connects call it before their thread starts."""
-    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    workers: only at that first import (torch reads it then), never again, when the
+    agent's threads may be spawning workers. ``ftrun``'s command line calls this before it
+    imports the agent (whose snapshot modules import torch), connects before their thread
+    starts."""
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
     if quiet:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
@@ -129,12 +132,12 @@ def connect_store(host: str, port: int, timeout_s: float, *,
     finishes, and its client is dropped, if the host ever resumes); the attempt holds the
     lock that attributes new sockets to a client, and other connects give up on that lock
     at their deadline. Nothing that calls this hangs on a frozen host."""
-    tcpstore = tcpstore_class()
+    tcpstore_class()  # torch's first import here, not in a thread racing the deadline
     deadline = time.monotonic() + timeout_s
     last_error = "no attempt"
     while True:
         slice_s = min(_CONNECT_SLICE_S, max(deadline - time.monotonic(), 0.1))
-        attempt = _ConnectAttempt(tcpstore, host, port, slice_s, op_timeout_s)
+        attempt = _ConnectAttempt(host, port, slice_s, op_timeout_s)
         attempt.thread.start()
         give_up = max(deadline, time.monotonic() + slice_s) + 0.5
         while attempt.thread.is_alive() and time.monotonic() < give_up and not interrupted():
@@ -156,10 +159,8 @@ def reconnect_store(host: str, port: int, timeout_s: float, *,
     agent. A plain connect first: a refused one (nothing listens there now) fails at once
     with :class:`~ftrun.control.errors.StoreError`, where torch's client retries it until
     ``timeout_s`` as for a store still starting; so a retrying caller (``JsonStore``'s
-    reconnect) asks its ``lost()`` again after its pause (an etcd-v3 agent learns within
-    0.05 s that a new writer holds the job). Then the client's own connect is bounded by a
-    second: a store that died in between costs that, and a worker reads its store file
-    again (seen: a worker held 3 s connecting to its dead writer's store)."""
+    reconnect) asks its ``lost()`` again after its pause. Then the client's own connect is
+    bounded by a second (seen: a worker held 3 s connecting to its dead writer's store)."""
     try:
         socket.create_connection((host, port), timeout=min(2.0, timeout_s)).close()
     except OSError as error:
@@ -171,9 +172,8 @@ def reconnect_store(host: str, port: int, timeout_s: float, *,
 class _ConnectAttempt:
     """One TCPStore client construction, in a daemon thread (see :func:`connect_store`)."""
 
-    def __init__(self, tcpstore: type[TCPStore], host: str, port: int, slice_s: float,
-                 op_timeout_s: float | None) -> None:
-        self.tcpstore = tcpstore
+    def __init__(self, host: str, port: int, slice_s: float, op_timeout_s: float | None
+                 ) -> None:
         self.store: TCPStore | None = None
         self.error = "no attempt"
         self.thread = threading.Thread(target=self._run, args=(host, port, slice_s,
@@ -186,8 +186,8 @@ class _ConnectAttempt:
             return
         try:
             before = socket_fds()
-            store = self.tcpstore(host, port, is_master=False,
-                                  timeout=timedelta(seconds=slice_s))
+            store = tcpstore_class()(host, port, is_master=False,
+                                     timeout=timedelta(seconds=slice_s))
             if op_timeout_s is not None:
                 bound_requests(socket_fds() - before, op_timeout_s)
             self.store = store
