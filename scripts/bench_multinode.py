@@ -157,6 +157,7 @@ not run, ``store_load_model``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing as mp
@@ -307,12 +308,17 @@ def node_loss_once(variant: str, cap_s: float, fault: str = "cut"
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def false_alarms(minutes: float, busy: int) -> dict[str, Any]:
+def false_alarms(minutes: float, busy: int, backend: str = "c10d") -> dict[str, Any]:
     """A regroup job on three namespace hosts with the default heartbeat settings (1 s /
     auto: 2 s with the TCPStore's presence pings, 5 s before 2026-12-02) and presence
     connections, trained for ``minutes`` while ``busy`` busy-loop
     processes keep the cores busy; counts the node-loss declarations (node_lost events and
-    'lost: no heartbeat' lines on every agent) and the store-lost exits: all must be 0."""
+    'lost: no heartbeat' lines on every agent) and the store-lost exits: all must be 0.
+
+    ``backend="etcd-v3"``: the same job on a 3-member etcd cluster (one member per host,
+    tests/infra/etcd_cluster.py), heartbeats as 5 s leases; also counted, the writer
+    elections past the first (a takeover: the writer's lease expired under load)."""
+    from tests.infra.etcd_cluster import EtcdCluster
     from tests.infra.netns import NetnsNetwork
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_fa_"))
@@ -324,14 +330,19 @@ def false_alarms(minutes: float, busy: int) -> dict[str, Any]:
     load_before = os.getloadavg()
     started = time.time()
     try:
-        with NetnsNetwork(3) as net:
+        with contextlib.ExitStack() as stack:
+            net = stack.enter_context(NetnsNetwork(3))
+            if backend == "etcd-v3":
+                cluster = stack.enter_context(EtcdCluster(list(net)))
             readers = []
             for host in net:
                 events = workdir / f"events-{host.name}.jsonl"
-                args = [str(BIN / "ftrun"), "--nnodes", "3", "--nproc-per-node", "1",
+                rdzv = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", cluster.endpoints] \
+                    if backend == "etcd-v3" else [
                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net['h1'].addr}:29400",
+                        "--rdzv-conf", f"is_host={int(host.name == 'h1')}"]
+                args = [str(BIN / "ftrun"), "--nnodes", "3", "--nproc-per-node", "1", *rdzv,
                         "--rdzv-id", "falsealarms", "--recovery", "regroup",
-                        "--rdzv-conf", f"is_host={int(host.name == 'h1')}",
                         "--local-addr", host.addr, "--events-file", str(events),
                         str(script), "--steps", "100000000", "--hidden", "32",
                         "--step-sleep", "0.05"]
@@ -358,12 +369,17 @@ def false_alarms(minutes: float, busy: int) -> dict[str, Any]:
             said = sum(1 for r in readers for line in r.lines if "lost: no heartbeat" in line)
             store_lost = sum(1 for r in readers for line in r.lines
                              if "lost the rendezvous store" in line)
+            elections = sum(1 for r in readers for line in r.lines
+                            if "job's writer (elected" in line)
             return {
+                "backend": backend,
                 "minutes": round((time.time() - started) / 60, 2),
                 "busy_processes": busy,
                 "node_loss_declarations": declared,
                 "lost_lines": said,
                 "store_lost_exits": store_lost,
+                **({"writer_elections_past_the_first": max(0, elections - 1)}
+                   if backend == "etcd-v3" else {}),
                 "exited_early": [code for code in exits if code is not None],
                 "steps_on_leader": len(readers[0].steps),
                 "load_avg_1m_before": round(load_before[0], 2),
@@ -2375,6 +2391,9 @@ def main() -> None:
                              "(ftrun_etcd_spare: two active nodes and a standby)")
     parser.add_argument("--minutes", type=float, default=10.0,
                         help="false-alarms: how long the loaded job runs")
+    parser.add_argument("--false-alarms-backend", choices=["c10d", "etcd-v3"], default="c10d",
+                        help="false-alarms: the rendezvous backend (etcd-v3: a 3-member "
+                             "cluster, one member per host)")
     parser.add_argument("--busy", type=int, default=0,
                         help="false-alarms: busy-loop processes (0: one per core)")
     parser.add_argument("--cap", type=float, default=90.0, help="torchrun recovery cap (s)")
@@ -2505,7 +2524,8 @@ def main() -> None:
     if args.only in (None, "store-load"):
         measure_store_load(args, result)
     if args.only == "false-alarms":  # long: only when asked for
-        result["false_alarms"] = false_alarms(args.minutes, args.busy or os.cpu_count() or 2)
+        result["false_alarms"] = false_alarms(args.minutes, args.busy or os.cpu_count() or 2,
+                                              args.false_alarms_backend)
     if args.json:
         print(json.dumps(result, indent=2))
         return
