@@ -327,16 +327,20 @@ def test_rank_zero_failing_and_two_faults_in_a_row(job_dir: Path) -> None:
     first = _pid_at_step(run, 15, rank=0)
     before = len(run.lines)
     os.kill(first, signal.SIGKILL)
-    # The second fault hits as soon as the job has regrouped.
-    second = run.wait_for(
-        lambda lines: next((s.pid for s in find(lines, ElasticStep)
-                            if s.gen == 1 and s.rank == 0), None),
-        120, "rank 0 of the first new generation")
+    # The second fault hits as soon as the job has regrouped: rank 0's first step after
+    # the first fault. Not always in generation 1: a replacement forked from the fork
+    # server can be ready before the survivors' first step there, and then generation 1
+    # commits none (its members regroup again at once to admit it; seen under load).
+    after = run.wait_for(
+        lambda lines: next((s for s in find(lines, ElasticStep)
+                            if s.gen >= 1 and s.rank == 0), None),
+        120, "rank 0's first step after the first fault")
+    second = after.pid
     os.kill(second, signal.SIGKILL)
     # The second victim survived the first fault: it too went on past it, then died.
     survivors = _survivors(run, before, first)
     assert second in survivors, (second, survivors)
-    _wait_world(run, 4, after_generation=2)
+    _wait_world(run, 4, after_generation=after.gen)
     _stop(run, survivors)
     _check_invariants(run, survivors=survivors)
     failures = [e for e in _events(job_dir) if e["event"] == "failure"]

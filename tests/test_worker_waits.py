@@ -62,14 +62,43 @@ except ftrun.RegroupError as error:
 """
 
 
+# A member that steps until stopped: DDP on a tiny model, so each step's backward is a gloo
+# allreduce with the other members. argv: [fault_grace_s]
+STEPPER = """
+import sys, time
+import torch
+from torch.nn.parallel import DistributedDataParallel
+import ftrun
+
+ft = ftrun.init(fault_grace_s=float(sys.argv[1]), regroup_timeout_s=30.0)
+model = DistributedDataParallel(torch.nn.Linear(4, 1), process_group=ft.process_group)
+ft.register("model", model)
+ft.on_regroup(lambda rank, world: print(f"regroup epoch={ft.epoch} world={world}", flush=True))
+x = torch.ones(8, 4)
+
+
+def compute():
+    model(x).sum().backward()
+    time.sleep(0.02)
+    return True
+
+
+while True:
+    epoch = ft.epoch
+    if ft.run_step(compute, lambda: None):
+        print(f"step={ft.step} epoch={epoch}", flush=True)
+"""
+
+
 class Worker:
     """One worker-API process, its output in a file (read once it has exited)."""
 
-    def __init__(self, job_dir: Path, worker_env: P.WorkerEnv, timeout: str) -> None:
+    def __init__(self, job_dir: Path, worker_env: P.WorkerEnv, timeout: str,
+                 source: str = WORKER) -> None:
         assert worker_env.member is not None
         member = worker_env.member.member_id
-        script = job_dir / "worker.py"
-        script.write_text(WORKER)
+        script = job_dir / f"worker-{member}.py"
+        script.write_text(source)
         env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
         env.update(worker_env.to_env())
         env[TOKEN_ENV] = SECRET
@@ -113,8 +142,8 @@ class Job:
             member=P.MemberEnv(member, PREFIX, initial=initial),
         )
 
-    def start(self, member: str, timeout: str) -> Worker:
-        worker = Worker(self.job_dir, self.env(member, initial=True), timeout)
+    def start(self, member: str, timeout: str, source: str = WORKER) -> Worker:
+        worker = Worker(self.job_dir, self.env(member, initial=True), timeout, source)
         self.workers.append(worker)
         return worker
 
@@ -193,6 +222,45 @@ def test_wait_for_a_decision_ends_at_the_bound(job: Job) -> None:
     assert "the decision on step 0 (no valid vote yet from: 0.1)" in output
     assert store.first_record(P.decision_key(0, 0)) == {"value": P.ABORT}
     assert stuck.proc.poll() is None, stuck.log.read_text()
+
+
+def test_a_fault_after_a_newer_epoch_was_published_is_a_fault_not_the_scripts_error(
+        job: Job) -> None:
+    """The leader publishes the member epoch that admits a joiner before the members reach
+    the step where they move to it. A member that dies in that window has the agent end the
+    newer epoch, not the one the others still step in: their collective fails and their
+    own epoch never ends. The failure is still a fault elsewhere (a newer epoch explains
+    it): the survivor aborts the step, passes the ended epoch by and goes on in the next
+    one, well within the grace, instead of leaving as for an error of its own."""
+    store = job.store
+    grace_s = 15.0  # without a newer epoch as explanation, the survivor left after it
+    _publish(store, 0, [("0.0", False), ("0.1", False)])
+    other = job.start("0.1", str(grace_s), STEPPER)
+    _wait_until(lambda: store.exists(P.arrived_key(0, "0.1")), DEADLINE_S, "arrival of 0.1")
+    survivor = job.start("0.0", str(grace_s), STEPPER)
+    _wait_until(lambda: "step=3 epoch=0" in survivor.log.read_text(), DEADLINE_S,
+                "steps of epoch 0")
+    # the leader admits a joiner (0.2, never started): epoch 1 is published, and the
+    # members step on in epoch 0 (no step was told to regroup)
+    _publish(store, 1, [("0.0", False), ("0.1", False), ("0.2", True)])
+    other.stop()  # SIGKILL; its agent ends the latest epoch, 1
+    killed = time.monotonic()
+    store.put_record(P.end_key(1), {"member": "0.1", "cause": "killed by SIGKILL"})
+    # epoch 1 ended before it formed: the survivor leaves it, then waits for the next one
+    _wait_until(lambda: store.exists(P.formed_key(1)) or survivor.proc.poll() is not None,
+                DEADLINE_S, "the survivor's verdict on epoch 1")
+    _publish(store, 2, [("0.0", False)])
+    _wait_until(lambda: "epoch=2" in survivor.log.read_text()
+                or survivor.proc.poll() is not None, DEADLINE_S, "a step in epoch 2")
+    took = time.monotonic() - killed
+    output = survivor.log.read_text()
+    assert survivor.proc.poll() is None, output
+    assert "regroup epoch=2 world=1" in output, output
+    assert took < grace_s, (took, output)
+    assert store.first_record(P.formed_key(1)) == {"value": P.ABANDONED}
+    steps = [int(x.split()[0].removeprefix("step=")) for x in output.splitlines()
+             if x.startswith("step=")]
+    assert steps == list(range(1, len(steps) + 1)), steps  # no step lost or applied twice
 
 
 def test_a_spare_waits_to_be_admitted_past_the_bound(job: Job,

@@ -290,11 +290,12 @@ class Membership:
         return (store or self.store).first_record(P.end_key(number))
 
     def explains_fault(self, grace_s: float) -> bool:
-        """A collective failed: did the agents end the current member epoch (or do they
-        within ``grace_s``)? Otherwise the error is the script's own."""
+        """A collective failed: did the agents end the current member epoch or a newer one
+        (:meth:`_ended_since`), or do they within ``grace_s``? Otherwise the error is the
+        script's own."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            if self.ended(self.epoch) is not None:
+            if self._ended_since(self.epoch):
                 return True
             time.sleep(POLL_S * 4)
         return False
@@ -314,6 +315,8 @@ class Membership:
                 joiner_waits = self.store.first_record(P.join_key(epoch)) is not None
                 self.store.put_record(
                     key, {"value": P.COMMIT_REGROUP if joiner_waits else P.COMMIT})
+        else:  # without this member's vote the step cannot commit: abort it now
+            self.store.put_record(key, {"value": P.ABORT})
         bound, late = _Bound(self.regroup_timeout_s), False
         pause, look_at_end = POLL_S / 25, time.monotonic() + 0.05
         while True:
@@ -338,7 +341,7 @@ class Membership:
             if time.monotonic() < look_at_end:
                 continue
             look_at_end = time.monotonic() + 0.05  # as often as the 50 ms waits before
-            if self.ended(epoch) is not None:
+            if self._ended_since(epoch):
                 self.store.put_record(key, {"value": P.ABORT})
                 continue
             if not late and bound.passed():
@@ -418,6 +421,25 @@ class Membership:
                 self.store.put_record(key, {"value": P.ABANDONED})
                 continue
             time.sleep(POLL_S)
+
+    #: Newer member epochs :meth:`_ended_since` looks at (a leader is rarely more than
+    #: two ahead of a member; the bound keeps a wrong number from costing a read each)
+    MAX_EPOCHS_AHEAD = 8
+
+    def _ended_since(self, number: int) -> bool:
+        """Member epoch ``number`` ended, or a newer one did. The leader publishes the epoch
+        that admits a joiner before the members reach the step where they move to it, and
+        an agent ends the latest epoch for a member that dies in that window: the members
+        still stepping in ``number`` see their peer fail, or wait for its vote, and never
+        see ``number`` end (seen under load: a rank killed right after a replacement was
+        announced; the survivors waited out the fault grace, left as for errors of their
+        own, and the job stopped). A newer epoch only published is not a fault: the
+        members move to it at their next step."""
+        latest = self.store.get_record(P.LATEST) or {}
+        newest = latest.get("number")
+        newest = min(newest, number + self.MAX_EPOCHS_AHEAD) \
+            if isinstance(newest, int) and not isinstance(newest, bool) else number
+        return any(self.ended(k) is not None for k in range(number, max(number, newest) + 1))
 
     def _superseded(self, number: int) -> bool:
         """Member epoch ``number`` ended, or a newer one is published."""
