@@ -285,6 +285,31 @@ def test_the_job_is_done_when_every_member_with_the_state_finished() -> None:
     assert job.store.first_record(P.DONE) == {"generation": 0}
 
 
+def test_an_end_of_an_epoch_not_formed_yet_also_ends_the_one_its_members_step_in() -> None:
+    """The leader publishes a joiner's member epoch before the members reach the step that
+    moves them to it. A member that dies meanwhile is ended in the latest epoch, which has
+    not formed: the one before, where the others still step, ends too (their end watches
+    and a lost node's connection cut read their own epoch). Once an epoch formed, its
+    members have left the one before, and only it ends."""
+    job = Job(per_node=2)  # epoch 0: 0.0 and 0.1, formed as the members start
+    m, store = job.m, job.store
+    store.put_record(P.formed_key(0), {"value": P.FORMED})
+    m.publish(P.MemberEpoch(1, (P.Member("0.0", 0, False), P.Member("0.1", 1, False),
+                                P.Member("0.2", 2, True))))  # 0.2: a joiner, not yet in
+    cause = {"member": "0.1", "cause": "killed by SIGKILL"}
+    m.end(1, cause)
+    assert store.first_record(P.end_key(1)) == cause
+    assert store.first_record(P.end_key(0)) == cause
+    m.publish(P.MemberEpoch(2, (P.Member("0.0", 0, False), P.Member("0.2", 1, False))))
+    store.put_record(P.formed_key(2), {"value": P.FORMED})
+    m.publish(P.MemberEpoch(3, (P.Member("0.0", 0, False),)))
+    store.put_record(P.formed_key(3), {"value": P.FORMED})
+    later = {"member": "0.2", "cause": "exit code 1"}
+    m.end(3, later)
+    assert store.first_record(P.end_key(3)) == later
+    assert store.first_record(P.end_key(2)) is None  # formed before: its members left it
+
+
 def test_a_status_is_verified_again_only_when_its_bytes_changed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The leader reads every member's status each tick (0.1 s) and each changes once a beat
     (0.2 s): unchanged bytes are neither parsed nor verified again, changed ones always are,

@@ -62,11 +62,19 @@ class Membership:
         self.store.add(P.CHANGES, 1)
 
     def end(self, epoch: int, cause: dict[str, object]) -> None:
-        """End member epoch ``epoch`` (once per agent; the first valid end wins)."""
-        if epoch not in self._ended_here:
-            self._ended_here.add(epoch)
-            self.store.put_record(P.end_key(epoch), cause)
-            self.changed()
+        """End member epoch ``epoch`` (once per agent; the first valid end wins).
+
+        An epoch that has not formed yet ends with the one before it: the leader publishes
+        a joiner's epoch before the members reach the step that moves them to it, so they
+        still step in the one before, and the workers' watches for an end (and the cut of
+        a lost node's connections) read their own epoch. The members of an epoch that
+        formed have left the one before: its end changes nothing for them."""
+        older = [epoch - 1] if epoch > 0 and not self.store.exists(P.formed_key(epoch)) else []
+        for number in (*older, epoch):
+            if number not in self._ended_here:
+                self._ended_here.add(number)
+                self.store.put_record(P.end_key(number), cause)
+        self.changed()
 
     def append_fault(self, fault: P.Fault) -> None:
         index = self.store.add(P.FAULTS, 1) - 1
