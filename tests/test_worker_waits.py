@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from ftrun import protocol as P
+from ftrun.agent.membership import Membership as AgentMembership
 from ftrun.control.auth import TOKEN_ENV, Signer
 from ftrun.control.store import JsonStore, serve_store
 from ftrun.worker import settings
@@ -227,11 +228,11 @@ def test_wait_for_a_decision_ends_at_the_bound(job: Job) -> None:
 def test_a_fault_after_a_newer_epoch_was_published_is_a_fault_not_the_scripts_error(
         job: Job) -> None:
     """The leader publishes the member epoch that admits a joiner before the members reach
-    the step where they move to it. A member that dies in that window has the agent end the
-    newer epoch, not the one the others still step in: their collective fails and their
-    own epoch never ends. The failure is still a fault elsewhere (a newer epoch explains
-    it): the survivor aborts the step, passes the ended epoch by and goes on in the next
-    one, well within the grace, instead of leaving as for an error of its own."""
+    the step where they move to it. A member that dies in that window is ended by its
+    agent (the real ``agent.membership.Membership.end``) in the latest epoch, which has not
+    formed, and in the one the others still step in. The survivor aborts the step, passes
+    the ended epoch by and goes on in the next one, well within the grace, instead of
+    leaving as for an error of its own (it did, when the agent ended the latest alone)."""
     store = job.store
     grace_s = 15.0  # without a newer epoch as explanation, the survivor left after it
     _publish(store, 0, [("0.0", False), ("0.1", False)])
@@ -245,7 +246,8 @@ def test_a_fault_after_a_newer_epoch_was_published_is_a_fault_not_the_scripts_er
     _publish(store, 1, [("0.0", False), ("0.1", False), ("0.2", True)])
     other.stop()  # SIGKILL; its agent ends the latest epoch, 1
     killed = time.monotonic()
-    store.put_record(P.end_key(1), {"member": "0.1", "cause": "killed by SIGKILL"})
+    AgentMembership(store, lambda *a, **k: None).end(
+        1, {"member": "0.1", "cause": "killed by SIGKILL"})
     # epoch 1 ended before it formed: the survivor leaves it, then waits for the next one
     _wait_until(lambda: store.exists(P.formed_key(1)) or survivor.proc.poll() is not None,
                 DEADLINE_S, "the survivor's verdict on epoch 1")

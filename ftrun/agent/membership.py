@@ -61,16 +61,25 @@ class Membership:
     def changed(self) -> None:
         self.store.add(P.CHANGES, 1)
 
-    def end(self, epoch: int, cause: dict[str, object]) -> None:
-        """End member epoch ``epoch`` (once per agent; the first valid end wins).
+    #: How far :meth:`end` walks back over member epochs that have not formed
+    MAX_UNFORMED = 8
 
-        An epoch that has not formed yet ends with the one before it: the leader publishes
-        a joiner's epoch before the members reach the step that moves them to it, so they
-        still step in the one before, and the workers' watches for an end (and the cut of
-        a lost node's connections) read their own epoch. The members of an epoch that
-        formed have left the one before: its end changes nothing for them."""
-        older = [epoch - 1] if epoch > 0 and not self.store.exists(P.formed_key(epoch)) else []
-        for number in (*older, epoch):
+    def end(self, epoch: int, cause: dict[str, object]) -> None:
+        """End member epoch ``epoch`` and the ones before it back to the last that formed
+        (once per agent each; the first valid end wins).
+
+        Why the older ones: the leader publishes a joiner's epoch before the members reach
+        the step that moves them to it, so until it forms they still step in the last
+        formed one, and they watch their own epoch's end (a failed collective, a vote, a
+        lost node's connections to cut). An agent that ended only the latest when a member
+        died in that window left the others waiting for a dead peer until they gave up
+        and the job stopped (seen under load). The members of a formed epoch have left the
+        ones before: their ends change nothing for them."""
+        first = epoch
+        while first > 0 and epoch - first < self.MAX_UNFORMED \
+                and not self.store.exists(P.formed_key(first)):
+            first -= 1
+        for number in range(first, epoch + 1):
             if number not in self._ended_here:
                 self._ended_here.add(number)
                 self.store.put_record(P.end_key(number), cause)

@@ -24,10 +24,9 @@ Error semantics, written down:
 
 * absorbed and retried: any ``RuntimeError`` raised by ``compute`` (torch's
   ``DistBackendError`` and gloo's connection errors are RuntimeErrors) *if* the agent ends
-  the member epoch, or its leader publishes a newer one, within ``fault_grace_s`` (default
-  10 s) of it: that is a fault elsewhere;
-* raised: every other exception, at once, and a ``RuntimeError`` that neither explains
-  within the grace: those are the script's own errors, and the process exits;
+  the member epoch within ``fault_grace_s`` (default 10 s) of it: that is a fault elsewhere;
+* raised: every other exception, at once, and a ``RuntimeError`` that no end of the member
+  epoch explains within the grace: those are the script's own errors, and the process exits;
 * after ``max_regroups`` consecutive member epochs that fail to form (default 5),
   :class:`RegroupError` is raised and the worker exits, so the agent falls back to stopping
   the job instead of looping forever;
@@ -43,8 +42,7 @@ Timeouts, each with what it bounds and what happens when it fires (arguments of
   each request to the control store. Fires as the backend's ``RuntimeError`` inside
   ``compute``: absorbed if a fault explains it (above), raised otherwise.
 * ``fault_grace_s`` (10 s): how long a failed collective waits for the agent to end the
-  member epoch (or for a newer one) before the error counts as the script's own. Fires as
-  that error, raised.
+  member epoch before the error counts as the script's own. Fires as that error, raised.
 * ``regroup_timeout_s`` (default the larger of 600 s and twice the collective timeout plus
   the grace; ``FTRUN_REGROUP_TIMEOUT_S`` sets it for scripts that do not pass it): each
   wait on other members or on the agents' leader, namely

@@ -276,7 +276,7 @@ class Membership:
         epoch = self.computing
         if epoch < 0 or epoch == self._cut_off:
             return
-        end = self.ended(epoch, self._beat_store)  # its own epoch only: see end_since
+        end = self.ended(epoch, self._beat_store)
         addr = end.get("addr") if end else None
         if not isinstance(addr, str):
             return
@@ -290,12 +290,11 @@ class Membership:
         return (store or self.store).first_record(P.end_key(number))
 
     def explains_fault(self, grace_s: float) -> bool:
-        """A collective failed: did the agents end the current member epoch or a newer one
-        (:meth:`end_since`), or do they within ``grace_s``? Otherwise the error is the
-        script's own."""
+        """A collective failed: did the agents end the current member epoch (or do they
+        within ``grace_s``)? Otherwise the error is the script's own."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            if self.end_since(self.epoch) is not None:
+            if self.ended(self.epoch) is not None:
                 return True
             time.sleep(POLL_S * 4)
         return False
@@ -341,7 +340,7 @@ class Membership:
             if time.monotonic() < look_at_end:
                 continue
             look_at_end = time.monotonic() + 0.05  # as often as the 50 ms waits before
-            if self.end_since(epoch) is not None:
+            if self.ended(epoch) is not None:
                 self.store.put_record(key, {"value": P.ABORT})
                 continue
             if not late and bound.passed():
@@ -421,35 +420,6 @@ class Membership:
                 self.store.put_record(key, {"value": P.ABANDONED})
                 continue
             time.sleep(POLL_S)
-
-    #: Newer member epochs :meth:`end_since` looks at (a leader is rarely more than two
-    #: ahead of a member; the bound keeps a wrong number from costing a read each)
-    MAX_EPOCHS_AHEAD = 8
-
-    def end_since(self, number: int) -> dict[str, Any] | None:
-        """Why member epoch ``number``, or a newer one, ended (the first end found), or None.
-
-        A newer one counts: the leader publishes the epoch that admits a joiner before the
-        members reach the step where they move to it, and an agent ends the latest epoch
-        for a member that dies in that window (or a node lost then). The members still
-        stepping in ``number`` see their peer fail, or wait for its vote, and never see
-        ``number`` end (seen under load: a rank killed right after a replacement was
-        announced; the survivors waited out the fault grace, left as for errors of their
-        own, and the job stopped). A newer epoch only published is not a fault: the
-        members move to it at their next step.
-
-        Read only where a member already waits (a decision, a failed collective): it costs
-        two reads more than :meth:`ended`, too many for the looks every beat or 20 ms for
-        a lost node's address or an end (those read their own epoch only)."""
-        latest = self.store.get_record(P.LATEST) or {}
-        newest = latest.get("number")
-        newest = min(newest, number + self.MAX_EPOCHS_AHEAD) \
-            if isinstance(newest, int) and not isinstance(newest, bool) else number
-        for epoch in range(number, max(number, newest) + 1):
-            end = self.ended(epoch)
-            if end is not None:
-                return end
-        return None
 
     def _superseded(self, number: int) -> bool:
         """Member epoch ``number`` ended, or a newer one is published."""

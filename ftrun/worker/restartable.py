@@ -41,7 +41,7 @@ old objects, and enters again. The process, its imports and its CUDA context sta
 Error semantics, written down:
 
 * absorbed (re-entry): :class:`EpochEnded`, and a ``RuntimeError`` out of ``train`` when
-  the agent ended the member epoch (or published a newer one) within ``fault_grace_s``;
+  the agent ended the member epoch within ``fault_grace_s`` of it;
 * raised: every other exception (the script's own), at once; :class:`~ftrun.worker.errors.
   RegroupError` after ``max_regroups`` member epochs in a row fail to form;
 * a snapshot that cannot be taken (a state leaf that is not a tensor or a JSON value,
