@@ -107,8 +107,9 @@ class RegroupLeader:
         # The recovery record's half that only the leader sees: formed epochs, steps.
         marks = [f.step for f in config.inject.faults if f.step is not None] \
             if config.inject is not None else []
-        self.report = ProgressReport(events, generation.number, self._formed,
-                                     self._last_commit, marks=marks)
+        self.report = ProgressReport(  # self.m, not the one of now: a moved store replaces it
+            events, generation.number, lambda number: self.m.formed(number),
+            self._last_commit, marks=marks)
         hosts = {n.node_rank: n.hostname for n in generation.nodes}
         self.stragglers = StragglerWatch(  # ranks that keep the others waiting
             policy=config.straggler_policy, factor=config.straggler_factor,
@@ -151,11 +152,6 @@ class RegroupLeader:
             joiners=[m.id for m in members if m.joiner], gone=gone or [],
         )
         self.report.published(number, epoch.world_size)
-
-    def _formed(self, number: int) -> bool:
-        """Whether member epoch ``number`` formed (every member arrived; ftrun.worker)."""
-        record = self.m.store.first_record(P.formed_key(number))
-        return record is not None and record.get("value") == P.FORMED
 
     def _last_commit(self, number: int, step: int, most: int = 10_000) -> int:
         """The committed steps when member epoch ``number`` ended, counted on from

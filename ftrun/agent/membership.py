@@ -76,14 +76,18 @@ class Membership:
         and the job stopped (seen under load). The members of a formed epoch have left the
         ones before: their ends change nothing for them."""
         first = epoch
-        while first > 0 and epoch - first < self.MAX_UNFORMED \
-                and not self.store.exists(P.formed_key(first)):
+        while first > 0 and epoch - first < self.MAX_UNFORMED and not self.formed(first):
             first -= 1
         for number in range(first, epoch + 1):
             if number not in self._ended_here:
                 self._ended_here.add(number)
                 self.store.put_record(P.end_key(number), cause)
         self.changed()
+
+    def formed(self, number: int) -> bool:
+        """Whether member epoch ``number`` formed (every member arrived; ftrun.worker)."""
+        record = self.store.first_record(P.formed_key(number))
+        return record is not None and record.get("value") == P.FORMED
 
     def append_fault(self, fault: P.Fault) -> None:
         index = self.store.add(P.FAULTS, 1) - 1
