@@ -41,16 +41,17 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   the node's own assignment ``gen/<N>/as/<node id>`` (a ``wait`` in slices of
   ``WAIT_SLICE_S``, then the ``get``), verified (signature, ``Assignment.from_json``,
   generation and node id). With ``etcd_port`` (the etcd-v3 backend), as
-  ``ftrun.control.etcd.EtcdClient`` does it over a main HTTP connection of the agent's
-  own: the slot as a part key of its own (one put), then the held wait of
-  ``EtcdClient.wait_any`` (ftrun/control/etcdheld.py): one transaction reading the
-  assignment's, ``gen/<N>``'s and the shutdown record's ranges, and one watch stream of
-  the three from the revision after it (``etcdwire.AnyStream``), held with no request per
-  slice until an event (the value from it when whole, else a read on a new connection:
-  the stream ends only with its connection) or the gateway's end at ``HOLD_S`` (a read
-  and a stream again); plus the lease beat on a second connection unless ``heartbeats``
-  is off. Not modelled: the real wait's read from a member no client of its process
-  has heard from for ``UNHEARD_S`` (5 s; a failover aid for several members). With
+  ``ftrun.control.etcd.EtcdClient`` does it: the held wait of ``EtcdClient.wait_any``
+  (ftrun/control/etcdheld.py) armed first (``JsonStore.arm_wait``): one transaction
+  reading the assignment's, ``gen/<N>``'s and the shutdown record's ranges on the agent's
+  main HTTP connection, and one watch stream of the three from the revision after it
+  (``etcdwire.AnyStream``) on a connection made for it; then the slot as a part key of its
+  own (one put, on the main connection). The stream is held with no request per slice
+  until an event (the value from it when whole, else a read on the main connection; the
+  stream ends with its connection, a new one for the next) or the gateway's end at
+  ``HOLD_S`` (a read and a stream again); plus the lease beat on a third connection
+  unless ``heartbeats`` is off. Not modelled: the real wait's read from a member no
+  client of its process has heard from for ``UNHEARD_S`` (5 s; a failover aid). With
   beats, the beat hears the one member and no such read happens; without them a real
   agent waiting longer than 5 s would add one read per 5 s.
 
@@ -680,10 +681,15 @@ class Agent:
         on_etcd = gen.mode == "etcd" or (gen.mode == "rdzv" and gen.etcd_port > 0)
         self.http: HttpConn | None = HttpConn(gen, self) if on_etcd and gen.heartbeats \
             else None
-        # etcd-v3 rendezvous: the agent's main client (its offer, reads and watches)
+        # etcd-v3 rendezvous: the agent's main client (its offer and reads), and its held
+        # wait's stream (HeldWatch: a connection made for each stream, not at set-up)
         self.jc: HttpConn | None = HttpConn(gen, self, self._join_conn_live,
                                             self._join_failed) \
             if on_etcd and gen.mode == "rdzv" else None
+        self.wc: HttpConn | None = HttpConn(gen, self, self._watch_conn_live,
+                                            self._watch_failed) if self.jc else None
+        self.offer_due = False  # the held wait is armed first, then the offer is made
+        self.watch_from = 0
         # etcd-v3 store load: the EndWatcher's client (a read, then a watch per slice)
         self.ewc: HttpConn | None = HttpConn(gen, self, self._ew_live, self._ew_failed) \
             if gen.mode == "etcd" and gen.end_watch and index < gen.end_watch_below else None
@@ -704,6 +710,7 @@ class Agent:
         self.fired = 0.0  # when the end wait came back with the key
         self.end_seen = 0.0  # when the verified end record was in hand
         self.offered = 0.0
+        self.read_due = False
         self.joined: list[Any] | str | None = None
 
     def conns(self) -> list[_Conn]:
@@ -968,6 +975,11 @@ class Agent:
 
     # the rendezvous on etcd-v3 (ftrun.control.etcd.EtcdClient under DynamicRendezvous)
     def join_etcd(self) -> None:
+        """The held wait armed (its read, then its stream), then the offer."""
+        self.offer_due = True
+        self.read_assignment_etcd()
+
+    def _offer_etcd(self) -> None:
         """The offer: the signed slot as an ``append`` part key of its own, one put."""
         gen = self.gen
         slot = NodeSlot(-1, 1, "127.0.0.1", f"sim{self.index}", os.getpid(), self.node_id)
@@ -991,8 +1003,11 @@ class Agent:
         step()
 
     def _etcd_offered(self, answer: dict[str, Any]) -> None:
-        self.offered = time.time()
-        self.read_assignment_etcd()
+        self.offered = self.offered or time.time()  # the assignment's event may come first
+        self.step = None
+        if self.read_due:  # an event without the value came while the offer was in flight
+            self.read_due = False
+            self.read_assignment_etcd()
 
     def _held_keys(self) -> list[bytes]:
         """What the agent's wait watches (``Rendezvous._wait_assignment``): its assignment,
@@ -1009,6 +1024,15 @@ class Agent:
             {"request_range": span(k)} for k in self._held_keys()]}, self._etcd_read)
 
     def _etcd_read(self, answer: dict[str, Any]) -> None:
+        if self.offer_due:  # the arming read (JsonStore.arm_wait), then the offer
+            self.offer_due, self.step = False, None
+            if any((r.get("response_range") or {}).get("kvs")
+                   for r in answer.get("responses") or []):
+                self.read_due = True  # found something: nothing armed, the wait reads
+            else:
+                self._etcd_watch(int((answer.get("header") or {}).get("revision", 0)))
+            self._offer_etcd()
+            return
         for index, response in enumerate(answer.get("responses") or []):
             kvs = (response.get("response_range") or {}).get("kvs") or []
             if kvs and index == 0:
@@ -1018,6 +1042,7 @@ class Agent:
             if kvs:  # the record without this node's assignment, or a shutdown: over
                 self.joined = f"{self._held_keys()[index]!r} came before the assignment"
                 return
+        self.step = None
         self._etcd_watch(int((answer.get("header") or {}).get("revision", 0)))
 
     def _etcd_watch(self, revision: int) -> None:
@@ -1026,15 +1051,41 @@ class Agent:
         if time.time() > self.gen.deadline:
             self.joined = "timed out waiting for the assignment"
             return
-        assert self.jc is not None
-        self.step = None
+        assert self.wc is not None
         self.wait_no += 1
         self.waiting = True
         self.any_stream = AnyStream(self._held_keys())
-        self.jc.stream("/watch", self.any_stream.requests(revision), self._etcd_watched,
-                       HOLD_S, self._etcd_hold_ended)
+        self.watch_from = revision
+        if self.wc.live:
+            self._stream_watch()
+        else:
+            self.wc.open()  # then _watch_conn_live
         # the client's own bound (its read timeout), should the gateway not end the stream
         self.gen.loop.at(self.gen.loop.now + HOLD_S + 1.0, self._etcd_hold_due, self.wait_no)
+
+    def _stream_watch(self) -> None:
+        assert self.wc is not None
+        self.wc.stream("/watch", self.any_stream.requests(self.watch_from),
+                       self._etcd_watched, HOLD_S, self._etcd_hold_ended)
+
+    def _watch_conn_live(self) -> None:
+        if self.waiting and self.joined is None:
+            self._stream_watch()
+
+    def _watch_failed(self, why: str) -> None:
+        """The stream failed: as ``HeldWaits``, a slice without news, then a read and a
+        stream again."""
+        if not self.waiting or self.joined is not None:
+            return
+        self._end_watch()
+        self.gen.loop.at(self.gen.loop.now + 0.05, self._read_when_idle)
+
+    def _read_when_idle(self) -> None:
+        """A read on the main connection, now or once its request in flight is answered."""
+        if self.step is not None:  # the offer (or its retry) in flight
+            self.read_due = True
+        else:
+            self.read_assignment_etcd()
 
     def _etcd_watched(self, result: dict[str, Any]) -> None:
         """A message of the stream: "created" goes on waiting; an event ends the wait and
@@ -1051,18 +1102,18 @@ class Agent:
         self.gen.count("rdzv.held wait ended by an event", 0)
         if index == 0 and value is not None:  # the leader's put, whole in the event
             self.gen.count("rdzv.assignment from the watch event", 0)
-            self._take_assignment(value, lambda: self._reconnect(self.read_assignment_etcd))
+            self._take_assignment(value, self._read_when_idle)
             return
-        self._reconnect(self.read_assignment_etcd)
+        self._read_when_idle()
 
     def _etcd_hold_ended(self) -> None:
-        """The gateway ended the held stream at its deadline: a read and a stream again,
-        on the same connection."""
+        """The gateway ended the held stream at its deadline: a read and a stream again
+        (``HeldWatch`` closes its session: a new connection)."""
         if not self.waiting or self.joined is not None:
             return
-        self.waiting = False
+        self._end_watch()
         self.wait_no += 1
-        self.read_assignment_etcd()
+        self._read_when_idle()
 
     def _etcd_hold_due(self, number: int) -> None:
         """The held stream outlived its deadline: the read timeout closes the connection;
@@ -1070,7 +1121,7 @@ class Agent:
         if number != self.wait_no or not self.waiting or self.joined is not None:
             return
         self._end_watch()
-        self._reconnect(self.read_assignment_etcd)
+        self._read_when_idle()
 
     def _ekey(self, name: str) -> bytes:
         """The etcd key of the job's key ``name`` (``EtcdClient``'s root and the prefix)."""
@@ -1079,8 +1130,8 @@ class Agent:
     def _end_watch(self) -> None:
         """The wait is over: its stream ends with its connection."""
         self.waiting = False
-        assert self.jc is not None
-        self.jc.close()
+        assert self.wc is not None
+        self.wc.close()
 
     def _reconnect(self, then: Callable[[], None]) -> None:
         gen = self.gen
@@ -1100,8 +1151,9 @@ class Agent:
         this one is closed."""
         if self.joined is not None or self.frozen:
             return
+        if self.step is None and self.waiting:
+            return  # the idle main connection closed: the next request makes it again
         step = self.step if self.step is not None else self.read_assignment_etcd
-        self.waiting = False
         if time.time() > self.gen.deadline:
             self.joined = f"etcd request failed: {why}"[:200]
             return

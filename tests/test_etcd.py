@@ -231,68 +231,54 @@ def _member(endpoint: str) -> psutil.Process:
                                and f"127.0.0.1:{c.laddr.port}" == endpoint))
 
 
-def _freeze_until_each_fails(member: psutil.Process, failed: dict[str, int],
-                             progress: Callable[[], int], alive: Callable[[], bool]) -> None:
-    """Freeze ``member`` once per round until every kind in ``failed`` (counts a
-    rendezvous's failed requests by kind) has failed once, or the waiter (``alive``) ended:
-    each round waits for the waiter's next request (``progress`` grows), then freezes until
-    one more failed. A freeze fails one kind, either one: 16 rounds miss one with 2 ** -15."""
-    for _ in range(16):
-        if min(failed.values()) >= 1 or not alive():
-            return
-        before, failures = progress(), sum(failed.values())
-        wait_until(lambda b=before: progress() > b or not alive(), 30,
-                   "the waiter's next request")
-        member.suspend()
-        try:
-            wait_until(lambda f=failures: sum(failed.values()) > f or not alive(), 30,
-                       "a failed request of the waiter")
-        finally:
-            member.resume()
-
-
 def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_answers() -> None:
     """The writer's reads while it waits for slots fail while the etcd member is frozen
     (every request times out, the store's own retries spent): it reads again until the
     join's deadline, and once etcd answers, the generation forms with the late joiner in
     it. Before, the leader's join ended at its first failed read (4,096 light agents on one
     member). Each poll makes two reads, the slots and the shutdown record: the member is
-    frozen again until each kind has failed at least once."""
+    frozen just before the first read of each kind and resumed once it failed (freezing
+    from the test's thread when a read was seen had landed on the slots' read 16 times in
+    a row: the shutdown read follows it at once)."""
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
 
-    class Counted(DynamicRendezvous):
+    class Frozen(DynamicRendezvous):
+        """Fails the first read of each kind by freezing the member around it."""
+
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            self.reads = 0
             self.failed = {"slots": 0, "shutdown": 0}
 
-        def _arrivals(self, number: int) -> list[NodeSlot]:
+        def _frozen(self, kind: str, read: Callable[[], Any]) -> Any:
+            if self.failed[kind]:
+                return read()
+            member.suspend()
             try:
-                arrived = super()._arrivals(number)
+                return read()
             except StoreError:
-                self.failed["slots"] += 1
+                self.failed[kind] += 1
                 raise
-            self.reads += 1
-            return arrived
+            finally:
+                member.resume()
+
+        def _arrivals(self, number: int) -> list[NodeSlot]:
+            return self._frozen("slots", lambda: super(Frozen, self)._arrivals(number))
 
         def shutdown_reason(self) -> dict | None:
-            try:
-                return super().shutdown_reason()
-            except StoreError:
-                self.failed["shutdown"] += 1
-                raise
+            return self._frozen("shutdown", lambda: super(Frozen, self).shutdown_reason())
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
         member = _member(endpoint)
-        leader = Counted(_quick_store(options, "ftrun/lead"), min_nodes=2, max_nodes=2,
-                         last_call_s=0.5, is_leader=True, poll_s=0.02,
-                         interrupted=lambda: False)
+        leader = Frozen(_quick_store(options, "ftrun/lead"), min_nodes=2, max_nodes=2,
+                        last_call_s=0.5, is_leader=True, poll_s=0.02,
+                        interrupted=lambda: False)
         joined: dict[str, object] = {}
         lead = threading.Thread(target=_join_into, args=(
             joined, "leader", leader, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1")))
         lead.start()
-        _freeze_until_each_fails(member, leader.failed, lambda: leader.reads, lead.is_alive)
+        wait_until(lambda: min(leader.failed.values()) >= 1 or not lead.is_alive(), 60,
+                   "a failed read of each kind")
         assert min(leader.failed.values()) >= 1, (leader.failed, joined)
         assert lead.is_alive(), joined
         joiner = DynamicRendezvous(
@@ -382,6 +368,64 @@ def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_
         generation = joined["joiner"]
         assert not isinstance(generation, Exception), generation
         assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+
+
+def test_a_joining_agent_watches_for_its_assignment_before_it_offers_its_slot() -> None:
+    """A joining agent arms its wait (``JsonStore.arm_wait``: one read of its assignment,
+    the record and the shutdown record, and one watch stream of the three) before it
+    offers its slot, and the wait after the offer holds that same stream: once the last
+    node has offered, etcd has only the leader's writes and their events to serve. Before,
+    each node read and watched after its offer, and at 512 light agents those reads and
+    watches queued in etcd ahead of the leader's writes (README, rendezvous on etcd-v3)."""
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+
+    class Offering(JsonStore):
+        """Notes, at the offer and at each wait, which held watch the client has."""
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            self.at_offer: Any = None
+            self.offered = False
+            self.waited_on: list[Any] = []
+
+        def put_record(self, name: str, body: dict[str, Any]) -> None:
+            if name.endswith("/slots"):
+                self.at_offer, self.offered = self.raw._held.held, True
+            super().put_record(name, body)
+
+        def wait_any(self, *args: Any, **kwargs: Any) -> Any:
+            if self.offered:
+                self.waited_on.append(self.raw._held.held)
+            return super().wait_any(*args, **kwargs)
+
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
+        store = Offering(connect_etcd(options, 10, op_timeout_s=5), "ftrun/arm",
+                         signer=Signer(TOKEN.encode()))
+        joiner = DynamicRendezvous(store, min_nodes=2, max_nodes=2, last_call_s=0.5,
+                                   is_leader=False, poll_s=0.02, interrupted=lambda: False)
+        joined: dict[str, object] = {}
+        waiting = threading.Thread(target=_join_into, args=(
+            joined, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
+        waiting.start()
+        wait_until(lambda: store.offered, 30, "the joiner's offer")
+        armed = store.at_offer
+        assert armed is not None, "the joiner offered its slot before it watched"
+        wanted = [b"/ftrun/ftrun/arm/" + k.encode()
+                  for k in ("gen/0/as/node-2", "gen/0", "shutdown")]
+        assert armed.ekeys == wanted, armed.ekeys
+        leader = DynamicRendezvous(
+            JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/arm",
+                      signer=Signer(TOKEN.encode())),
+            min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
+            interrupted=lambda: False)
+        leader.join(0, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"), 60,
+                    lambda: ("10.0.0.1", 4343))
+        waiting.join(60)
+        generation = joined["joiner"]
+        assert not isinstance(generation, Exception), generation
+        assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+        assert store.waited_on and store.waited_on[0] is armed, store.waited_on
 
 
 def _ftrun(args: list[str], script: Path, timeout: float) -> subprocess.CompletedProcess[str]:

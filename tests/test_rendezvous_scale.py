@@ -323,10 +323,10 @@ def test_simulated_etcd_agents_keep_leases_the_real_writer_sees_and_join_its_gen
 def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
     """The etcd-v3 light rendezvous's event-driven agents (mode ``rdzv`` on etcd), 11 in
     two processes with their lease beats, join a generation of 12 that ftrun's own leader
-    (DynamicRendezvous on the etcd-v3 client) forms: each appends its signed slot as a
-    part key, reads its own assignment, the record and the shutdown record in one
-    transaction, holds one stream of their watches through the gateway and takes its
-    assignment from the watch's event, verifies it and holds the rank the leader gave it.
+    (DynamicRendezvous on the etcd-v3 client) forms: each reads its own assignment, the
+    record and the shutdown record in one transaction, holds one stream of their watches
+    through the gateway, then appends its signed slot as a part key, takes its assignment
+    from the watch's event, verifies it and holds the rank the leader gave it.
     One agent's assignment is forged beforehand (without the token): it ignores it."""
     options = EtcdOptions.parse(endpoint, {})
     _forge_assignment(connect_etcd(options, 10, op_timeout_s=2), "ftrun/ej")

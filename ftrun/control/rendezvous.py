@@ -137,9 +137,16 @@ class Rendezvous:
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            if not self.is_leader:
+                # the wait begun before the offer: once the last node offers, etcd has only
+                # the leader's writes and their events to serve, not the nodes' reads and
+                # watches as well (4,096 of each at once queued behind the last offer)
+                self._repeated(deadline, f"waiting for the record of generation {number}",
+                               self.store.arm_wait, self._awaited(number, slot.node_id))
             self._repeated(deadline, f"offering this node for generation {number}",
                            self._offer, number, slot)
             if self.is_leader:
+                self.store.close_waits()  # promoted meanwhile (etcd-v3): no wait of its own
                 slots = self._collect(number, slot, deadline, expected)
                 # only now: every member is back, so every worker of the last generation
                 # has stopped (with the one-port contract the agent clears their keys here)
@@ -175,8 +182,8 @@ class Rendezvous:
         leader writes it after every assignment: if it does not name this node, the node
         is out) and the job's shutdown record (``JsonStore.wait_any``: on etcd-v3 one held
         watch of the three, so a slice costs etcd no request)."""
-        name, record = assignment_key(number, node_id), f"gen/{number}"
-        watched = [name, record, "shutdown"]
+        watched = self._awaited(number, node_id)
+        name, record = watched[0], watched[1]
         what = f"the leader's record of generation {number}"
         try:
             while True:
@@ -210,6 +217,11 @@ class Rendezvous:
                                     or "shutdown" not in watched)
         finally:
             self.store.close_waits()
+
+    @staticmethod
+    def _awaited(number: int, node_id: str) -> list[str]:
+        """What a joining node waits for: its assignment, the record, the job's shutdown."""
+        return [assignment_key(number, node_id), f"gen/{number}", "shutdown"]
 
     def _assigned(self, body: dict[str, Any], number: int, node_id: str, deadline: float
                   ) -> Generation:

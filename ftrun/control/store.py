@@ -11,10 +11,9 @@ Two kinds of store exist in a job:
   the workers of generation N+1 can never read an address that a dead worker of generation
   N left behind (the failure mode of pytorch/pytorch#135712).
 
-Values in the control store are JSON objects, validated by their readers; nothing is ever
-pickled. Every call has an explicit timeout. Errors: connection problems raise
-:class:`StoreError`; a value that is not the JSON object a reader expects raises
-:class:`StoreValueError` naming the key.
+Values in the control store are JSON objects, validated by their readers, never pickled.
+Every call has an explicit timeout. Errors: connection problems raise :class:`StoreError`;
+a value that is not the JSON object a reader expects, :class:`StoreValueError` naming it.
 """
 
 from __future__ import annotations
@@ -67,17 +66,15 @@ _CONNECT_THREAD = "ftrun-store-connect"
 def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") -> TCPStore:
     """Host a store on ``host``'s address only; ``port=0`` takes a free port (see ``.port``).
 
-    ``host``, an address or name of this machine: loopback (the default) for a store only
-    this machine uses, the address other nodes reach this node at for a multi-node job;
-    ``None`` listens on every interface (when no single address is known to be the right
-    one: the caller says so to the user).
+    ``host``: loopback (the default) for a store only this machine uses, the address
+    other nodes reach this node at for a multi-node job; ``None``: every interface (no
+    single address is known to be right: the caller says so to the user).
 
     Why not torch's ``host_name``: a master ``TCPStore`` ignores it and binds the wildcard
-    address (torch's TCPStoreLibUvBackend.cpp, ``makeWithPort``), so a single-node job's
-    stores were open to the whole network. torch takes an already-listening socket
-    (``master_listen_fd``): it is bound here to the one address and handed over, and the
-    store owns (and closes) it from then on. ``SO_REUSEADDR`` as torch sets it: a port whose
-    last job's connections linger in TIME_WAIT can be served again at once.
+    address (TCPStoreLibUvBackend.cpp, ``makeWithPort``), which left single-node jobs'
+    stores open to the network. So a socket is bound here to the one address and handed
+    over (``master_listen_fd``; the store owns and closes it), with ``SO_REUSEADDR`` as
+    torch sets it (a port whose connections linger in TIME_WAIT is served again at once).
 
     Errors: :class:`StoreError` naming the address and port (taken, not this machine's, a
     name that does not resolve)."""
@@ -125,13 +122,12 @@ def connect_store(host: str, port: int, timeout_s: float, *,
     that its store host is gone. The bound is put on the client's socket (receive and send
     timeouts, ``TCP_USER_TIMEOUT``); ``timeout_s`` still bounds server-side waits.
 
-    One gap is inside torch: the constructor's first exchange with the server is read
-    without a timeout, so a connect to a *frozen* store host (SIGSTOP, a stalled VM: its
-    kernel still accepts connections) blocks until the host resumes. So each attempt runs
-    in a thread of its own, and the caller stops waiting for it at the deadline (the thread
-    finishes, and its client is dropped, if the host ever resumes); the attempt holds the
-    lock that attributes new sockets to a client, and other connects give up on that lock
-    at their deadline. Nothing that calls this hangs on a frozen host."""
+    One gap is inside torch: the constructor's first exchange with the server has no
+    timeout, so a connect to a *frozen* host (SIGSTOP, a stalled VM: its kernel still
+    accepts connections) blocks until it resumes. So each attempt runs in a thread, and
+    the caller stops waiting for it at the deadline (its client is dropped if the host
+    resumes); it holds the lock that attributes new sockets to a client, which other
+    connects give up on at their deadline. Nothing that calls this hangs on a frozen host."""
     tcpstore_class()  # torch's first import here, not in a thread racing the deadline
     deadline = time.monotonic() + timeout_s
     last_error = "no attempt"
@@ -220,13 +216,11 @@ class JsonStore:
     :meth:`get_record`. ``reconnect``, given to clients of a remote store, replaces the
     connection after a failed request and retries it until ``retry_s`` has passed or
     ``lost()`` says the store host is gone. A TCPStore client whose request failed is
-    never used again, not even when the reconnect fails (the next attempt reconnects
-    first): its request may have timed out with the answer still on its way, and the
-    client would read that late answer as the answer to its next request. From there every
-    answer is another request's: a ``check`` reads a wait's reply ("Stop_waiting response is
-    expected"), a ``get`` reads a length from the middle of a value and torch allocates
-    that much (``std::bad_alloc``, a ``MemoryError`` that ended agents at 512 nodes under
-    load: the retry loop reused the failed client whenever its reconnect timed out).
+    never used again, even when the reconnect fails: its request may have timed out with
+    the answer on its way, which the client would read as its next request's answer, and
+    every answer after as another's: a ``check`` reads a wait's reply, a ``get`` reads a
+    length from the middle of a value and torch allocates that much (``std::bad_alloc``,
+    which ended agents at 512 nodes under load when the retry reused a failed client).
     :meth:`scoped` stores share one connection, so a reconnect in one is seen by all."""
 
     def __init__(
@@ -508,6 +502,12 @@ class JsonStore:
             if self.reconnect is None or self.lost():
                 raise
             return None
+
+    def arm_wait(self, names: list[str]) -> None:
+        """Begin :meth:`wait_any` of ``names`` before the write it waits on an answer to (a
+        join's offer), on etcd-v3: its read and watch done, etcd has only the answer to send."""
+        if hasattr(self.raw, "wait_any"):
+            self.wait_any(names, 0.0)
 
     def close_waits(self) -> None:
         """End a held :meth:`wait_any` (etcd-v3: its stream) whose caller is done waiting."""
