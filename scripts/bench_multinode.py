@@ -1559,9 +1559,7 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     LeaseView watches the liveness keys) with the PresenceServer, scanned every
     NodeWatch period. ``end_watches`` of the agents (default all) also watch the
     generation's end as an etcd-v3 agent's EndWatcher does (ftrun/control/endwatch.py over
-    EtcdClient.wait): each slice a read of the end key, then a watch stream from the
-    revision after it that the slice's read timeout ends by closing its connection, so
-    the next slice's read is on a new connection; after the window the writer appends the
+    EtcdClient.wait_any, held: scripts/loadgen.py says how); after the window the writer appends the
     end record and ``end_seen_by_all_s`` says when every watcher had verified it. Raises
     RuntimeError when the agents cannot be set up."""
     import resource

@@ -30,27 +30,28 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   timeout (``/v3/lease/grant``), the signed liveness record naming it put bound to it
   (``/v3/kv/put``), then a ``/v3/lease/keepalive`` every ``interval`` (one in flight; a
   lease found expired is granted and put again); plus the presence connection, and (unless
-  ``end_watch`` is off, for agents below ``end_watch_below``) the EndWatcher's client on a
-  connection of its own as ``EtcdClient.wait_any`` holds it: a read of ``gen/<N>/end``,
-  then one watch stream (``/v3/watch``) from the revision after that read, held across the
-  watcher's slices with no request until the gateway ends it at ``HOLD_S`` (then a read
-  and a stream again); an event ends the wait and the appended end record is read and
-  verified.
+  ``end_watch`` is off, for agents below ``end_watch_below``) the EndWatcher's client as
+  ``EtcdClient.wait_any`` holds it: one watch stream (``/v3/watch``) of ``gen/<N>/end``
+  from the store's revision when etcd makes it, on a connection of its own, and once etcd
+  confirmed it one read of the key (on a connection made for that read), the stream held
+  across the watcher's slices with no request until the gateway ends it at ``HOLD_S``
+  (then a stream and a read again); an event ends the wait and the appended end record is
+  read and verified.
 * **rendezvous** (``join`` command, :class:`ftrun.control.rendezvous.DynamicRendezvous`):
   the signed slot appended to ``gen/<N>/slots`` (one ``append``), then torch's ``get`` of
   the node's own assignment ``gen/<N>/as/<node id>`` (a ``wait`` in slices of
   ``WAIT_SLICE_S``, then the ``get``), verified (signature, ``Assignment.from_json``,
   generation and node id). With ``etcd_port`` (the etcd-v3 backend), as
   ``ftrun.control.etcd.EtcdClient`` does it: the held wait of ``EtcdClient.wait_any``
-  (ftrun/control/etcdheld.py) armed first (``JsonStore.arm_wait``): one transaction
-  reading the assignment's, ``gen/<N>``'s and the shutdown record's ranges on the agent's
-  main HTTP connection, and one watch stream of the three from the revision after it
-  (``etcdwire.AnyStream``) on a connection made for it; then the slot as a part key of its
-  own (one put, on the main connection). The stream is held with no request per slice
-  until an event (the value from it when whole, else a read on the main connection; the
-  stream ends with its connection, a new one for the next) or the gateway's end at
-  ``HOLD_S`` (a read and a stream again); plus the lease beat on a third connection
-  unless ``heartbeats`` is off. Not modelled: the real wait's read from a member no
+  (ftrun/control/etcdheld.py) armed first (``JsonStore.arm_wait``): one watch stream of
+  the assignment, ``gen/<N>`` and the shutdown record from the store's revision when etcd
+  makes it (``etcdwire.AnyStream``), on a connection made for it, and once etcd confirmed
+  it one transaction reading the three ranges on the agent's main HTTP connection; then
+  the slot as a part key of its own (one put, on the main connection). The stream is held
+  with no request per slice until an event (the value from it when whole, else a read on
+  the main connection; the stream ends with its connection, a new one for the next) or
+  the gateway's end at ``HOLD_S`` (a stream and a read again); plus the lease beat on a
+  third connection unless ``heartbeats`` is off. Not modelled: the real wait's read from a member no
   client of its process has heard from for ``UNHEARD_S`` (5 s; a failover aid). With
   beats, the beat hears the one member and no such read happens; without them a real
   agent waiting longer than 5 s would add one read per 5 s.
@@ -689,10 +690,13 @@ class Agent:
         self.wc: HttpConn | None = HttpConn(gen, self, self._watch_conn_live,
                                             self._watch_failed) if self.jc else None
         self.offer_due = False  # the held wait is armed first, then the offer is made
-        self.watch_from = 0
+        self.read_sent = False  # the held wait's read, once etcd confirmed its watches
         # etcd-v3 store load: the EndWatcher's client (a read, then a watch per slice)
         self.ewc: HttpConn | None = HttpConn(gen, self, self._ew_live, self._ew_failed) \
             if gen.mode == "etcd" and gen.end_watch and index < gen.end_watch_below else None
+        self.ewr: HttpConn | None = HttpConn(gen, self, self._ewr_live, self._ewr_failed) \
+            if self.ewc is not None else None  # the end watch's reads
+        self.ew_read_sent = self.ew_reading = self.ew_read_again = False
         self.next_step: Callable[[], None] | None = None  # once jc is (re)connected
         self.step: Callable[[], None] | None = None  # jc's request now (again if it fails)
         self.lease = 0
@@ -881,44 +885,77 @@ class Agent:
 
     # the end watch on etcd-v3 (EndWatcher over EtcdClient.wait_any: ftrun/control/endwatch.py)
     def _ew_live(self) -> None:
-        """A held wait: a read of the end key; if missing, one watch from the revision
-        after it, held across the watcher's slices until the gateway ends it at ``HOLD_S``
-        (ftrun/control/etcdheld.py)."""
+        """A held wait (ftrun/control/etcdheld.py): one watch of the end key from the
+        store's revision now, held across the watcher's slices until the gateway ends it at
+        ``HOLD_S``; once etcd confirmed it, one read of the key (on a connection made for
+        it: the real client reads on its main connection and streams on one made for each
+        stream; the same requests, one connection fewer held here)."""
         if self.frozen or self.end_seen or self.ewc is None:
             return
-        self.ewc.post("/kv/range", span(self._ekey(self.gen.end_name)), self._ew_range)
-
-    def _ew_range(self, answer: dict[str, Any]) -> None:
         gen, conn = self.gen, self.ewc
-        assert conn is not None
-        if gen.in_window(conn.sent_at):
-            gen.count("endwatch.range", 1)
-        if self.frozen:
-            return
-        kvs = answer.get("kvs") or []
-        if kvs:
-            self.fired = self.fired or gen.loop.now
-            if not self._end_read(None, joined_value(kvs)):
-                gen.loop.at(gen.loop.now + gen.slice_s, self._ew_live)  # a forged end only
-            return
-        self._ew_watch(int((answer.get("header") or {}).get("revision", 0)))
-
-    def _ew_watch(self, revision: int) -> None:
-        gen, conn = self.gen, self.ewc
-        assert conn is not None
-        ekey = self._ekey(gen.end_name)
         self.wait_no += 1
-        self.end_stream = AnyStream([ekey])  # the held wait's wire (etcdheld.HeldWatch)
-        conn.stream("/watch", self.end_stream.requests(revision), self._ew_event, HOLD_S,
+        self.ew_read_sent = False
+        self.end_stream = AnyStream([self._ekey(gen.end_name)])  # etcdheld.HeldWatch's wire
+        conn.stream("/watch", self.end_stream.requests(), self._ew_event, HOLD_S,
                     self._ew_ended)
         if gen.in_window(conn.sent_at):
             gen.count("endwatch.watch", 1)
-        # the client's own bound (its read timeout), should the gateway not end the stream
+        # the client's own bounds: etcd's confirmation within the request timeout, and the
+        # stream's end (its read timeout), should the gateway not end it
+        gen.loop.at(conn.sent_at + gen.op_timeout, self._ew_confirm_due, self.wait_no)
         gen.loop.at(conn.sent_at + HOLD_S + 1.0, self._ew_due, self.wait_no)
 
+    def _ew_read(self) -> None:
+        """The held wait's read of the end key, on a connection of its own (once more
+        after the one in flight, if any: an event came meanwhile)."""
+        assert self.ewr is not None
+        if self.ew_reading:
+            self.ew_read_again = True
+            return
+        self.ew_reading = True
+        self.ewr.open()  # then _ewr_live
+
+    def _ewr_live(self) -> None:
+        assert self.ewr is not None
+        self.ewr.post("/kv/range", span(self._ekey(self.gen.end_name)), self._ew_range)
+
+    def _ewr_failed(self, why: str) -> None:
+        assert self.ewr is not None
+        self.ewr.close()
+        self.ew_reading = self.ew_read_again = False
+        self._ew_failed(why)
+
+    def _ew_range(self, answer: dict[str, Any]) -> None:
+        gen, reader = self.gen, self.ewr
+        assert reader is not None and self.ewc is not None
+        if gen.in_window(reader.sent_at):
+            gen.count("endwatch.range", 1)
+        reader.close()
+        self.ew_reading = False
+        if self.frozen or self.end_seen:
+            return
+        kvs = answer.get("kvs") or []
+        if kvs:
+            self.wait_no += 1
+            self.fired = self.fired or gen.loop.now
+            self.ewc.close()  # the stream ends with its connection
+            if not self._end_read(None, joined_value(kvs)):
+                gen.loop.at(gen.loop.now + gen.slice_s, self.ewc.open)  # a forged end only
+        elif self.ew_read_again:
+            self.ew_read_again = False
+            self._ew_read()
+        elif self.ewc.closed:  # a read after an event: canceled (compacted), watch again
+            self.ewc.open()
+
+    def _ew_confirm_due(self, number: int) -> None:
+        """etcd did not confirm the watch within the request timeout: the stream failed."""
+        if number == self.wait_no and not self.end_stream.confirmed and not self.frozen:
+            self.gen.count_error("etcd.watch not confirmed within the request timeout")
+            self._ew_failed("not confirmed")
+
     def _ew_ended(self) -> None:
-        """The gateway ended the held stream at its deadline: a read and a stream again,
-        on the same connection."""
+        """The gateway ended the held stream at its deadline: the wait armed again, on
+        the same connection."""
         gen = self.gen
         if self.frozen or self.end_seen:
             return
@@ -929,14 +966,20 @@ class Agent:
         self._ew_live()
 
     def _ew_event(self, result: dict[str, Any]) -> None:
-        if self.frozen or self.end_stream.take({"result": result}) is None:
+        if self.frozen:
+            return
+        hit = self.end_stream.take({"result": result})
+        if hit is None:
+            if self.end_stream.confirmed and not self.ew_read_sent:
+                self.ew_read_sent = True
+                self._ew_read()
             return
         assert self.ewc is not None
         self.wait_no += 1  # this wait is over: written (or canceled: compacted), read it
         if result.get("events"):
             self.fired = self.fired or self.gen.loop.now
-        self.ewc.close()
-        self.ewc.open()  # the end record is appended: read it on a new connection
+        self.ewc.close()  # the stream ends with its connection
+        self._ew_read()  # the end record is appended: read it
 
     def _ew_due(self, number: int) -> None:
         conn = self.ewc
@@ -951,7 +994,7 @@ class Agent:
 
     def _ew_failed(self, why: str) -> None:
         """As the EndWatcher after a failed request: a new connection (a new client, which
-        reads first) a slice later."""
+        watches, then reads) a slice later."""
         conn = self.ewc
         if conn is None or self.frozen or self.end_seen:
             return
@@ -975,9 +1018,10 @@ class Agent:
 
     # the rendezvous on etcd-v3 (ftrun.control.etcd.EtcdClient under DynamicRendezvous)
     def join_etcd(self) -> None:
-        """The held wait armed (its read, then its stream), then the offer."""
+        """``Rendezvous.join`` on etcd-v3: the held wait armed (``JsonStore.arm_wait``),
+        then the offer."""
         self.offer_due = True
-        self.read_assignment_etcd()
+        self._arm()
 
     def _offer_etcd(self) -> None:
         """The offer: the signed slot as an ``append`` part key of its own, one put."""
@@ -1005,7 +1049,7 @@ class Agent:
     def _etcd_offered(self, answer: dict[str, Any]) -> None:
         self.offered = self.offered or time.time()  # the assignment's event may come first
         self.step = None
-        if self.read_due:  # an event without the value came while the offer was in flight
+        if self.read_due:  # a read asked for while the offer was in flight
             self.read_due = False
             self.read_assignment_etcd()
 
@@ -1016,69 +1060,83 @@ class Agent:
         return [self._ekey(f"gen/{number}/as/{self.node_id}"), self._ekey(f"gen/{number}"),
                 self._ekey("shutdown")]
 
+    def _arm(self) -> None:
+        """``HeldWaits.wait`` with no stream held: the watch stream of the three keys from
+        the store's revision now, and once etcd confirmed it, one read of them."""
+        if self.joined is not None:
+            return
+        if time.time() > self.gen.deadline:
+            self.joined = "timed out waiting for the assignment"
+            return
+        assert self.wc is not None
+        self.wait_no += 1
+        self.waiting, self.read_sent = True, False
+        self.any_stream = AnyStream(self._held_keys())
+        if self.wc.live:
+            self._stream_watch()
+        else:
+            self.wc.open()  # then _watch_conn_live
+        # the client's own bounds: etcd's confirmation within the request timeout, and the
+        # stream's end (its read timeout), should the gateway not end it
+        self.gen.loop.at(self.gen.loop.now + self.gen.op_timeout, self._arm_due, self.wait_no)
+        self.gen.loop.at(self.gen.loop.now + HOLD_S + 1.0, self._etcd_hold_due, self.wait_no)
+
+    def _arm_due(self, number: int) -> None:
+        """etcd did not confirm the watches within the request timeout: as ``HeldWaits``,
+        the stream has failed."""
+        if number == self.wait_no and self.waiting and not self.any_stream.confirmed:
+            self.gen.count_error("etcd.watch not confirmed within the request timeout")
+            self._watch_failed("not confirmed")
+
     def read_assignment_etcd(self) -> None:
-        """The held wait's first slice: one transaction reading the three ranges."""
+        """One transaction reading the three ranges."""
         if self.joined is not None:
             return
         self._request("/kv/txn", {"compare": [], "failure": [], "success": [
             {"request_range": span(k)} for k in self._held_keys()]}, self._etcd_read)
 
     def _etcd_read(self, answer: dict[str, Any]) -> None:
-        if self.offer_due:  # the arming read (JsonStore.arm_wait), then the offer
-            self.offer_due, self.step = False, None
-            if any((r.get("response_range") or {}).get("kvs")
-                   for r in answer.get("responses") or []):
-                self.read_due = True  # found something: nothing armed, the wait reads
-            else:
-                self._etcd_watch(int((answer.get("header") or {}).get("revision", 0)))
-            self._offer_etcd()
-            return
-        for index, response in enumerate(answer.get("responses") or []):
-            kvs = (response.get("response_range") or {}).get("kvs") or []
-            if kvs and index == 0:
-                self.step = None
-                self._take_assignment(joined_value(kvs), self.read_assignment_etcd)
-                return
-            if kvs:  # the record without this node's assignment, or a shutdown: over
-                self.joined = f"{self._held_keys()[index]!r} came before the assignment"
-                return
+        """The read's answer: the first key found ends the wait; none found, the held
+        stream waits (and a wait without one is armed again). The first read of a join
+        is followed by the offer whatever it found, as ``arm_wait`` ignores what it finds."""
         self.step = None
-        self._etcd_watch(int((answer.get("header") or {}).get("revision", 0)))
-
-    def _etcd_watch(self, revision: int) -> None:
-        """One stream of the three keys from the revision after the read, held until an
-        event or the gateway's end at ``HOLD_S``: no request per slice."""
-        if time.time() > self.gen.deadline:
-            self.joined = "timed out waiting for the assignment"
+        found = next(((index, kvs) for index, kvs in enumerate(
+            (r.get("response_range") or {}).get("kvs") or []
+            for r in answer.get("responses") or []) if kvs), None)
+        if self.offer_due:
+            self.offer_due = False
+            self._offer_etcd()
+        if found is None:
+            if not self.waiting:  # a read after an event found nothing: wait again
+                self._arm()
             return
-        assert self.wc is not None
-        self.wait_no += 1
-        self.waiting = True
-        self.any_stream = AnyStream(self._held_keys())
-        self.watch_from = revision
-        if self.wc.live:
-            self._stream_watch()
-        else:
-            self.wc.open()  # then _watch_conn_live
-        # the client's own bound (its read timeout), should the gateway not end the stream
-        self.gen.loop.at(self.gen.loop.now + HOLD_S + 1.0, self._etcd_hold_due, self.wait_no)
+        if self.waiting:
+            self._end_watch()
+        index, kvs = found
+        if index == 0:
+            self._take_assignment(joined_value(kvs), self._arm)
+        else:  # the record without this node's assignment, or a shutdown: over
+            self.joined = f"{self._held_keys()[index]!r} came before the assignment"
 
     def _stream_watch(self) -> None:
         assert self.wc is not None
-        self.wc.stream("/watch", self.any_stream.requests(self.watch_from),
-                       self._etcd_watched, HOLD_S, self._etcd_hold_ended)
+        self.wc.stream("/watch", self.any_stream.requests(), self._etcd_watched, HOLD_S,
+                       self._etcd_hold_ended)
 
     def _watch_conn_live(self) -> None:
         if self.waiting and self.joined is None:
             self._stream_watch()
 
     def _watch_failed(self, why: str) -> None:
-        """The stream failed: as ``HeldWaits``, a slice without news, then a read and a
-        stream again."""
+        """The stream failed: as ``HeldWaits``, a slice without news (a join's offer is
+        made all the same), then the wait armed again."""
         if not self.waiting or self.joined is not None:
             return
         self._end_watch()
-        self.gen.loop.at(self.gen.loop.now + 0.05, self._read_when_idle)
+        if self.offer_due and not self.read_sent:
+            self.offer_due = False
+            self._offer_etcd()
+        self.gen.loop.at(self.gen.loop.now + 0.05, self._arm)
 
     def _read_when_idle(self) -> None:
         """A read on the main connection, now or once its request in flight is answered."""
@@ -1088,40 +1146,42 @@ class Agent:
             self.read_assignment_etcd()
 
     def _etcd_watched(self, result: dict[str, Any]) -> None:
-        """A message of the stream: "created" goes on waiting; an event ends the wait and
-        the connection with it. The assignment is taken from the event when it tells it
-        whole, else read again on a new connection (also when the record's event came
-        first: etcd orders the events of one watch, not those of a stream's watches)."""
+        """A message of the stream: "created" (once every watch is, the wait's read); an
+        event ends the wait and the connection with it. The assignment is taken from the
+        event when it tells it whole, else read (also when the record's event came first:
+        etcd orders the events of one watch, not those of a stream's watches)."""
         if not self.waiting:
             return
         hit = self.any_stream.take({"result": result})
         if hit is None:
+            if self.any_stream.confirmed and not self.read_sent:
+                self.read_sent = True
+                self._read_when_idle()
             return
         self._end_watch()
         index, value = hit
         self.gen.count("rdzv.held wait ended by an event", 0)
         if index == 0 and value is not None:  # the leader's put, whole in the event
             self.gen.count("rdzv.assignment from the watch event", 0)
-            self._take_assignment(value, self._read_when_idle)
+            self._take_assignment(value, self._arm)
             return
         self._read_when_idle()
 
     def _etcd_hold_ended(self) -> None:
-        """The gateway ended the held stream at its deadline: a read and a stream again
+        """The gateway ended the held stream at its deadline: the wait armed again
         (``HeldWatch`` closes its session: a new connection)."""
         if not self.waiting or self.joined is not None:
             return
         self._end_watch()
-        self.wait_no += 1
-        self._read_when_idle()
+        self._arm()
 
     def _etcd_hold_due(self, number: int) -> None:
         """The held stream outlived its deadline: the read timeout closes the connection;
-        a read and a stream again on a new one."""
+        the wait armed again on a new one."""
         if number != self.wait_no or not self.waiting or self.joined is not None:
             return
         self._end_watch()
-        self._read_when_idle()
+        self._arm()
 
     def _ekey(self, name: str) -> bytes:
         """The etcd key of the job's key ``name`` (``EtcdClient``'s root and the prefix)."""
@@ -1153,7 +1213,7 @@ class Agent:
             return
         if self.step is None and self.waiting:
             return  # the idle main connection closed: the next request makes it again
-        step = self.step if self.step is not None else self.read_assignment_etcd
+        step = self.step if self.step is not None else self._arm
         if time.time() > self.gen.deadline:
             self.joined = f"etcd request failed: {why}"[:200]
             return

@@ -371,12 +371,15 @@ def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_
 
 
 def test_a_joining_agent_watches_for_its_assignment_before_it_offers_its_slot() -> None:
-    """A joining agent arms its wait (``JsonStore.arm_wait``: one read of its assignment,
-    the record and the shutdown record, and one watch stream of the three) before it
-    offers its slot, and the wait after the offer holds that same stream: once the last
-    node has offered, etcd has only the leader's writes and their events to serve. Before,
-    each node read and watched after its offer, and at 512 light agents those reads and
-    watches queued in etcd ahead of the leader's writes (README, rendezvous on etcd-v3)."""
+    """A joining agent arms its wait (``JsonStore.arm_wait``: one watch stream of its
+    assignment, the record and the shutdown record, and once etcd confirmed the watches,
+    one read of the three) before it offers its slot, and the wait after the offer holds
+    that same stream: once the last node has offered, etcd has only the leader's writes
+    and their events to serve. Before, each node read and watched after its offer, and at
+    512 light agents those reads and watches queued in etcd ahead of the leader's writes
+    (README, rendezvous on etcd-v3). The read comes after the confirmation: a watch made
+    from the revision of an earlier read must first be caught up by etcd, 512 at a time
+    every 100 ms, which at 4,096 agents delayed their events."""
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
 
     class Offering(JsonStore):
@@ -404,6 +407,14 @@ def test_a_joining_agent_watches_for_its_assignment_before_it_offers_its_slot() 
                          signer=Signer(TOKEN.encode()))
         joiner = DynamicRendezvous(store, min_nodes=2, max_nodes=2, last_call_s=0.5,
                                    is_leader=False, poll_s=0.02, interrupted=lambda: False)
+        held_waits = store.raw._held
+        reads: list[bool] = []  # each read of the wait: whether etcd had confirmed its watch
+        txn = held_waits._txn
+
+        def noted_txn(*args: Any) -> Any:
+            reads.append(held_waits.held is not None and held_waits.held.stream.confirmed)
+            return txn(*args)
+        held_waits._txn = noted_txn
         joined: dict[str, object] = {}
         waiting = threading.Thread(target=_join_into, args=(
             joined, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
@@ -411,6 +422,7 @@ def test_a_joining_agent_watches_for_its_assignment_before_it_offers_its_slot() 
         wait_until(lambda: store.offered, 30, "the joiner's offer")
         armed = store.at_offer
         assert armed is not None, "the joiner offered its slot before it watched"
+        assert reads == [True], reads  # one read, once the watches were confirmed
         wanted = [b"/ftrun/ftrun/arm/" + k.encode()
                   for k in ("gen/0/as/node-2", "gen/0", "shutdown")]
         assert armed.ekeys == wanted, armed.ekeys

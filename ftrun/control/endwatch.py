@@ -21,12 +21,13 @@ a connect to a frozen host, or dead) the agent reads the end key itself, as it d
 that no thread is inside torch when the interpreter exits.
 
 On etcd-v3 the same watcher is one watch stream held across its slices
-(``JsonStore.wait_any``, ftrun/control/etcdheld.py): a read of the end key, then a stream
-from the revision after it, read by a thread of its own; a slice looks at that thread and
-costs etcd no request. The stream is read and made again when the gateway ends it (every
-``etcdheld.HOLD_S``, 30 s), and given up for the next endpoint when its member falls
-silent (a failed request of the agent's heartbeat to it, or no answer from it to any
-client of the process for ``etcdheld.UNHEARD_S``, then a failed read). Before, each slice
+(``JsonStore.wait_any``, ftrun/control/etcdheld.py): a stream of the end key's watch, read
+by a thread of its own, and once etcd confirmed it a read of the key; a slice looks at
+that thread and costs etcd no request. The stream is made (and the key read) again when
+the gateway ends it (every ``etcdheld.HOLD_S``, 30 s), and given up for the next endpoint
+when its member falls silent (a failed request of the agent's heartbeat to it, or no
+answer from it to any client of the process for ``etcdheld.UNHEARD_S``, then a failed
+read). Before, each slice
 (0.83 s at the 5 s default) watched again: ``scripts/bench_etcd.py`` measured 2.4
 requests per second per agent and 4.9 ms of etcd CPU per second net of etcd's idle CPU
 (a lease keepalive beat costs 0.5 ms), and these renewals, not the leases, were what one

@@ -9,10 +9,16 @@ the JSON gateway) and two reads (``gen/N`` and the shutdown record), and 4,095 a
 waiting for a 4,096-node generation renewed 2,000 times a second, more than one member
 serves: the leader wrote the generation, and no agent held its assignment within 60 s
 (README, "Scale of the control plane"). Here a wait is one stream with a watch of each key
-it waits for (``etcdwire.AnyStream``), made from the revision of one read of them all and
-read by a daemon thread; a slice is a wait on that thread, with no request to etcd. The
-end watch had the same cost, a new watch per 0.83 s slice, 2.4 requests a second per
-agent, and one member could not carry it at 2,000 agents.
+it waits for (``etcdwire.AnyStream``), read by a daemon thread; a slice is a wait on that
+thread, with no request to etcd. The end watch had the same cost, a new watch per 0.83 s
+slice, 2.4 requests a second per agent, and one member could not carry it at 2,000 agents.
+
+The watches start at the store's revision when etcd makes them, and once etcd confirmed
+them, one read of every key finds what was written before: nothing is missed. Made the
+other way round, from the revision of a read before them, a watch that etcd makes after
+other writes must first catch up, and etcd catches up such watches 512 at a time every
+100 ms (``syncWatchersLoop``): 4,096 agents arming at once, with each other's offers
+written in between, had their events that much later.
 
 Bounds and failover (what a silent stream could otherwise hide):
 
@@ -125,18 +131,19 @@ class HeldWatch:
     its first event, the gateway's end of it, a failure, or :meth:`close`."""
 
     def __init__(self, endpoint: str, gateway: Etcd3Client, ekeys: list[bytes],
-                 revision: int, connect_s: float, hold_s: float) -> None:
+                 connect_s: float, hold_s: float) -> None:
         self.ekeys, self.endpoint = ekeys, endpoint
         self.opened = time.monotonic()
         self.stream = wire.AnyStream(ekeys)
         self.outcome: tuple[int, bytes | None] | None = None
         self.failure = ""  # why the stream failed ("": it did not)
         self.done = threading.Event()  # outcome, failure or end: the thread is over
+        self.settled = threading.Event()  # etcd confirmed every watch, or the thread is over
         self._closed = False
         self._response: requests.Response | None = None
         session = BoundedSession((connect_s, hold_s + 1.0))  # close() shuts it
         session.verify, session.cert = gateway.session.verify, gateway.session.cert
-        body = "".join(json.dumps(r) for r in self.stream.requests(revision))
+        body = "".join(json.dumps(r) for r in self.stream.requests())
         threading.Thread(
             target=self._read, args=(session, gateway.get_url("/watch"), body, connect_s,
                                      hold_s),
@@ -162,6 +169,8 @@ class HeldWatch:
                         self.outcome = self.stream.take(json.loads(line))
                         if self.outcome is not None:
                             return
+                        if self.stream.confirmed:
+                            self.settled.set()
                 if not self.stream.ended:
                     self.failure = "the stream ended"
         except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
@@ -171,6 +180,7 @@ class HeldWatch:
         finally:
             session.close()
             self.done.set()
+            self.settled.set()
 
     def stale(self, request_s: float) -> str:
         """Why this stream can no longer be trusted to tell a write ("": it can)."""
@@ -214,46 +224,64 @@ class HeldWaits:
     def wait(self, ekeys: list[bytes], timeout_s: float) -> tuple[int, bytes | None] | None:
         """See ``EtcdClient.wait_any`` (``ekeys``: the keys with the client's root). A
         stream that ends or fails within the call leaves the rest of ``timeout_s`` to pass
-        without news, so one that fails at once costs a read and a watch per slice, never a
-        loop of them."""
+        without news, so one that fails at once costs a watch (and a read) per slice, never
+        a loop of them. With no stream held the call takes up to the client's request
+        timeout more: etcd's confirmation of the new watches comes before the read."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         held = self.held
         if held is not None and (held.ekeys != ekeys or held.endpoint != self._gateway()[0]):
             self.close()
         elif held is not None and held.outcome is None and (why := held.stale(self._request_s)):
             self.close()
-            if why != "ended":  # the gateway's end at the hold: read and watch again now
-                self._failed_over(f"watch: {why}")  # the next slice reads elsewhere
+            if why != "ended":  # the gateway's end at the hold: watch and read again now
+                self._failed_over(f"watch: {why}")  # the next slice watches elsewhere
                 return None
-        if self.held is None or self.held.unheard():
-            # a read of each key: the first slice's, or a look at an unheard member's (a
-            # silent one fails it and the read moves on: the stream moves with it)
-            try:
-                result = self._txn([], [{"request_range": wire.span(e)} for e in ekeys], [])
-            except RuntimeError:  # no endpoint answered: the stream goes with the wait
+        if self.held is not None and self.held.unheard():
+            # a look at an unheard member (a silent one fails the read, which moves on to
+            # the next endpoint: the stream moves with it, below)
+            found = self._read(ekeys)
+            if found is not None:
+                return found
+        if self.held is None:
+            endpoint, gateway = self._gateway()
+            self.held = HeldWatch(endpoint, gateway, ekeys, self._connect_s, self.hold_s)
+            if not self.held.settled.wait(self._request_s) or not self.held.stream.confirmed:
+                why = self.held.failure or "etcd did not confirm the watch within the " \
+                                           "request timeout"
                 self.close()
-                raise
-            for index, response in enumerate(result.get("responses") or []):
-                kvs = (response.get("response_range") or {}).get("kvs") or []
-                if kvs:
-                    self.close()
-                    return index, wire.joined(kvs)
-            revision = int((result.get("header") or {}).get("revision", 0))
-            endpoint, gateway = self._gateway()  # where the read went (it may fail over)
-            if self.held is not None and self.held.endpoint != endpoint:
-                self.close()
-            if self.held is None:
-                self.held = HeldWatch(endpoint, gateway, ekeys, revision, self._connect_s,
-                                      self.hold_s)
+                self._failed_over(f"watch: {why}")
+                time.sleep(max(deadline - time.monotonic(), 0.0))
+                return None
+            found = self._read(ekeys)
+            if found is not None or self.held is None:
+                return found
         held = self.held
         if not held.done.wait(max(deadline - time.monotonic(), 0.0)):
             return None  # nothing yet: the next slice looks at the same stream
-        if held.outcome is None:  # ended or failed: the next call says why and reads again
+        if held.outcome is None:  # ended or failed: the next call says why, watches again
             time.sleep(max(deadline - time.monotonic(), 0.0))
             return None
         self.close()
         index, value = held.outcome
         return None if index < 0 else (index, value)  # canceled: the next slice reads
+
+    def _read(self, ekeys: list[bytes]) -> tuple[int, bytes | None] | None:
+        """One read of every key: the first found (the stream closed), else None, the
+        stream closed too when the read went to another endpoint than it (a failover:
+        the next slice watches there). RuntimeError when no endpoint answered."""
+        try:
+            result = self._txn([], [{"request_range": wire.span(e)} for e in ekeys], [])
+        except RuntimeError:  # no endpoint answered: the stream goes with the wait
+            self.close()
+            raise
+        for index, response in enumerate(result.get("responses") or []):
+            kvs = (response.get("response_range") or {}).get("kvs") or []
+            if kvs:
+                self.close()
+                return index, wire.joined(kvs)
+        if self.held is not None and self.held.endpoint != self._gateway()[0]:
+            self.close()
+        return None
 
     def close(self) -> None:
         """End the held stream, if any (the wait is over, or its client is dropped)."""

@@ -27,7 +27,8 @@ Why the two reads (measured with ``scripts/bench_multinode.py --only rendezvous-
 * :class:`AnyStream`: a joining agent waits for any of three keys (its assignment, the
   generation's record, the job's shutdown). One stream with a watch of each, held across
   its slices, costs etcd nothing per slice; a watch and two reads a slice from 4,095 agents
-  were more requests than one member served.
+  were more requests than one member served. Its watches start at the store's revision
+  when etcd makes them, and a read follows etcd's confirmation (``etcdheld``).
 
 No I/O here: the client (``etcd.py``) sends the requests these build and passes back what
 etcd answered.
@@ -124,8 +125,8 @@ class WaitStream:
 class AnyStream:
     """A held wait's one watch stream on several keys (``etcd.EtcdClient.wait_any`` and
     scripts/loadgen.py's etcd agents read it): a create request per key's span, in one
-    gateway request, from the revision after one read that found every key missing, so no
-    event is a replay. etcd answers the creates in their order, each "created" message with
+    gateway request (from the store's revision when etcd makes them, for a held wait: see
+    ``etcdheld``). etcd answers the creates in their order, each "created" message with
     the new watch's id (0 is left out of the JSON), and tags each event with its watch id:
     that maps an event back to its key."""
 
@@ -139,10 +140,11 @@ class AnyStream:
         """Whether etcd made every watch (a frozen member never answers)."""
         return len(self._index) == len(self.ekeys)
 
-    def requests(self, revision: int) -> list[dict[str, Any]]:
-        """The create requests, one per key, to send as one body (JSON objects in a row)."""
-        return [{"create_request": {"key": s["key"], "range_end": s["range_end"],
-                                    "start_revision": revision + 1}}
+    def requests(self, revision: int | None = None) -> list[dict[str, Any]]:
+        """The create requests, one per key, to send as one body (JSON objects in a row):
+        from ``revision`` + 1, or with None from the store's revision when etcd makes them."""
+        start = {} if revision is None else {"start_revision": revision + 1}
+        return [{"create_request": {"key": s["key"], "range_end": s["range_end"], **start}}
                 for s in (span(k) for k in self.ekeys)]
 
     def take(self, message: dict[str, Any]) -> tuple[int, bytes | None] | None:
