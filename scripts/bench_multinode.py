@@ -1673,9 +1673,10 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
                     "liveness key, then a keepalive every interval, over an HTTP/1.1 "
                     "keep-alive connection of its own to a one-member loopback etcd's v3 "
                     "gateway, and a presence connection with its pings; "
-                    f"{watches} of them also an end watch as the EndWatcher's (a read, then "
-                    f"one watch stream held across its {slice_s:.3g} s slices until the "
-                    f"gateway ends it at {HOLD_S:g} s, then a read and a stream again); this "
+                    f"{watches} of them also an end watch as the EndWatcher's (one watch "
+                    "stream, and once etcd confirmed it a read on a connection made for it, "
+                    f"the stream held across its {slice_s:.3g} s slices until the gateway "
+                    f"ends it at {HOLD_S:g} s, then a stream and a read again); this "
                     "process is the writer: ftrun's HeartbeatMonitor (LeaseView) with the "
                     "PresenceServer"),
         "connections": n + watches, "presence_connections": n, "end_watchers": watches,
