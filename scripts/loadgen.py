@@ -96,7 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftrun.control.assignments import Assignment, NodeSlot
 from ftrun.control.auth import Signer
-from ftrun.control.etcdheld import HOLD_S
+from ftrun.control.etcdheld import CONFIRM_S, HOLD_S
 from ftrun.control.etcdwire import (
     PART,
     AnyStream,
@@ -900,9 +900,9 @@ class Agent:
                     self._ew_ended)
         if gen.in_window(conn.sent_at):
             gen.count("endwatch.watch", 1)
-        # the client's own bounds: etcd's confirmation within the request timeout, and the
-        # stream's end (its read timeout), should the gateway not end it
-        gen.loop.at(conn.sent_at + gen.op_timeout, self._ew_confirm_due, self.wait_no)
+        # the client's own bounds: etcd's confirmation within CONFIRM_S, and the stream's
+        # end (its read timeout), should the gateway not end it
+        gen.loop.at(conn.sent_at + CONFIRM_S, self._ew_confirm_due, self.wait_no)
         gen.loop.at(conn.sent_at + HOLD_S + 1.0, self._ew_due, self.wait_no)
 
     def _ew_read(self) -> None:
@@ -948,9 +948,9 @@ class Agent:
             self.ewc.open()
 
     def _ew_confirm_due(self, number: int) -> None:
-        """etcd did not confirm the watch within the request timeout: the stream failed."""
+        """etcd did not confirm the watch within ``CONFIRM_S``: the stream failed."""
         if number == self.wait_no and not self.end_stream.confirmed and not self.frozen:
-            self.gen.count_error("etcd.watch not confirmed within the request timeout")
+            self.gen.count_error("etcd.watch not confirmed within CONFIRM_S")
             self._ew_failed("not confirmed")
 
     def _ew_ended(self) -> None:
@@ -1076,16 +1076,16 @@ class Agent:
             self._stream_watch()
         else:
             self.wc.open()  # then _watch_conn_live
-        # the client's own bounds: etcd's confirmation within the request timeout, and the
-        # stream's end (its read timeout), should the gateway not end it
-        self.gen.loop.at(self.gen.loop.now + self.gen.op_timeout, self._arm_due, self.wait_no)
+        # the client's own bounds: etcd's confirmation within CONFIRM_S, and the stream's
+        # end (its read timeout), should the gateway not end it
+        self.gen.loop.at(self.gen.loop.now + CONFIRM_S, self._arm_due, self.wait_no)
         self.gen.loop.at(self.gen.loop.now + HOLD_S + 1.0, self._etcd_hold_due, self.wait_no)
 
     def _arm_due(self, number: int) -> None:
-        """etcd did not confirm the watches within the request timeout: as ``HeldWaits``,
-        the stream has failed."""
+        """etcd did not confirm the watches within ``CONFIRM_S``: as ``HeldWaits``, the
+        stream has failed."""
         if number == self.wait_no and self.waiting and not self.any_stream.confirmed:
-            self.gen.count_error("etcd.watch not confirmed within the request timeout")
+            self.gen.count_error("etcd.watch not confirmed within CONFIRM_S")
             self._watch_failed("not confirmed")
 
     def read_assignment_etcd(self) -> None:

@@ -726,6 +726,44 @@ def test_a_held_etcd_wait_on_a_member_nobody_hears_moves_to_the_next_endpoint(
             relay.close()
 
 
+def test_a_held_etcd_wait_whose_watch_etcd_never_confirms_moves_to_the_next_endpoint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first endpoint is a relay frozen from the start (it accepts, never answers: a
+    SIGSTOPped member); a held wait begun there (``EtcdClient.wait_any``) makes its stream
+    and waits for etcd's confirmation before its read: none comes, so after ``CONFIRM_S``
+    (1 s here) the endpoint has failed and the slice passes without news, with no read
+    (a read to a frozen member would only wait out its own timeout). The next call
+    watches and reads at the member itself, and a write made then is seen."""
+    from ftrun.control import etcdheld
+
+    if etcd_missing_reason() is not None:
+        pytest.skip(etcd_missing_reason() or "")
+    monkeypatch.setattr(etcdheld, "CONFIRM_S", 1.0)
+    with loopback_etcd() as endpoint:
+        relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        try:
+            relay.freeze()
+            writer = connect_etcd(EtcdOptions.parse(endpoint, {}), 10, op_timeout_s=5)
+            reader = EtcdClient(EtcdOptions.parse(f"{relay.endpoint},{endpoint}", {}), 5.0)
+            reader._current = 0  # begin at the frozen relay
+            keys = ["as/7", "gen/7", "shutdown"]
+            started = time.monotonic()
+            assert reader.wait_any(keys, 0.3) is None
+            assert 1.0 <= time.monotonic() - started < 3.0  # CONFIRM_S, not the 5 s timeout
+            assert reader.endpoint == endpoint and reader._held.held is None
+            assert reader.wait_any(keys, 0.3) is None  # watched and read at the member
+            held = reader._held.held
+            assert held is not None and held.endpoint == endpoint and held.stream.confirmed
+            writer.set("as/7", "assigned")
+            found = None
+            while found is None:
+                assert time.monotonic() - started < 15, "the write was not seen"
+                found = reader.wait_any(keys, 0.3)
+            assert found == (0, b"assigned"), found
+        finally:
+            relay.close()
+
+
 def test_an_etcd_end_watcher_holds_one_stream_and_wakes_on_the_end(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An etcd-v3 agent's EndWatcher (ftrun/control/endwatch.py over ``JsonStore.wait_any``):

@@ -158,7 +158,7 @@ class EtcdClient:
         self._missed = wire.MissedAt()  # a renewed wait's watch needs no read first
         self._helpers: list[EtcdClient] = []  # multi_set's other connections
         self._held = HeldWaits(lambda: (self.endpoint, self._clients[self._current]),
-                               self._txn, self._failed_over, self._connect_s, timeout_s)
+                               self._txn, self._failed_over, self._connect_s)
 
     # --- torch's TCPStore surface ---------------------------------------------------------
 

@@ -23,9 +23,9 @@ written in between, had their events that much later.
 Bounds and failover (what a silent stream could otherwise hide):
 
 * the gateway ends the stream ``HOLD_S`` after it began (``Grpc-Timeout``); the next
-  slice reads again and watches again;
-* etcd must confirm every watch within the client's request timeout (a frozen member
-  never does): the endpoint has failed;
+  slice watches again and reads again;
+* etcd must confirm every watch within ``CONFIRM_S`` (a frozen member never does): else
+  the endpoint has failed;
 * a member cut off or frozen after the stream began is silent, not reset. Any client of
   this process whose request to that endpoint failed after the stream began (the agent's
   heartbeat, a request every interval, notices first) notes it in :data:`FAILED_AT`; the
@@ -71,6 +71,14 @@ FAILED_AT: dict[str, float] = {}
 #: endpoint -> time.monotonic() of the last answer a client of this process had from it
 #: (written and read as :data:`FAILED_AT`).
 HEARD_AT: dict[str, float] = {}
+
+#: How long etcd may take to confirm a held stream's watches before the stream is taken for
+#: failed (a frozen member never confirms). Not the request timeout (1.67 s at the default
+#: heartbeat timeout): a busy member confirms late (4,096 agents arming at once on one
+#: loopback member waited up to about 3 s), and a stream given up then is made again, on
+#: top of the load. A frozen member is mostly found sooner, by a failed request of another
+#: client of the process (:data:`FAILED_AT`: the heartbeat's, every second).
+CONFIRM_S = 5.0
 
 #: How long a held stream's member may go unheard by every client of the process before
 #: the wait reads from it (a silent stream is no proof that the member answers): the
@@ -144,14 +152,15 @@ class HeldWatch:
         session = BoundedSession((connect_s, hold_s + 1.0))  # close() shuts it
         session.verify, session.cert = gateway.session.verify, gateway.session.cert
         body = "".join(json.dumps(r) for r in self.stream.requests())
-        threading.Thread(
-            target=self._read, args=(session, gateway.get_url("/watch"), body, connect_s,
-                                     hold_s),
-            name="ftrun-etcd-wait", daemon=True).start()
+        threading.Thread(target=self._read, args=(session, gateway, body, connect_s, hold_s),
+                         name="ftrun-etcd-wait", daemon=True).start()
 
-    def _read(self, session: requests.Session, url: str, body: str, connect_s: float,
-              hold_s: float) -> None:
+    def _read(self, session: requests.Session, gateway: Etcd3Client, body: str,
+              connect_s: float, hold_s: float) -> None:
         try:
+            # in this thread: etcd3gw asks an endpoint it has not used yet for its API path
+            # (a GET bounded by the client's timeout), and a frozen member never answers
+            url = gateway.get_url("/watch")
             with session.post(url, data=body, stream=True, timeout=(connect_s, hold_s + 1.0),
                               headers={"Content-Type": "application/json",
                                        "Grpc-Timeout": f"{int(hold_s * 1000)}m"}
@@ -182,14 +191,14 @@ class HeldWatch:
             self.done.set()
             self.settled.set()
 
-    def stale(self, request_s: float) -> str:
+    def stale(self) -> str:
         """Why this stream can no longer be trusted to tell a write ("": it can)."""
         if self.failure:
             return self.failure
         if self.done.is_set() and self.outcome is None:
             return "ended"  # the gateway's end at HOLD_S (or a failure, said above)
-        if not self.stream.confirmed and time.monotonic() - self.opened > request_s:
-            return "etcd did not confirm the watch within the request timeout"
+        if not self.stream.confirmed and time.monotonic() - self.opened > CONFIRM_S:
+            return f"etcd did not confirm the watch within {CONFIRM_S:g} s"
         if FAILED_AT.get(self.endpoint, -1.0) > self.opened:
             return "a request of this process to the endpoint failed since the watch began"
         return ""
@@ -210,28 +219,28 @@ class HeldWatch:
 class HeldWaits:
     """A client's held wait (at most one: a client serves one thread). ``gateway()``: the
     client's current endpoint and its etcd3gw client; ``txn`` and ``failed_over``: the
-    client's transaction and its move to the next endpoint; ``connect_s``/``request_s``:
-    its bounds."""
+    client's transaction and its move to the next endpoint; ``connect_s``: its connect
+    bound (a stream's own bounds: :data:`CONFIRM_S`, ``hold_s``)."""
 
     def __init__(self, gateway: Callable[[], tuple[str, Etcd3Client]],
                  txn: Callable[[list[Any], list[Any], list[Any]], dict[str, Any]],
-                 failed_over: Callable[[str], None], connect_s: float, request_s: float,
+                 failed_over: Callable[[str], None], connect_s: float,
                  hold_s: float = HOLD_S) -> None:
         self._gateway, self._txn, self._failed_over = gateway, txn, failed_over
-        self._connect_s, self._request_s, self.hold_s = connect_s, request_s, hold_s
+        self._connect_s, self.hold_s = connect_s, hold_s
         self.held: HeldWatch | None = None
 
     def wait(self, ekeys: list[bytes], timeout_s: float) -> tuple[int, bytes | None] | None:
         """See ``EtcdClient.wait_any`` (``ekeys``: the keys with the client's root). A
         stream that ends or fails within the call leaves the rest of ``timeout_s`` to pass
         without news, so one that fails at once costs a watch (and a read) per slice, never
-        a loop of them. With no stream held the call takes up to the client's request
-        timeout more: etcd's confirmation of the new watches comes before the read."""
+        a loop of them. With no stream held the call takes up to :data:`CONFIRM_S` more:
+        etcd's confirmation of the new watches comes before the read."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         held = self.held
         if held is not None and (held.ekeys != ekeys or held.endpoint != self._gateway()[0]):
             self.close()
-        elif held is not None and held.outcome is None and (why := held.stale(self._request_s)):
+        elif held is not None and held.outcome is None and (why := held.stale()):
             self.close()
             if why != "ended":  # the gateway's end at the hold: watch and read again now
                 self._failed_over(f"watch: {why}")  # the next slice watches elsewhere
@@ -245,9 +254,9 @@ class HeldWaits:
         if self.held is None:
             endpoint, gateway = self._gateway()
             self.held = HeldWatch(endpoint, gateway, ekeys, self._connect_s, self.hold_s)
-            if not self.held.settled.wait(self._request_s) or not self.held.stream.confirmed:
-                why = self.held.failure or "etcd did not confirm the watch within the " \
-                                           "request timeout"
+            if not self.held.settled.wait(CONFIRM_S) or not self.held.stream.confirmed:
+                why = self.held.failure or f"etcd did not confirm the watch within " \
+                                           f"{CONFIRM_S:g} s"
                 self.close()
                 self._failed_over(f"watch: {why}")
                 time.sleep(max(deadline - time.monotonic(), 0.0))
