@@ -900,9 +900,7 @@ class Agent:
                     self._ew_ended)
         if gen.in_window(conn.sent_at):
             gen.count("endwatch.watch", 1)
-        # the client's own bounds: etcd's confirmation within CONFIRM_S, and the stream's
-        # end (its read timeout), should the gateway not end it
-        gen.loop.at(conn.sent_at + CONFIRM_S, self._ew_confirm_due, self.wait_no)
+        # the client's own bound (its read timeout), should the gateway not end the stream
         gen.loop.at(conn.sent_at + HOLD_S + 1.0, self._ew_due, self.wait_no)
 
     def _ew_read(self) -> None:
@@ -946,12 +944,6 @@ class Agent:
             self._ew_read()
         elif self.ewc.closed:  # a read after an event: canceled (compacted), watch again
             self.ewc.open()
-
-    def _ew_confirm_due(self, number: int) -> None:
-        """etcd did not confirm the watch within ``CONFIRM_S``: the stream failed."""
-        if number == self.wait_no and not self.end_stream.confirmed and not self.frozen:
-            self.gen.count_error("etcd.watch not confirmed within CONFIRM_S")
-            self._ew_failed("not confirmed")
 
     def _ew_ended(self) -> None:
         """The gateway ended the held stream at its deadline: the wait armed again, on
@@ -1076,17 +1068,20 @@ class Agent:
             self._stream_watch()
         else:
             self.wc.open()  # then _watch_conn_live
-        # the client's own bounds: etcd's confirmation within CONFIRM_S, and the stream's
-        # end (its read timeout), should the gateway not end it
+        # the client's own bounds: the arm's wait for etcd's confirmation (CONFIRM_S), and
+        # the stream's end (its read timeout), should the gateway not end it
         self.gen.loop.at(self.gen.loop.now + CONFIRM_S, self._arm_due, self.wait_no)
         self.gen.loop.at(self.gen.loop.now + HOLD_S + 1.0, self._etcd_hold_due, self.wait_no)
 
     def _arm_due(self, number: int) -> None:
-        """etcd did not confirm the watches within ``CONFIRM_S``: as ``HeldWaits``, the
-        stream has failed."""
+        """etcd did not confirm the watches within ``CONFIRM_S``: as ``HeldWaits``, the arm
+        returns (the offer is made) and the stream is kept; the read follows its
+        confirmation."""
         if number == self.wait_no and self.waiting and not self.any_stream.confirmed:
-            self.gen.count_error("etcd.watch not confirmed within CONFIRM_S")
-            self._watch_failed("not confirmed")
+            self.gen.count("rdzv.watch not confirmed within CONFIRM_S", 0)
+            if self.offer_due:
+                self.offer_due = False
+                self._offer_etcd()
 
     def read_assignment_etcd(self) -> None:
         """One transaction reading the three ranges."""

@@ -729,31 +729,37 @@ def test_a_held_etcd_wait_on_a_member_nobody_hears_moves_to_the_next_endpoint(
 def test_a_held_etcd_wait_whose_watch_etcd_never_confirms_moves_to_the_next_endpoint(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first endpoint is a relay frozen from the start (it accepts, never answers: a
-    SIGSTOPped member); a held wait begun there (``EtcdClient.wait_any``) makes its stream
-    and waits for etcd's confirmation before its read: none comes, so after ``CONFIRM_S``
-    (1 s here) the endpoint has failed and the slice passes without news, with no read
-    (a read to a frozen member would only wait out its own timeout). The next call
+    SIGSTOPped member). A held wait begun there (``EtcdClient.wait_any``) makes its stream
+    and waits for etcd's confirmation before its read: none comes, so the first call
+    returns after ``CONFIRM_S`` (1 s here) without news, the stream kept (a busy member
+    confirms late). The relay is then found as any silent member is: unheard for
+    ``UNHEARD_S`` (1 s here), the wait reads from it, which fails and moves on; the wait
     watches and reads at the member itself, and a write made then is seen."""
     from ftrun.control import etcdheld
 
     if etcd_missing_reason() is not None:
         pytest.skip(etcd_missing_reason() or "")
     monkeypatch.setattr(etcdheld, "CONFIRM_S", 1.0)
+    monkeypatch.setattr(etcdheld, "UNHEARD_S", 1.0)
     with loopback_etcd() as endpoint:
         relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
         try:
             relay.freeze()
             writer = connect_etcd(EtcdOptions.parse(endpoint, {}), 10, op_timeout_s=5)
-            reader = EtcdClient(EtcdOptions.parse(f"{relay.endpoint},{endpoint}", {}), 5.0)
+            reader = EtcdClient(EtcdOptions.parse(f"{relay.endpoint},{endpoint}", {}), 1.0)
             reader._current = 0  # begin at the frozen relay
             keys = ["as/7", "gen/7", "shutdown"]
             started = time.monotonic()
-            assert reader.wait_any(keys, 0.3) is None
-            assert 1.0 <= time.monotonic() - started < 3.0  # CONFIRM_S, not the 5 s timeout
-            assert reader.endpoint == endpoint and reader._held.held is None
-            assert reader.wait_any(keys, 0.3) is None  # watched and read at the member
-            held = reader._held.held
-            assert held is not None and held.endpoint == endpoint and held.stream.confirmed
+            assert reader.wait_any(keys, 0.0) is None  # a join's arm: no timeout of its own
+            assert 1.0 <= time.monotonic() - started < 3.0  # CONFIRM_S, then back
+            first = reader._held.held
+            assert first is not None and first.endpoint == relay.endpoint
+            assert not first.stream.confirmed
+            while reader.endpoint != endpoint:
+                assert time.monotonic() - started < 10, "the wait never left the relay"
+                assert reader.wait_any(keys, 0.3) is None
+            moved = reader._held.held
+            assert moved is not None and moved.endpoint == endpoint and moved.read
             writer.set("as/7", "assigned")
             found = None
             while found is None:
