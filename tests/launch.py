@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -177,6 +178,14 @@ def running(pid: int) -> bool:
         return _alive(psutil.Process(pid))
     except psutil.Error:
         return False
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (a small race with other binders is accepted: a test
+    that must not collide passes port 0 where the code under test allows it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:

@@ -29,6 +29,7 @@ from ftrun import doctor
 from ftrun.doctor import CheckResult, CheckSpec, Options
 from ftrun.doctor.options import UsageError
 from ftrun.doctor.runner import check_selector
+from tests.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_NVML = REPO / "tests" / "fake_pynvml"
@@ -149,12 +150,6 @@ def listener() -> Iterator[int]:
         yield sock.getsockname()[1]
     finally:
         sock.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ this machine, for real
@@ -282,7 +277,7 @@ def test_broken_host_settings_fail(listener: int) -> None:
 
 def test_good_host_settings_pass(listener: int) -> None:
     """The store answers, the chosen port is free, the interface names match."""
-    free = _free_port()
+    free = free_port()
     up = [n for n, s in psutil.net_if_stats().items() if s.isup]
     assert "lo" in up
     run = run_doctor(
@@ -302,7 +297,7 @@ def test_good_host_settings_pass(listener: int) -> None:
 
 
 def test_rdzv_endpoint_on_this_node_not_yet_listening_passes() -> None:
-    port = _free_port()
+    port = free_port()
     run = run_doctor(*ONLY_NET, "--rdzv-endpoint", f"localhost:{port}")
     assert run.status("rdzv.endpoint") == "pass", run
     assert "host the store here" in run.detail("rdzv.endpoint")

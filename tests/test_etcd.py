@@ -224,6 +224,25 @@ def _join_into(joined: dict[str, object], name: str, rdzv: Any, slot: Any,
         joined[name] = error
 
 
+def _lead_node_2_in(options: EtcdOptions, prefix: str, waiting: threading.Thread,
+                    joined: dict[str, object]) -> None:
+    """Form generation 0 of two with the real leader (node-1) and check that the joiner
+    (node-2, joining in ``waiting`` into ``joined["joiner"]``) holds rank 1 in it."""
+    from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
+
+    leader = DynamicRendezvous(
+        JsonStore(connect_etcd(options, 10, op_timeout_s=5), prefix,
+                  signer=Signer(TOKEN.encode())),
+        min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
+        interrupted=lambda: False)
+    leader.join(0, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"), 60,
+                lambda: ("10.0.0.1", 4343))
+    waiting.join(60)
+    generation = joined["joiner"]
+    assert not isinstance(generation, Exception), generation
+    assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+
+
 def _member(endpoint: str) -> psutil.Process:
     """The loopback etcd member serving ``endpoint``."""
     return psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
@@ -357,17 +376,7 @@ def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_
             assert waiting.is_alive(), joined
         finally:
             member.resume()
-        leader = DynamicRendezvous(
-            JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/wait",
-                      signer=Signer(TOKEN.encode())),
-            min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
-            interrupted=lambda: False)
-        leader.join(0, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"), 60,
-                    lambda: ("10.0.0.1", 4343))
-        waiting.join(60)
-        generation = joined["joiner"]
-        assert not isinstance(generation, Exception), generation
-        assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+        _lead_node_2_in(options, "ftrun/wait", waiting, joined)
 
 
 def test_a_joining_agent_watches_for_its_assignment_before_it_offers_its_slot() -> None:
@@ -426,17 +435,7 @@ def test_a_joining_agent_watches_for_its_assignment_before_it_offers_its_slot() 
         wanted = [b"/ftrun/ftrun/arm/" + k.encode()
                   for k in ("gen/0/as/node-2", "gen/0", "shutdown")]
         assert armed.ekeys == wanted, armed.ekeys
-        leader = DynamicRendezvous(
-            JsonStore(connect_etcd(options, 10, op_timeout_s=5), "ftrun/arm",
-                      signer=Signer(TOKEN.encode())),
-            min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
-            interrupted=lambda: False)
-        leader.join(0, NodeSlot(-1, 1, "10.0.0.1", "h1", 1, "node-1"), 60,
-                    lambda: ("10.0.0.1", 4343))
-        waiting.join(60)
-        generation = joined["joiner"]
-        assert not isinstance(generation, Exception), generation
-        assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
+        _lead_node_2_in(options, "ftrun/arm", waiting, joined)
         assert store.waited_on and store.waited_on[0] is armed, store.waited_on
 
 

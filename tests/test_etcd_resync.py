@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 from typing import Any
+
+from tests.launch import free_port
 
 
 def _member(rank: int, port: int, step: int, results: Any) -> None:
@@ -38,12 +39,6 @@ def _member(rank: int, port: int, step: int, results: Any) -> None:
     ft.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_resync_gives_every_member_the_state_of_the_member_furthest_on() -> None:
     """Members at steps 7 and 8 (rank 0 read its last step's decision too late), each with
     parameters of its own: both end at step 8 with the same parameters, rank 1's (the
@@ -51,7 +46,7 @@ def test_resync_gives_every_member_the_state_of_the_member_furthest_on() -> None
     steps = (7, 8)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_member, args=(rank, port, steps[rank], results))
              for rank in (0, 1)]
     for proc in procs:

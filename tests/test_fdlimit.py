@@ -22,13 +22,12 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.launch import launcher
+from tests.launch import free_port, launcher
 
 _FILLER = 1100  # inherited descriptors: the agent's own are numbered above them
 _WORKER = """\
@@ -41,12 +40,6 @@ print("nofile worker", *resource.getrlimit(resource.RLIMIT_NOFILE),
 command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(bytes(1))
 print("parent command", *(part.decode() for part in command[:4]), flush=True)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize("spawn", ["exec", "fork-server"])
@@ -93,7 +86,7 @@ def test_a_multinode_agent_raises_its_open_file_limit_but_not_its_workers(
     script.write_text(_WORKER)
     done = subprocess.run(
         [launcher(), "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-conf",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf",
          "last_call_timeout=1", str(script)],
         capture_output=True, text=True, cwd=job_dir, timeout=120,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, 4096)))

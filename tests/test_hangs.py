@@ -35,7 +35,7 @@ from ftrun.agent.hangs import (
 from ftrun.agent.ncclprogress import NcclProgress
 from ftrun.agent.stacks import Frame, Stack, read_stack, stack_from_fault_dump, stack_source
 from ftrun.control.errors import StoreValueError
-from tests.launch import PRELOAD, REPO, Launch, copy_train_script
+from tests.launch import PRELOAD, REPO, Launch, copy_train_script, free_port
 from tests.lines import Start, find
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
@@ -91,7 +91,7 @@ def test_a_hang_across_nodes_is_named_with_its_node_from_every_nodes_view(
     only an idle rank, node 0 only a waiting one); node 0 judges both nodes' views."""
     script = copy_train_script(job_dir)
     common = [*PRELOAD, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-              "--master-port", "29691", "--recovery", "restart", "--max-restarts", "1"]
+              "--master-port", str(free_port()), "--recovery", "restart", "--max-restarts", "1"]
     train = [str(script), "--steps", "40", "--step-sleep", "0.02", "--fail-at-step", "15",
              "--fail-rank", "1", "--fail-mode", "hang", "--fail-once-marker",
              str(job_dir / "hung-once")]

@@ -12,14 +12,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.launch import REPO, Launch
+from tests.launch import REPO, Launch, free_port
 from tests.lines import (
     Blocking,
     Finished,
@@ -166,12 +165,6 @@ def test_a_second_abort_releases_a_communicator_made_after_the_first(job_dir: Pa
     check_regroup_invariants(parse(run.lines), survivors=_survivors(run, "rank0"), world=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_the_leader_publishes_the_next_epoch_only_after_every_node_aborted(
     job_dir: Path,
 ) -> None:
@@ -182,7 +175,7 @@ def test_the_leader_publishes_the_next_epoch_only_after_every_node_aborted(
     1 could be made before the abort and be aborted with epoch 0's."""
     _require_fake_nccl()
     script = shutil.copy(SCRIPT, job_dir / SCRIPT.name)
-    port = _free_port()
+    port = free_port()
     runs = []
     for node in range(2):
         runs.append(Launch(

@@ -679,6 +679,17 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
         assert time.monotonic() - started > 4 * 0.25
 
 
+def _write_and_see(writer: Any, reader: Any, keys: list[str], since: float) -> None:
+    """Write the first of ``keys`` and wait in slices until the reader's held wait
+    (``EtcdClient.wait_any``) tells it, within 15 s of ``since``."""
+    writer.set(keys[0], "assigned")
+    found = None
+    while found is None:
+        assert time.monotonic() - since < 15, "the write was not seen"
+        found = reader.wait_any(keys, 0.3)
+    assert found == (0, b"assigned"), found
+
+
 def test_a_held_etcd_wait_on_a_member_nobody_hears_moves_to_the_next_endpoint(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two endpoints: a relay to the member, which then freezes (silent, its connections
@@ -715,12 +726,7 @@ def test_a_held_etcd_wait_on_a_member_nobody_hears_moves_to_the_next_endpoint(
             # the others are heard, not at the frozen first endpoint
             fresh = EtcdClient(EtcdOptions.parse(f"{relay.endpoint},{endpoint}", {}), 1.0)
             assert fresh.endpoint == endpoint  # before any request of its own
-            writer.set("as/9", "assigned")
-            found = None
-            while found is None:
-                assert time.monotonic() - frozen < 15, "the write was not seen"
-                found = reader.wait_any(keys, 0.3)
-            assert found == (0, b"assigned"), found
+            _write_and_see(writer, reader, keys, frozen)
             print(f"frozen to written and seen elsewhere: {time.monotonic() - frozen:.2f} s")
         finally:
             relay.close()
@@ -760,12 +766,7 @@ def test_a_held_etcd_wait_whose_watch_etcd_never_confirms_moves_to_the_next_endp
                 assert reader.wait_any(keys, 0.3) is None
             moved = reader._held.held
             assert moved is not None and moved.endpoint == endpoint and moved.read
-            writer.set("as/7", "assigned")
-            found = None
-            while found is None:
-                assert time.monotonic() - started < 15, "the write was not seen"
-                found = reader.wait_any(keys, 0.3)
-            assert found == (0, b"assigned"), found
+            _write_and_see(writer, reader, keys, started)
         finally:
             relay.close()
 

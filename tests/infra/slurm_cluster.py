@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.infra.procs import kill_and_wait, pid_alive
+from tests.launch import free_port
 
 __all__ = [
     "MARKER_VAR",
@@ -109,13 +110,6 @@ def slurm_missing_reason() -> str | None:
     if not Path("/etc/munge/munge.key").is_file():
         return f"/etc/munge/munge.key missing: {INSTALL_HINT}"
     return None
-
-
-def _free_port() -> int:
-    """A TCP port free now on this host (a small race with other binders is accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def marked_processes(root: Path | str | None = None) -> list[int]:
@@ -303,10 +297,10 @@ class SlurmCluster:
         self.root.chmod(0o755)
         (self.root / "owner.pid").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
         self.node_name = socket.gethostname().split(".")[0]
-        self.ctld_port = _free_port()
-        self.slurmd_port = _free_port()
+        self.ctld_port = free_port()
+        self.slurmd_port = free_port()
         while self.slurmd_port == self.ctld_port:
-            self.slurmd_port = _free_port()
+            self.slurmd_port = free_port()
         self._started = True
         try:
             self._write_conf()
