@@ -119,19 +119,22 @@ def test_a_killed_worker_gets_one_record_a_line_and_the_success_summary(job_dir:
     assert fault["recovered"] - killed < KILL_TO_FORMED_S, fault
     assert fault["recovery_s"] == round(fault["recovered"] - fault["happened"], 6)
     assert after["ftrun_recovery_seconds_last"] == pytest.approx(fault["recovery_s"], abs=1e-5)
-    # The survivors' own lines: they regrouped into world 2 after committing step S.
-    regroups = [r for r in find(run.lines, Regroup) if r.world == 2]
+    # The survivors' own lines: they regrouped after committing step S, into world 2, or
+    # straight into world 3 when the forked replacement was ready before their epoch of
+    # two formed (its epoch is published then, and the survivors move to the newest).
+    regroups = [r for r in find(run.lines, Regroup) if r.rank == 0]
     assert regroups, run.output
-    step = regroups[0].step
+    step, world = regroups[0].step, regroups[0].world
     # Exactly the survivors' step: read from the ended epoch's commit decisions, not from
     # the status beats (every 0.2 s, they lag by a few steps).
     assert fault["step"] == step, (fault, step)
-    assert fault["world"] == 2 and fault["steps_lost"] == 0
+    assert fault["world"] == world in (2, 3) and fault["steps_lost"] == 0, (fault, world)
     # The console said the regroup and, later, the replacement's join, once each.
     lines = [m for line in run.lines if (m := RECOVERY_LINE.search(line))]
     assert len(lines) == 1, run.output
     said = lines[0]
-    assert (int(said["rank"]), said["cause"], int(said["world"])) == (1, "killed by SIGKILL", 2)
+    assert (int(said["rank"]), said["cause"], int(said["world"])) == \
+        (1, "killed by SIGKILL", world)
     assert float(said["took"]) == round(fault["recovery_s"], 2)
     # The replacement's join is said once it formed (under load it may not be ready
     # before the job ends: then nothing is said).

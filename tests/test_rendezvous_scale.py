@@ -359,7 +359,10 @@ def _etcd_agents_join(loadgen: Any, endpoint: str, job_dir: Path) -> None:
     # first read) and most took the assignment from the watch's event (no second read;
     # etcd may deliver the record's event first: the agent then reads)
     calls = [r["calls"] for r in reports]
-    assert sum(c.get("rdzv.held wait ended by an event", 0) for c in calls) == n - 2, calls
+    # node-3 reads its forged assignment again and again, a new stream each time: the
+    # leader's write may end one of them too
+    assert n - 2 <= sum(c.get("rdzv.held wait ended by an event", 0) for c in calls) \
+        <= n - 1, calls
     assert sum(c.get("rdzv.assignment from the watch event", 0) for c in calls) >= n // 2, \
         calls
 
