@@ -254,6 +254,57 @@ def test_a_node_that_never_confirms_its_abort_is_waited_for_only_so_long() -> No
     assert any("did not confirm their NCCL abort" in x for x in job.said)
 
 
+def _taken_over() -> tuple[Job, Membership, RegroupLeader]:
+    """Two nodes of one member each: the writer's node 0 lost with its store, and node 1's
+    agent following the move (its pool and abort written again); the agent that took over
+    (``RegroupLeader.take_over``) on a new, empty store. The latest epoch's survivor, 1.1,
+    is a promoted standby's member: a joiner in it, whose status is not there yet."""
+    job = Job(nodes=2, per_node=1, nnodes_min=1, heartbeat_timeout_s=3.0,
+              abort_timeout_s=2.0)
+    latest = P.MemberEpoch(1, (P.Member("0.0", 0, False), P.Member("1.1", 1, True)))
+    job.m.publish(latest)
+    moved = Membership(JsonStore(dist.HashStore(), "ftrun/test/rg0", signer=Signer(SECRET)),
+                       job._say)
+    moved.latest = latest
+    leader = RegroupLeader(moved, job.generation, job.config,
+                           events=EventLog("h1", [job.events]), say=job._say,
+                           clock=job.clock)
+    leader.take_over(latest, job.generation.nodes[0])
+    moved.send_pool(1, P.Pool(("1.1",), frozenset()))
+    moved.confirm_released(latest.number, 1)
+    return job, moved, leader
+
+
+def test_after_a_takeover_the_survivors_state_is_waited_for_past_the_heartbeat_timeout() -> None:
+    """etcd-v3: the agent that took a dead writer's place serves a new, empty store, where
+    the survivor holding the job's state is known synced only once its agent follows the
+    move and writes its status again. The regroup waits for it as for a node's abort
+    confirmation, up to the abort timeout plus the heartbeat timeout; with the heartbeat
+    timeout alone a CI run's job stopped ("no surviving member holds the job's state")
+    when the status came later under load. What is still missing after the longer bound is
+    left out, as before: with no survivor known synced, the job stops."""
+    job, moved, leader = _taken_over()
+
+    def tick() -> StopJob | None:
+        moved.follow(lambda fault: None)
+        return leader.tick()
+
+    assert tick() is None and moved.latest.number == 1  # waiting for 1.1's status
+    job.clock.now += 4.0  # past the heartbeat timeout, within abort + heartbeat
+    assert tick() is None and moved.latest.number == 1, job.said
+    status = P.Status(1, 12, 0, True, False)  # it holds the state
+    moved.store.set_record(P.status_key("1.1"), status.to_json())
+    moved.statuses["1.1"] = status
+    assert tick() is None, job.said
+    assert [x.id for x in moved.latest.members] == ["1.1"] and moved.latest.number == 2
+
+    job, moved, leader = _taken_over()  # no status ever: left out after the bound
+    assert tick() is None
+    job.clock.now += 5.1
+    verdict = tick()
+    assert isinstance(verdict, StopJob) and "no surviving member" in verdict.reason
+
+
 def test_a_failed_member_that_never_called_init_restarts_the_job() -> None:
     job = Job()
     job.store.raw.delete_key(job.store.key(P.status_key("0.2")))

@@ -315,12 +315,16 @@ class RegroupLeader:
         Without them the first regroup would find no standby's spares (and shrink, or stop
         the job below ``--nnodes`` MIN) or take a promoted standby's worker for one that
         never received the state. The agents that follow the move write both again
-        (agent/regroup.py, ``_follow_moved_store``). Bounded by the heartbeat timeout from
-        the regroup's start: what is still missing then is left out (a silent node is the
-        heartbeat's to judge). Never on the store the job started with, where every node
-        wrote its pool at its first tick."""
+        (agent/regroup.py, ``_follow_moved_store``). Bounded from the regroup's start as a
+        node's abort confirmation is, by the abort timeout plus the heartbeat timeout: what
+        is still missing then is left out (a silent node is the heartbeat's to judge). The
+        heartbeat timeout alone was too short under load: a CI run's survivor wrote its
+        status after it, and the job stopped with no survivor known to hold the state.
+        Never on the store the job started with, where every node wrote its pool at its
+        first tick."""
+        bound = self.config.abort_timeout_s + self.config.heartbeat_timeout_s
         if not self.took_over or self.waiting_since is None \
-                or self.clock() - self.waiting_since >= self.config.heartbeat_timeout_s:
+                or self.clock() - self.waiting_since >= bound:
             return False
         self._read_pools()
         if any(n.node_rank not in self.m.lost_nodes and n.node_rank not in self.pools
