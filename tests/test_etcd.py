@@ -655,7 +655,9 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
        cut.
     """
     net, cluster = etcd_net
-    steps = 120
+    # enough for the three faults with room: the 6 s wait after the first is up to 120
+    # steps at 0.05 s each (a CI run's job finished its 120 before the third fault)
+    steps = 300
     nodes = _etcd_job(net, cluster, job_dir, steps)
     try:
         for node in nodes:
