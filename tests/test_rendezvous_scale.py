@@ -768,7 +768,7 @@ def test_a_held_etcd_wait_whose_watch_etcd_never_confirms_moves_to_the_next_endp
                 assert time.monotonic() - started < 10, "the wait never left the relay"
                 assert reader.wait_any(keys, 0.3) is None
             moved = reader._held.held
-            assert moved is not None and moved.endpoint == endpoint and moved.read
+            assert moved is not None and moved.endpoint == endpoint and moved.keys_read
             _write_and_see(writer, reader, keys, started)
         finally:
             relay.close()

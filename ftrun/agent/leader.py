@@ -176,6 +176,14 @@ class RegroupLeader:
         self._check_done()
         return None
 
+    @property
+    def _peer_write_s(self) -> float:
+        """How long a regroup waits for a live node's agent to write to the store (its
+        abort's confirmation; after a takeover, its pool and statuses again): what its
+        workers' abort may take, then the heartbeat timeout in which a silent node is
+        found."""
+        return self.config.abort_timeout_s + self.config.heartbeat_timeout_s
+
     def _synced(self, member: P.Member) -> bool:
         status = self.m.statuses.get(member.id)
         return not member.joiner or (status is not None and status.synced)
@@ -211,7 +219,7 @@ class RegroupLeader:
         missing = [n for n in nodes if P.released_key(latest.number, n) not in confirmed]
         if missing:
             waited = self.clock() - self.waiting_since
-            if waited < self.config.abort_timeout_s + self.config.heartbeat_timeout_s:
+            if waited < self._peer_write_s:
                 return None
             self.say(f"nodes {missing} did not confirm their NCCL abort in {waited:.1f} s;"
                      " publishing the next generation anyway", style="yellow")
@@ -322,9 +330,8 @@ class RegroupLeader:
         status after it, and the job stopped with no survivor known to hold the state.
         Never on the store the job started with, where every node wrote its pool at its
         first tick."""
-        bound = self.config.abort_timeout_s + self.config.heartbeat_timeout_s
         if not self.took_over or self.waiting_since is None \
-                or self.clock() - self.waiting_since >= bound:
+                or self.clock() - self.waiting_since >= self._peer_write_s:
             return False
         self._read_pools()
         if any(n.node_rank not in self.m.lost_nodes and n.node_rank not in self.pools

@@ -78,11 +78,12 @@ class Membership:
         first = epoch
         while first > 0 and epoch - first < self.MAX_UNFORMED and not self.formed(first):
             first -= 1
-        for number in range(first, epoch + 1):
-            if number not in self._ended_here:
-                self._ended_here.add(number)
-                self.store.put_record(P.end_key(number), cause)
-        self.changed()
+        new = [n for n in range(first, epoch + 1) if n not in self._ended_here]
+        for number in new:
+            self._ended_here.add(number)
+            self.store.put_record(P.end_key(number), cause)
+        if new:
+            self.changed()
 
     def formed(self, number: int) -> bool:
         """Whether member epoch ``number`` formed (every member arrived; ftrun.worker)."""

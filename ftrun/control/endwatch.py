@@ -27,9 +27,9 @@ that thread and costs etcd no request. The stream is made (and the key read) aga
 the gateway ends it (every ``etcdheld.HOLD_S``, 30 s), and given up for the next endpoint
 when its member falls silent (a failed request of the agent's heartbeat to it, or no
 answer from it to any client of the process for ``etcdheld.UNHEARD_S``, then a failed
-read). Before, each slice
-(0.83 s at the 5 s default) watched again: ``scripts/bench_etcd.py`` measured 2.4
-requests per second per agent and 4.9 ms of etcd CPU per second net of etcd's idle CPU
+read). Before, each slice (0.83 s at the 5 s default) watched again:
+``scripts/bench_etcd.py`` measured 2.4 requests per second per agent and 4.9 ms of etcd
+CPU per second net of etcd's idle CPU
 (a lease keepalive beat costs 0.5 ms), and these renewals, not the leases, were what one
 member could not carry at 2,000 agents (README, "Scale of the control plane"). Such a
 slice asks etcd nothing, so there :attr:`EndWatcher.healthy` says that the thread's waits

@@ -148,7 +148,7 @@ class HeldWatch:
         self.failure = ""  # why the stream failed ("": it did not)
         self.done = threading.Event()  # outcome, failure or end: the thread is over
         self.settled = threading.Event()  # etcd confirmed every watch, or the thread is over
-        self.read = False  # the keys were read since etcd confirmed every watch
+        self.keys_read = False  # the keys were read since etcd confirmed every watch
         self._closed = False
         self._response: requests.Response | None = None
         session = BoundedSession((connect_s, hold_s + 1.0))  # close() shuts it
@@ -255,7 +255,7 @@ class HeldWaits:
             endpoint, gateway = self._gateway()
             self.held = HeldWatch(endpoint, gateway, ekeys, self._connect_s, self.hold_s)
         held = self.held
-        if not held.read:
+        if not held.keys_read:
             patience = max(deadline, held.opened + CONFIRM_S) - time.monotonic()
             if not held.settled.wait(max(patience, 0.0)):
                 return None  # not confirmed yet: the next slice waits on the same stream
@@ -264,7 +264,7 @@ class HeldWaits:
                 self._failed_over(f"watch: {held.failure or 'the stream ended'}")
                 time.sleep(max(deadline - time.monotonic(), 0.0))
                 return None
-            held.read = True
+            held.keys_read = True
             found = self._read(ekeys)
             if found is not None or self.held is None:
                 return found

@@ -505,7 +505,7 @@ class JsonStore:
 
     def arm_wait(self, names: list[str]) -> None:
         """Begin :meth:`wait_any` of ``names`` before the write it waits on an answer to (a
-        join's offer), on etcd-v3: its read and watch done, etcd has only the answer to send."""
+        join's offer), on etcd-v3: its watch and read done, etcd has only the answer to send."""
         if hasattr(self.raw, "wait_any"):
             self.wait_any(names, 0.0)
 
