@@ -99,8 +99,8 @@ def test_a_killed_worker_gets_one_record_a_line_and_the_success_summary(job_dir:
     assert before['ftrun_members{state="ready"}'] == 3 and before["ftrun_regroups_total"] == 0
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: any(e["event"] == "fault" for e in _events(events)), 60,
-               "the fault record")
+    run.wait_for(lambda _: any(e["event"] == "fault" for e in _events(events)) or None, 60,
+                 "the fault record")
     after = _scrape(port)  # the job still runs: the regroup shows in the live metrics
     assert after["ftrun_member_epoch"] >= 1 and after["ftrun_regroups_total"] == 1, after
     assert after["ftrun_faults_total"] == 1 and after["ftrun_recovery_seconds_last"] > 0
@@ -230,6 +230,32 @@ def test_replay_builds_records_from_events_and_ignores_malformed_ones() -> None:
     assert summary.wall_s == 20.0 and summary.succeeded is True
     assert summary.productive_s == 19.0 - 1.0  # from the first step, less the downtime
     assert summary.first_cause == "rank 2 killed by SIGKILL"
+
+
+def test_a_replacement_ready_before_the_survivors_epoch_formed_is_said_with_the_recovery(
+) -> None:
+    """The forked replacement is admitted before the survivors' epoch of two forms: the one
+    epoch that forms recovers the fault and admits the replacement. The record carries both,
+    and the console says both, the recovery first (the join line was lost here once)."""
+    lines: list[str] = []
+    book = FaultBook(on_line=lines.append).replay([
+        {"ts": 10.0, "event": "started"},
+        {"ts": 11.0, "event": "progress", "step": 12, "steps": {"0": 12}},
+        {"ts": 12.0, "event": "failure", "member": "0.1", "rank": 1,
+         "cause": "killed by SIGKILL", "detected": 12.0, "happened": 12.0},
+        {"ts": 12.01, "event": "epoch", "epoch": 1, "world_size": 2,
+         "gone": [{"member": "0.1", "rank": 1}], "joiners": []},
+        {"ts": 12.1, "event": "epoch", "epoch": 2, "world_size": 3, "gone": [],
+         "joiners": ["0.3"]},
+        {"ts": 12.2, "event": "formed", "epoch": 2, "world_size": 3, "step": 12},
+        {"ts": 13.0, "event": "formed", "epoch": 3, "world_size": 3, "step": 20},
+    ])
+    (fault,) = book.summary().faults
+    assert (fault.path, fault.world, fault.recovered, fault.step) == ("regroup", 3, 12.2, 12)
+    assert (fault.joined, fault.joined_step, fault.joined_world) == (12.2, 12, 3)
+    assert lines == ["rank 1 killed by SIGKILL at step 12: survivors regrouped in 0.20 s, "
+                     "world 3 (detected in 0.00 s)",
+                     "rank 1's replacement joined at step 12, world 3"]
 
 
 def test_a_restart_names_the_root_cause_not_the_exit_seen_first() -> None:

@@ -384,6 +384,12 @@ class FaultBook:
         epoch, step = _int(ev.get("epoch")), _int(ev.get("step"))
         world = _int(ev.get("world_size"))
         for record in self.faults:
+            # The replacement's epoch may be the one that recovers the fault too: its
+            # joiner was ready before the survivors' own epoch formed. The record then
+            # carries both, and both lines are said, the recovery's first.
+            joins = record.join_epoch == epoch and record.joined is None
+            if joins:
+                record.joined, record.joined_step, record.joined_world = ts, step, world
             # An epoch superseded before it formed (a joiner admitted at once, another
             # fault) is recovered by the later one that forms.
             if record.epoch is not None and epoch is not None and record.epoch <= epoch \
@@ -399,10 +405,8 @@ class FaultBook:
                 if record.path == "replace":
                     record.joined, record.joined_step, record.joined_world = ts, step, world
                 self._finish(record)
-            elif record.join_epoch == epoch and record.joined is None:
-                record.joined, record.joined_step, record.joined_world = ts, step, world
-                if self.on_line is not None:
-                    self.on_line(record.join_line())
+            if joins and self.on_line is not None:
+                self.on_line(record.join_line())
         if step is not None:
             self.last_step = max(self.last_step or 0, step)
 
