@@ -97,6 +97,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ftrun.control.assignments import Assignment, NodeSlot
 from ftrun.control.auth import Signer
 from ftrun.control.etcdheld import CONFIRM_S, HOLD_S
+from ftrun.control.etcdkeepalive import LEASE_KEEPALIVE, decode_keepalive, encode_keepalive
 from ftrun.control.etcdwire import (
     PART,
     AnyStream,
@@ -662,6 +663,103 @@ class HttpConn(_Conn):
             self.failed(f"watch: the stream ended after {self.last_message!r}")
 
 
+class GrpcConn(_Conn):
+    """One HTTP/2 connection to etcd's client port holding one ``LeaseKeepAlive`` stream,
+    as the agent's ``KeepAliveStream`` (ftrun/control/etcdkeepalive.py) holds a grpcio
+    channel: each renewal is a gRPC message (a zero byte, a big-endian length, the
+    request ``etcdkeepalive.encode_keepalive`` writes) in a DATA frame, each answer one
+    back. The HTTP/2 framing, HPACK and flow control are the ``h2`` library's; one renewal
+    in flight. A stream etcd ends or resets, or a closed connection, is a failure: the
+    agent makes a new connection, as the real stream is made again."""
+
+    def __init__(self, gen: Generator, agent: Agent) -> None:
+        super().__init__(gen, gen.etcd_port)
+        self.agent = agent
+        self.h2: Any = None
+        self.stream_id = 0
+        self.buf = b""
+        self.waiting = False
+        self.sent_at = 0.0
+
+    def connecting(self, sock: socket.socket) -> None:
+        self.gen.loop.sel.register(sock, selectors.EVENT_WRITE, self._on_connect)
+
+    def _on_connect(self, mask: int) -> None:
+        import h2.config
+        import h2.connection
+
+        assert self.sock is not None
+        if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self.close()
+            self.gen.connect_done(self, "etcd connect failed")
+            return
+        self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=True, header_encoding=None))
+        self.h2.initiate_connection()
+        self.stream_id = self.h2.get_next_available_stream_id()
+        self.h2.send_headers(self.stream_id, [
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", LEASE_KEEPALIVE.encode()),
+            (b":authority", f"{self.gen.host}:{self.port}".encode()),
+            (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+        self.send(self.h2.data_to_send())
+        self.live = True
+        self.gen.connect_done(self, "")
+
+    def reset(self) -> None:
+        self.sock, self.closed, self.live, self.h2, self.buf = None, False, False, None, b""
+        self.waiting = False
+
+    def renew(self, lease: int) -> None:
+        message = encode_keepalive(lease)
+        self.h2.send_data(self.stream_id, b"\x00" + len(message).to_bytes(4, "big") + message)
+        self.send(self.h2.data_to_send())
+        self.waiting, self.sent_at = True, self.gen.loop.now
+
+    def send_failed(self, why: str) -> None:
+        self.failed(why)
+
+    def failed(self, why: str) -> None:
+        self.close()
+        self.gen.count_error(f"etcd.keepalive stream: {why}")
+        self.agent.grpc_failed(self)
+
+    def _on_read(self, mask: int) -> None:
+        import h2.events
+
+        data = self.receive(65536)
+        if data is None:
+            return
+        if not data:
+            self.failed("closed the connection")
+            return
+        try:
+            events = self.h2.receive_data(data)
+        except Exception as error:  # h2.exceptions.ProtocolError
+            self.failed(f"HTTP/2: {error}")
+            return
+        for event in events:
+            if isinstance(event, h2.events.DataReceived):
+                self.h2.acknowledge_received_data(event.flow_controlled_length,
+                                                  event.stream_id)
+                self.buf += event.data
+            elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset,
+                                    h2.events.ConnectionTerminated,
+                                    h2.events.TrailersReceived)):
+                self.failed(f"etcd ended the stream ({type(event).__name__})")
+                return
+        pending = self.h2.data_to_send()
+        if pending:
+            self.send(pending)
+        while len(self.buf) >= 5:
+            size = int.from_bytes(self.buf[1:5], "big")
+            if len(self.buf) < 5 + size:
+                break
+            message, self.buf = self.buf[5:5 + size], self.buf[5 + size:]
+            self.waiting = False
+            self.agent.renewed(decode_keepalive(message)[1])
+
+
 # --- one simulated agent --------------------------------------------------------------------
 
 
@@ -682,6 +780,8 @@ class Agent:
         on_etcd = gen.mode == "etcd" or (gen.mode == "rdzv" and gen.etcd_port > 0)
         self.http: HttpConn | None = HttpConn(gen, self) if on_etcd and gen.heartbeats \
             else None
+        # the lease's renewals: LeaseBeat's KeepAliveStream (grant and put on self.http)
+        self.grpc: GrpcConn | None = GrpcConn(gen, self) if self.http is not None else None
         # etcd-v3 rendezvous: the agent's main client (its offer and reads), and its held
         # wait's stream (HeldWatch: a connection made for each stream, not at set-up)
         self.jc: HttpConn | None = HttpConn(gen, self, self._join_conn_live,
@@ -718,8 +818,8 @@ class Agent:
         self.joined: list[Any] | str | None = None
 
     def conns(self) -> list[_Conn]:
-        return [c for c in (self.hb, self.ew, self.pres, self.http, self.jc, self.ewc)
-                if c is not None]
+        return [c for c in (self.hb, self.ew, self.pres, self.http, self.grpc, self.jc,
+                            self.ewc) if c is not None]
 
     def watches_end(self) -> bool:
         return (self.ew is not None or self.ewc is not None) and not self.frozen
@@ -744,26 +844,33 @@ class Agent:
         self.placed = True
 
     def beat_etcd(self) -> None:
-        conn, gen = self.http, self.gen
+        conn, gen = self.grpc, self.gen
         if conn is None or not conn.live or self.frozen or not self.placed:
             return
-        if conn.callback is not None:  # the last keepalive is unanswered
-            if gen.loop.now - conn.sent_at > gen.op_timeout:
-                gen.count_error("etcd.keepalive unanswered past the request timeout")
+        if conn.waiting:  # the last renewal is unanswered
+            if gen.loop.now - conn.sent_at > gen.op_timeout:  # given up: a new stream
+                conn.failed("no answer within the request timeout")
             return
-        conn.post("/lease/keepalive", {"ID": self.lease}, self._kept)
+        conn.renew(self.lease)
 
-    def _kept(self, answer: dict[str, Any]) -> None:
-        gen, conn = self.gen, self.http
+    def renewed(self, ttl: int) -> None:
+        gen, conn = self.gen, self.grpc
         assert conn is not None
         self.beats += 1
         if gen.in_window(gen.loop.now):
             gen.count("etcd.keepalive", 1)
             gen.heartbeat_s.append(gen.loop.now - conn.sent_at)
-        if int(answer.get("TTL", 0) or 0) <= 0:  # expired: grant and put again
+        if ttl <= 0:  # expired: grant and put again
             gen.count_error("etcd.lease expired")
             self.placed = False
             self.http_live()
+
+    def grpc_failed(self, conn: GrpcConn) -> None:
+        if self.frozen or conn is not self.grpc:
+            return
+        self.gen.reconnects["keepalive"] = self.gen.reconnects.get("keepalive", 0) + 1
+        self.grpc = GrpcConn(self.gen, self)
+        self.grpc.open()
 
     # connections
     def conn_live(self, conn: StoreConn) -> None:

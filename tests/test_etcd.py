@@ -8,6 +8,7 @@ per host. Skipped only when etcd-server (or, for the job, iproute2/iptables) is 
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -32,6 +33,7 @@ from ftrun.config import ConfigError
 from ftrun.control.auth import Signer
 from ftrun.control.errors import StoreError
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
+from ftrun.control.etcdkeepalive import KeepAliveStream
 from ftrun.control.store import JsonStore
 from tests.infra.etcd_cluster import (
     FreezableRelay,
@@ -186,7 +188,7 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
             min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
             interrupted=lambda: False)
         retried: dict[str, object] = {}
-        member.suspend()
+        _suspend(member)
         try:
             late = threading.Thread(target=_join_into, args=(
                 retried, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
@@ -250,6 +252,21 @@ def _member(endpoint: str) -> psutil.Process:
                                and f"127.0.0.1:{c.laddr.port}" == endpoint))
 
 
+def _suspend(member: psutil.Process) -> None:
+    """SIGSTOP the member and wait until every thread of it has stopped. A thread that is
+    running on the other core when the signal comes may first answer a request already
+    sent (a CI run saw a keepalive answered right after ``suspend()``)."""
+    member.suspend()
+
+    def stopped() -> bool:
+        for task in Path(f"/proc/{member.pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "Tt":
+                    return False
+        return True
+    wait_until(stopped, 10, "every thread of the etcd member stopped")
+
+
 def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_answers() -> None:
     """The writer's reads while it waits for slots fail while the etcd member is frozen
     (every request times out, the store's own retries spent): it reads again until the
@@ -271,7 +288,7 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
         def _frozen(self, kind: str, read: Callable[[], Any]) -> Any:
             if self.failed[kind]:
                 return read()
-            member.suspend()
+            _suspend(member)
             try:
                 return read()
             except StoreError:
@@ -364,11 +381,13 @@ def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_
                    "the joiner's held watch")
         wait_until(lambda: store.slices >= 2, 30, "a slice on the held watch")
         assert store.reconnects == 0
-        member.suspend()
+        _suspend(member)
         try:
             if noticed_by == "heartbeat":
+                stream = KeepAliveStream.for_options(options)
                 with pytest.raises(RuntimeError, match="no etcd endpoint answered"):
-                    beat.keep_alive(1)
+                    beat.keep_alive(1, stream)
+                stream.close()
             # heartbeat: within a slice or so (2 s); the wait: within UNHEARD_S (5 s) and a
             # slice; not at the stream's read timeout (HOLD_S, 30 s)
             wait_until(lambda: store.reconnects >= 2, 10 if noticed_by == "heartbeat" else 18,

@@ -26,6 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ftrun.control.errors import StoreError
 from ftrun.control.etcd import EtcdOptions, connect_etcd
+from ftrun.control.etcdkeepalive import KeepAliveStream
 from tests.infra.etcd_cluster import ServerTls, etcd_missing_reason, loopback_etcd
 from tests.launch import launcher
 
@@ -131,6 +132,16 @@ def test_etcd_tls_job_forms_with_the_right_client_certificate_and_a_wrong_one_is
         put.start()
         assert client.wait_any(held, 10) == (1, b"formed")
         put.join()
+        # a lease's renewals on the gRPC keepalive stream, over TLS with the same files
+        lease, _ = client.grant_ttl(5)
+        stream = KeepAliveStream.for_options(client.options)
+        assert client.keep_alive(lease, stream) > 0 and stream.opened == 1
+        stream.close()
+        doubted = KeepAliveStream.for_options(EtcdOptions.parse(
+            endpoint, {**right, "cacert": str(foreign.path)}))
+        with pytest.raises(RuntimeError, match="no etcd endpoint answered"):
+            client.keep_alive(lease, doubted)  # etcd's certificate is not of that CA
+        doubted.close()
         untrusted = {**right, "cacert": str(foreign.path)}
         with pytest.raises(StoreError) as refused:
             connect_etcd(EtcdOptions.parse(endpoint, untrusted), 2, op_timeout_s=1)

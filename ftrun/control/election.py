@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from ftrun.control.errors import StoreError
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
+from ftrun.control.etcdkeepalive import KeepAliveStream
 
 if TYPE_CHECKING:
     from ftrun.control.store import JsonStore
@@ -94,19 +95,25 @@ class Election:
         have let it expire and another agent may hold the key, so this writer must stop
         writing (the agent stops: ``Agent._lost_reason``), never run alongside a new one."""
         client: EtcdClient | None = None
+        stream: KeepAliveStream | None = None
         last_ok = time.monotonic()
-        while not self._stop.wait(self.ttl_s / 3):
-            try:
-                client = client or self._connect()
-                if client.keep_alive(lease) < 0:
-                    self.lost_at = time.monotonic()
-                    return
-                last_ok = time.monotonic()
-            except RuntimeError:
-                client = None  # the next renewal reconnects (another endpoint)
-                if time.monotonic() - last_ok >= self.ttl_s:
-                    self.lost_at = time.monotonic()
-                    return
+        try:
+            while not self._stop.wait(self.ttl_s / 3):
+                try:
+                    client = client or self._connect()
+                    stream = stream or KeepAliveStream.for_options(client.options)
+                    if client.keep_alive(lease, stream) < 0:
+                        self.lost_at = time.monotonic()
+                        return
+                    last_ok = time.monotonic()
+                except RuntimeError:
+                    client = None  # the next renewal reconnects (another endpoint)
+                    if time.monotonic() - last_ok >= self.ttl_s:
+                        self.lost_at = time.monotonic()
+                        return
+        finally:
+            if stream is not None:
+                stream.close()
 
 
 def join_etcd(options: EtcdOptions, *, run_id: str, node_id: str, op_timeout_s: float,
@@ -229,7 +236,9 @@ class LeaseBeat:
     """An etcd-v3 agent's heartbeat (ftrun/control/heartbeat.py's sender calls it every
     interval, on its own client): a lease of the heartbeat timeout and the agent's liveness
     key bound to it, a record signed with the job's secret that names the lease
-    (``{"lease": id, "ttl": s}``); from then on one keepalive request per interval.
+    (``{"lease": id, "ttl": s}``); from then on one keepalive per interval, a message on
+    etcd's gRPC keepalive stream that this beat holds across its clients (:meth:`close`
+    ends it when the sender stops).
 
     Why a lease: etcd deletes the key itself a TTL after the last renewal, so a lost node is
     a lease that expired, and the writer learns it from a watch (:class:`LeaseView`) with
@@ -258,10 +267,13 @@ class LeaseBeat:
         self.granted_s = self.ttl_s
         self.placed = False  # the key is put, bound to the current lease
         self.expired = 0
+        self.stream: KeepAliveStream | None = None
 
     def __call__(self, store: JsonStore, name: str) -> None:
         client = store.raw
-        if self.lease is not None and client.keep_alive(self.lease) < 0:
+        if self.stream is None:
+            self.stream = KeepAliveStream.for_options(client.options)
+        if self.lease is not None and client.keep_alive(self.lease, self.stream) < 0:
             self.expired += 1
             self.lease = None
         if self.lease is None:
@@ -272,6 +284,11 @@ class LeaseBeat:
             client.put_leased(store.key(name), store.signer.line(store.key(name), body),
                               self.lease)
             self.placed = True
+
+    def close(self) -> None:
+        """End the keepalive stream (the sender stopped; from its thread or after it)."""
+        if self.stream is not None:
+            self.stream.close()
 
 
 @dataclass

@@ -22,20 +22,19 @@ rendezvous, heartbeats, end watches) run unchanged on etcd:
   by the timeout; the next wait of the key watches from there with no read (its slices);
 * every key lives under the job's key prefix (``etcd_prefix`` in ``--rdzv-conf``).
 
-The client is etcd3gw (etcd's v3 JSON gateway, ``/v3/`` on etcd 3.4+; the path is
-discovered from ``/version`` by etcd3gw once per endpoint, not hand-written). Failover:
-the client talks to one endpoint at a time and moves to the next when a request to it
-fails (connection refused or reset, timed out, an error from a member without quorum);
-a request fails only when every endpoint failed it in turn.
-
-Election of the job's single writer on this store: :mod:`ftrun.control.election`.
+The client is etcd3gw (etcd's v3 JSON gateway, ``/v3/`` on etcd 3.4+, its path found by
+etcd3gw once per endpoint); a lease's renewals alone go on etcd's gRPC keepalive stream
+(:mod:`ftrun.control.etcdkeepalive`, a fifth of the member's work). Failover: the client
+talks to one endpoint at a time and moves to the next when a request to it fails (refused,
+reset, timed out, a member without quorum); a request fails when every endpoint failed it.
+The job's single writer is elected on this store: :mod:`ftrun.control.election`.
 
 Timeouts and errors: every request is bounded by the client's timeout (connect and read);
-a request that no endpoint answered raises ``RuntimeError`` naming each endpoint and why,
-as torch's store client does, so :class:`~ftrun.control.store.JsonStore` turns it into a
+one that no endpoint answered raises ``RuntimeError`` naming each endpoint and why, as
+torch's store client does, so :class:`~ftrun.control.store.JsonStore` turns it into a
 :class:`~ftrun.control.errors.StoreError` and applies its reconnection rules. A wait that
-times out raises ``RuntimeError('wait timeout after ...')`` (torch's words, which
-``JsonStore`` reads as "not yet"). Bad options raise :class:`EtcdConfigError` with one line.
+times out raises ``RuntimeError('wait timeout after ...')`` (torch's words: "not yet").
+Bad options raise :class:`EtcdConfigError` with one line.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 from etcd3gw import exceptions as etcd_errors
@@ -63,7 +62,9 @@ from ftrun.control.etcdheld import (
     note_answer,
     note_failure,
 )
+from ftrun.control.etcdkeepalive import KeepAliveStream
 
+T = TypeVar("T")
 DEFAULT_PREFIX = "/ftrun"
 DEFAULT_ETCD_PORT = 2379
 # What a key's prefix may hold: a path of printable ASCII without spaces.
@@ -167,8 +168,7 @@ class EtcdClient:
         return timedelta(seconds=self._timeout_s)
 
     def set_timeout(self, timeout: timedelta) -> None:
-        """The bound on a ``get`` of a missing key (as torch's); requests stay bounded by
-        the timeout the client was made with."""
+        """The bound on a ``get`` of a missing key, as torch's (requests keep their own)."""
         self._get_wait_s = timeout.total_seconds()
 
     _get_wait_s: float | None = None
@@ -408,10 +408,11 @@ class EtcdClient:
                 raise RuntimeError(f"etcd watch at {failed}: {wire.short(error)}") from None
         return following, created
 
-    def keep_alive(self, lease: int) -> int:
-        """Renew the lease; its TTL left, or -1 when it has already expired."""
-        result = self._post("/lease/keepalive", {"ID": lease})
-        return int(result.get("result", {}).get("TTL", -1))
+    def keep_alive(self, lease: int, stream: KeepAliveStream) -> int:
+        """Renew the lease on the caller's gRPC ``stream``, held across renewals and clients
+        (:mod:`ftrun.control.etcdkeepalive`); its TTL left, or -1 when it has expired."""
+        return self._on_each_endpoint(
+            "a keepalive", lambda _: stream.renew(self.endpoint, lease, self._timeout_s))
 
     def revoke(self, lease: int) -> None:
         self._post("/kv/lease/revoke", {"ID": lease})
@@ -455,12 +456,9 @@ class EtcdClient:
             kvs = result.get("kvs") or []
             old = wire.unb64(kvs[0].get("value", "")) if kvs else None
             new = change(old)
-            if kvs:
-                guard = {"key": ekey, "target": "MOD", "result": "EQUAL",
-                         "mod_revision": str(kvs[0]["mod_revision"])}
-            else:
-                guard = {"key": ekey, "target": "CREATE", "result": "EQUAL",
-                         "create_revision": "0"}
+            guard = {"key": ekey, "result": "EQUAL", "target": "MOD" if kvs else "CREATE",
+                     "mod_revision" if kvs else "create_revision":
+                         str(kvs[0]["mod_revision"]) if kvs else "0"}
             done = self._txn([guard], [{"request_put": {"key": ekey, "value": wire.b64(new)}}], [])
             if done.get("succeeded"):
                 return new
@@ -552,19 +550,23 @@ class EtcdClient:
                                       "failure": failure})
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """One request, to each endpoint in turn from the current one until one answers."""
+        return self._on_each_endpoint(path, lambda c: dict(c.post(c.get_url(path), json=payload)))
+
+    def _on_each_endpoint(self, what: str, attempt: Callable[[Etcd3Client], T]) -> T:
+        """One request, to each endpoint in turn from the current one until one answers
+        (a ``RuntimeError`` of ``attempt`` is a failure in transport, as a keepalive's)."""
         failures: list[str] = []
         for _ in range(len(self._clients)):
-            client = self._clients[self._current]
             try:
-                answer = dict(client.post(client.get_url(path), json=payload))
+                answer = attempt(self._clients[self._current])
                 note_answer(self.endpoint)
                 return answer
             except etcd_errors.PreconditionFailedError as error:
-                raise RuntimeError(f"etcd refused {path}: {wire.short(error)}") from None
-            except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as error:
+                raise RuntimeError(f"etcd refused {what}: {wire.short(error)}") from None
+            except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError,
+                    RuntimeError) as error:
                 failures.append(f"{self.endpoint}: {wire.short(error)}")
-                note_failure(self.endpoint, error)
+                note_failure(self.endpoint, None if isinstance(error, RuntimeError) else error)
                 self._current = (self._current + 1) % len(self._clients)
         raise RuntimeError("no etcd endpoint answered (" + "; ".join(failures) + ")")
 

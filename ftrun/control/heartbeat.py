@@ -134,6 +134,13 @@ class HeartbeatSender:
         return time.monotonic() - max(self.last_ok, since - self.interval_s) > self.timeout_s
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        finally:
+            if self.lease is not None:
+                self.lease.close()  # here: the beat's thread is the one that uses it
+
+    def _beat(self) -> None:
         store: JsonStore | None = None
         while not self._stop.is_set():
             started = time.monotonic()

@@ -1,0 +1,203 @@
+"""A lease's renewals over etcd's own gRPC stream, ``Lease/LeaseKeepAlive``.
+
+Why: every etcd-v3 agent renews its liveness lease once a heartbeat interval
+(:class:`~ftrun.control.election.LeaseBeat`), and the job's writer its election lease.
+Sent through etcd's JSON gateway, as every other request of ftrun's is, a renewal is an
+HTTP request that the member decodes, turns into a gRPC call to itself and encodes back:
+about five times the member's work of one message on its native keepalive stream
+(``scripts/etcd_keepalive_grpc.py`` measures both). With thousands of agents on one
+cluster the renewals are most of what a member does, and they were what a loopback member
+ran out of CPU on (README, "Scale of the control plane"). A renewal is therefore one small
+message on a stream that lasts as long as the heartbeat, to the endpoint the agent's
+client talks to.
+
+The two messages are protobufs of integer fields and are encoded here (an ``ID``; a
+header, an ``ID`` and a ``TTL`` back), so neither generated code nor the protobuf package
+is needed; grpcio carries them as bytes. The stream goes to the same client URL as the
+gateway (etcd serves both on its client port), with the same TLS files.
+
+Timeouts and errors: :meth:`KeepAliveStream.renew` waits at most its ``timeout_s`` for
+the answer. A stream that cannot be made, that broke, that gave no answer in time or an
+answer for another lease is closed, and ``RuntimeError`` says why; the next renewal makes a
+new stream (``EtcdClient.keep_alive`` names the endpoint and moves to the next one, as
+after a failed request). A late answer to a renewal that was given up is dropped with its stream.
+Nothing else is swallowed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftrun.control.etcd import EtcdOptions
+
+#: etcd's keepalive method: a stream of requests, each answered in order on the response
+#: stream (etcdserverpb/rpc.proto).
+LEASE_KEEPALIVE = "/etcdserverpb.Lease/LeaseKeepAlive"
+
+
+def encode_keepalive(lease: int) -> bytes:
+    """``LeaseKeepAliveRequest{ID: lease}``: field 1, an int64 varint."""
+    if lease < 0:
+        raise ValueError(f"lease id {lease} is negative")
+    return b"\x08" + _varint(lease)
+
+
+def decode_keepalive(message: bytes) -> tuple[int, int]:
+    """``(ID, TTL)`` of a ``LeaseKeepAliveResponse`` (fields 2 and 3; a field proto3 left
+    out is 0, and etcd answers a TTL of 0 for a lease that no longer exists). The
+    header (field 1) is skipped; ValueError for anything that is not such a message."""
+    fields = {2: 0, 3: 0}
+    at = 0
+    while at < len(message):
+        key, at = _read_varint(message, at)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, at = _read_varint(message, at)
+            if number in fields:
+                fields[number] = value - (1 << 64) if value >= 1 << 63 else value
+        elif kind == 2:
+            length, at = _read_varint(message, at)
+            if at + length > len(message):
+                raise ValueError("a field runs past the message's end")
+            at += length
+        else:
+            raise ValueError(f"unexpected protobuf wire type {kind}")
+    return fields[2], fields[3]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | 0x80 if value else low)
+        if not value:
+            return bytes(out)
+
+
+def _read_varint(buf: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(buf) or shift > 63:
+            raise ValueError("a truncated or overlong varint")
+        byte = buf[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
+class KeepAliveStream:
+    """One keepalive stream at a time, to one endpoint, held across renewals.
+
+    Used by one thread at a time (the heartbeat sender, the writer's renewal thread),
+    like a store client; it outlives that thread's store clients, which are made again
+    after a failure, and is closed by its owner when it stops (:meth:`close`)."""
+
+    @classmethod
+    def for_options(cls, options: EtcdOptions) -> KeepAliveStream:
+        """A stream with the TLS files of a client's ``--rdzv-conf``."""
+        return cls(cacert=options.cacert, cert=options.cert, key=options.key,
+                   tls=options.protocol == "https")
+
+    def __init__(self, *, cacert: str | None = None, cert: str | None = None,
+                 key: str | None = None, tls: bool = False) -> None:
+        self._tls = tls or cacert is not None
+        self._files = (cacert, cert, key)
+        self._endpoint: str | None = None
+        self._channel: Any = None
+        self._call: Any = None
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[bytes | BaseException] = queue.SimpleQueue()
+        self.opened = 0  # streams made (the tests count them)
+
+    def renew(self, endpoint: str, lease: int, timeout_s: float) -> int:
+        """Renew ``lease`` at ``endpoint`` (``host:port``): the TTL etcd left it, or -1
+        when it no longer exists. RuntimeError saying why when no answer came within
+        ``timeout_s`` (the stream is then closed; the caller names the endpoint)."""
+        if endpoint != self._endpoint:
+            self.close()
+            self._open(endpoint)
+        self._outbox.put(encode_keepalive(lease))
+        try:
+            answer = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            self.close()
+            raise RuntimeError(f"keepalive stream: no answer within {timeout_s:g} s") from None
+        try:
+            if isinstance(answer, BaseException):
+                raise RuntimeError(_described(answer))
+            answered, ttl = decode_keepalive(answer)
+            if answered != lease:
+                raise RuntimeError(f"an answer for lease {answered}, not {lease}")
+        except (RuntimeError, ValueError) as error:
+            self.close()
+            raise RuntimeError(f"keepalive stream: {error}") from None
+        return ttl if ttl > 0 else -1
+
+    def close(self) -> None:
+        """End the stream and its channel (idempotent)."""
+        if self._call is not None:
+            self._outbox.put(None)  # ends grpcio's read of the request iterator
+            self._call.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        self._endpoint = self._channel = self._call = None
+
+    def _open(self, endpoint: str) -> None:
+        import grpc  # its C core starts threads: only in agents that renew leases
+
+        host, _, port = endpoint.rpartition(":")
+        target = f"[{host}]:{port}" if ":" in host else endpoint
+        # no proxy from the environment: etcd is reached directly, as by the gateway client
+        options = [("grpc.enable_http_proxy", 0)]
+        if self._tls:
+            cacert, cert, key = (Path(f).read_bytes() if f else None for f in self._files)
+            credentials = grpc.ssl_channel_credentials(cacert, key, cert)
+            channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(target, options=options)
+        outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        answers: queue.SimpleQueue[bytes | BaseException] = queue.SimpleQueue()
+        method = channel.stream_stream(LEASE_KEEPALIVE, request_serializer=_same,
+                                       response_deserializer=_same)
+        call = method(_drained(outbox))
+        threading.Thread(target=_relay, args=(call, answers), daemon=True,
+                         name="ftrun-etcd-keepalive").start()
+        self._endpoint, self._channel, self._call = endpoint, channel, call
+        self._outbox, self._answers = outbox, answers
+        self.opened += 1
+
+
+def _same(message: bytes) -> bytes:
+    return message
+
+
+def _drained(outbox: queue.SimpleQueue[bytes | None]) -> Iterator[bytes]:
+    while (message := outbox.get()) is not None:
+        yield message
+
+
+def _relay(call: Any, answers: queue.SimpleQueue[bytes | BaseException]) -> None:
+    """Hand each answer of ``call`` to the renewal waiting for it, then how it ended."""
+    try:
+        for answer in call:
+            answers.put(answer)
+        answers.put(RuntimeError("etcd ended the stream"))
+    except Exception as error:  # grpc.RpcError: the renewal names it
+        answers.put(error)
+
+
+def _described(error: BaseException) -> str:
+    """A gRPC error's code and details in one line (``UNAVAILABLE: failed to connect``)."""
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    if callable(code) and callable(details):
+        name = getattr(code(), "name", str(code()))
+        return f"{name}: {' '.join(str(details() or '').split())[:200]}"
+    return " ".join(str(error).split())[:200] or type(error).__name__

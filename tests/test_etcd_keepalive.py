@@ -1,0 +1,148 @@
+"""Lease renewals on etcd's gRPC keepalive stream (ftrun/control/etcdkeepalive.py), against
+a real loopback etcd member: one stream for many renewals, a renewal that really extends
+the lease, an expired lease, a frozen member and a dead endpoint."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
+from ftrun.control.etcdkeepalive import KeepAliveStream, decode_keepalive, encode_keepalive
+from tests.infra.etcd_cluster import FreezableRelay, etcd_missing_reason, loopback_etcd
+from tests.launch import wait_until
+
+needs_etcd = pytest.mark.skipif(etcd_missing_reason() is not None,
+                                reason=etcd_missing_reason() or "")
+
+
+def test_keepalive_messages_are_encoded_and_bad_answers_refused() -> None:
+    """The request is field 1, a varint; the answer's ID and TTL (fields 2, 3) are read
+    past its header (field 1, a message); anything else is a ValueError, never a guess."""
+    assert encode_keepalive(1) == b"\x08\x01"
+    assert encode_keepalive(300) == b"\x08\xac\x02"
+    header = b"\x0a\x06\x08\x01\x10\x02\x18\x03"  # {cluster_id: 1, member_id: 2, revision: 3}
+    lease = 7587883245391581955
+    answer = header + b"\x10" + encode_keepalive(lease)[1:] + b"\x18\x05"
+    assert decode_keepalive(answer) == (lease, 5)
+    assert decode_keepalive(header + b"\x10\x09") == (9, 0)  # proto3 leaves a TTL of 0 out
+    negative = b"\x18" + b"\xff" * 9 + b"\x01"  # int64 -1, as varints carry it
+    assert decode_keepalive(negative) == (0, -1)
+    for bad in (b"\x10", b"\x10\x80", b"\x0a\x09\x08", b"\x15\x00\x00\x00\x00",
+                b"\x10" + b"\xff" * 11):
+        with pytest.raises(ValueError):
+            decode_keepalive(bad)
+    with pytest.raises(ValueError):
+        encode_keepalive(-1)
+
+
+def _streams_started(endpoint: str) -> int:
+    """The member's ``LeaseKeepAlive`` streams so far (its /metrics): the gateway makes one
+    per renewal request, a held stream one in all."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    return sum(int(float(m[1])) for m in re.finditer(
+        r'^grpc_server_started_total\{[^}]*grpc_method="LeaseKeepAlive"[^}]*\} (\S+)$', text,
+        re.MULTILINE))
+
+
+@needs_etcd
+def test_a_lease_is_renewed_on_one_held_stream_and_an_ended_lease_says_so() -> None:
+    with loopback_etcd() as endpoint:
+        client = connect_etcd(EtcdOptions.parse(endpoint, {}), 10, op_timeout_s=2)
+        lease, granted = client.grant_ttl(4)
+        stream = KeepAliveStream.for_options(client.options)
+        before = _streams_started(endpoint)
+        try:
+            for _ in range(20):
+                assert 0 < client.keep_alive(lease, stream) <= granted
+            assert stream.opened == 1
+            assert _streams_started(endpoint) - before == 1  # not 20, as the gateway's
+            # the renewal reaches etcd: a lease that ran down is full again after one
+            wait_until(lambda: client.time_to_live(lease) <= granted - 2, 10,
+                       "the lease running down")
+            client.keep_alive(lease, stream)
+            assert client.time_to_live(lease) >= granted - 1
+            client.revoke(lease)
+            assert client.keep_alive(lease, stream) == -1  # etcd no longer holds it
+            assert stream.opened == 1
+        finally:
+            stream.close()
+
+
+@needs_etcd
+def test_a_frozen_member_fails_a_renewal_in_its_timeout_and_a_dead_one_moves_it_on() -> None:
+    """A member that accepts but never answers (SIGSTOP, as its clients see it) fails the
+    renewal within the client's request timeout, naming the endpoint; once it answers
+    again, the next renewal makes a new stream. With a refused endpoint first in the
+    list, a renewal moves on to the next one, as a request does."""
+    with loopback_etcd() as endpoint:
+        relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        try:
+            client = connect_etcd(EtcdOptions.parse(relay.endpoint, {}), 10, op_timeout_s=1)
+            lease, _ = client.grant_ttl(10)
+            stream = KeepAliveStream.for_options(client.options)
+            assert client.keep_alive(lease, stream) > 0
+            relay.freeze()
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match=re.escape(relay.endpoint)) as failed:
+                client.keep_alive(lease, stream)
+            assert time.monotonic() - started < 5, failed.value
+            assert "no answer within 1 s" in str(failed.value), failed.value
+            stream.close()
+
+            with socket.socket() as closed:
+                closed.bind(("127.0.0.1", 0))
+                refused = f"127.0.0.1:{closed.getsockname()[1]}"
+            both = connect_etcd(EtcdOptions.parse(f"{endpoint},{refused}", {}), 10,
+                                op_timeout_s=2)
+            both._current = 1  # as after a failover: the refused endpoint is asked first
+            assert both.keep_alive(lease, stream) > 0
+            assert both.endpoint == endpoint and stream.opened == 3
+            stream.close()
+        finally:
+            relay.close()
+
+
+@needs_etcd
+def test_a_heartbeat_sender_renews_on_one_stream_and_closes_it_when_it_stops() -> None:
+    """The agent's real heartbeat: its lease is renewed each interval on one stream, which
+    ends with the sender (etcd sees its keepalive streams go back to none)."""
+    from ftrun.control.auth import Signer
+    from ftrun.control.heartbeat import HeartbeatSender
+    from ftrun.control.store import JsonStore
+
+    with loopback_etcd() as endpoint:
+        options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/beat"})
+
+        def connect() -> EtcdClient:
+            return connect_etcd(options, 10, op_timeout_s=2)
+        store = JsonStore(connect(), "ftrun/beat", signer=Signer(b"t" * 16))
+        sender = HeartbeatSender(connect, store, "node-a", 0.1, 3.0)  # type: ignore[arg-type]
+        sender.start()
+        try:
+            wait_until(lambda: sender.seq >= 15 and sender.lease is not None
+                       and sender.lease.stream is not None, 20, "15 beats")
+            assert sender.lease is not None and sender.lease.stream is not None
+            assert sender.lease.stream.opened == 1 and sender.lease.expired == 0
+        finally:
+            sender.stop(timeout_s=5)
+        wait_until(lambda: _open_streams(endpoint) == 0, 10,
+                   "etcd's keepalive streams back to none")
+
+
+def _open_streams(endpoint: str) -> int:
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    started = handled = 0
+    for name, method, value in re.findall(
+            r'^grpc_server_(started|handled)_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\S+)$',
+            text, re.MULTILINE):
+        if method == "LeaseKeepAlive":
+            if name == "started":
+                started += int(float(value))
+            else:
+                handled += int(float(value))
+    return started - handled
