@@ -1553,8 +1553,10 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     (mode ``etcd``) on a one-member loopback etcd (tests/infra/etcd_cluster.py), each doing
     what an etcd-v3 agent's heartbeat does (ftrun.control.election.LeaseBeat: a lease of the
     heartbeat timeout, 5 s, granted once, the signed liveness key put bound to it, then one
-    keepalive every ``interval``) over an HTTP/1.1 keep-alive connection of its own to
-    etcd's v3 JSON gateway, and holding a presence connection with its pings. The writer
+    keepalive every ``interval``: the grant and the put over an HTTP/1.1 keep-alive
+    connection of its own to etcd's v3 JSON gateway, the renewals as messages on etcd's
+    gRPC keepalive stream on an HTTP/2 connection of its own), and holding a presence
+    connection with its pings. The writer
     is ftrun's own code in this process: a HeartbeatMonitor on the etcd-v3 client (its
     LeaseView watches the liveness keys) with the PresenceServer, scanned every
     NodeWatch period. ``end_watches`` of the agents (default all) also watch the
@@ -1670,16 +1672,18 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
         "agents": n, "backend": "etcd-v3", "processes": procs,
         "harness": (f"{n} event-driven simulated agents (scripts/loadgen.py, mode etcd) in "
                     f"{procs} processes: each a lease of {timeout_s:g} s and its signed "
-                    "liveness key, then a keepalive every interval, over an HTTP/1.1 "
-                    "keep-alive connection of its own to a one-member loopback etcd's v3 "
-                    "gateway, and a presence connection with its pings; "
+                    "liveness key (granted and put over an HTTP/1.1 keep-alive connection "
+                    "of its own to a one-member loopback etcd's v3 gateway), then a "
+                    "keepalive every interval as a message on etcd's gRPC keepalive stream "
+                    "(an HTTP/2 connection of its own), and a presence connection with its "
+                    "pings; "
                     f"{watches} of them also an end watch as the EndWatcher's (one watch "
                     "stream, and once etcd confirmed it a read on a connection made for it, "
                     f"the stream held across its {slice_s:.3g} s slices until the gateway "
                     f"ends it at {HOLD_S:g} s, then a stream and a read again); this "
                     "process is the writer: ftrun's HeartbeatMonitor (LeaseView) with the "
                     "PresenceServer"),
-        "connections": n + watches, "presence_connections": n, "end_watchers": watches,
+        "connections": 2 * n + watches, "presence_connections": n, "end_watchers": watches,
         "end_wait_slice_s": slice_s, "interval_s": interval,
         "heartbeat_timeout_s": timeout_s, "window_s": round(window, 2),
         "setup_s": round(setup_s, 1), "agents_kept_a_lease_before_window": beaten,
@@ -1895,7 +1899,11 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                             "harness": "events (scripts/loadgen.py)" if fleet else
                             "threads (DynamicRendezvous.join per agent)",
                             "switch_interval_s": switch_interval,
-                            "connections": (2 if heartbeats else 1) * (n - 1),
+                            # etcd-v3: the main client, and with heartbeats the beat's
+                            # gateway connection and its keepalive stream's (the held
+                            # wait's stream, one per wait, not counted)
+                            "connections": (1 + (2 if etcd is not None else 1) *
+                                            heartbeats) * (n - 1),
                             "heartbeats": heartbeats,
                             "resolver_options": os.environ.get("RES_OPTIONS")}
     try:

@@ -1,7 +1,8 @@
 """What one lease keepalive costs an etcd member: over etcd's native gRPC stream, or as a
-JSON gateway request (what ftrun's etcd-v3 heartbeat, ``LeaseBeat``, sends today).
+JSON gateway request (what ftrun's etcd-v3 heartbeat, ``LeaseBeat``, sent before it
+renewed on the stream: ftrun/control/etcdkeepalive.py).
 
-Why: on one loopback member the gateway keepalives are what limits etcd-v3 store load
+Why: on one loopback member the gateway keepalives were what limited etcd-v3 store load
 (about 2,000 agents a second, README "Scale of the control plane"), and a request through
 the gateway costs etcd several times its gRPC work. This measures the member's CPU per
 keepalive both ways, side by side in one run: ``--leases`` leases (TTL 30 s) kept alive
@@ -11,8 +12,8 @@ stream of its own (one HTTP/2 channel), then each with a POST to ``/v3/lease/kee
 The protobuf messages are written by hand (an int64 field each) so that no generated code
 is needed.
 
-Needs ``grpcio``, which is not a dependency of ftrun (``pip install grpcio``), and Debian's
-``etcd-server``. Prints a table and, with ``--json``, one JSON object. Above about 500
+Needs ``grpcio`` (a dependency of ftrun's since the agents renew on the stream) and
+Debian's ``etcd-server``. Prints a table and, with ``--json``, one JSON object. Above about 500
 leases the stream side's client threads (grpcio runs a thread per request iterator) load
 this 2-core machine more than etcd does, so keep ``--leases`` small.
 

@@ -27,9 +27,12 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   ``ping_s``, and a signed goodbye when the run ends.
 * **etcd-v3** (mode ``etcd``, :class:`ftrun.control.election.LeaseBeat`): over an HTTP/1.1
   keep-alive connection of its own to etcd's v3 JSON gateway, a lease of the heartbeat
-  timeout (``/v3/lease/grant``), the signed liveness record naming it put bound to it
-  (``/v3/kv/put``), then a ``/v3/lease/keepalive`` every ``interval`` (one in flight; a
-  lease found expired is granted and put again); plus the presence connection, and (unless
+  timeout (``/v3/lease/grant``) and the signed liveness record naming it put bound to it
+  (``/v3/kv/put``); then a renewal every ``interval`` as a message on etcd's gRPC
+  ``LeaseKeepAlive`` stream, held on an HTTP/2 connection of its own (:class:`GrpcConn`,
+  as ``ftrun.control.etcdkeepalive.KeepAliveStream`` holds it; one in flight; one
+  unanswered for the request timeout, or a stream etcd ended, is a new connection and
+  stream; a lease found expired is granted and put again); plus the presence connection, and (unless
   ``end_watch`` is off, for agents below ``end_watch_below``) the EndWatcher's client as
   ``EtcdClient.wait_any`` holds it: one watch stream (``/v3/watch``) of ``gen/<N>/end``
   from the store's revision when etcd makes it, on a connection of its own, and once etcd
@@ -746,7 +749,10 @@ class GrpcConn(_Conn):
             elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset,
                                     h2.events.ConnectionTerminated,
                                     h2.events.TrailersReceived)):
-                self.failed(f"etcd ended the stream ({type(event).__name__})")
+                said = dict(getattr(event, "headers", None) or [])
+                status = said.get(b"grpc-message", said.get(b"grpc-status", b"")).decode(
+                    errors="replace")[:60]
+                self.failed(f"etcd ended the stream ({type(event).__name__} {status})".strip())
                 return
         pending = self.h2.data_to_send()
         if pending:
