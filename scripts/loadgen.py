@@ -30,9 +30,10 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   timeout (``/v3/lease/grant``) and the signed liveness record naming it put bound to it
   (``/v3/kv/put``); then a renewal every ``interval`` as a message on etcd's gRPC
   ``LeaseKeepAlive`` stream, held on an HTTP/2 connection of its own (:class:`GrpcConn`,
-  as ``ftrun.control.etcdkeepalive.KeepAliveStream`` holds it; one in flight; one
-  unanswered for the request timeout, or a stream etcd ended, is a new connection and
-  stream; a lease found expired is granted and put again); plus the presence connection, and (unless
+  as ``ftrun.control.etcdkeepalive.KeepAliveStream`` holds it; one in flight, and one more
+  on the same stream once it went unanswered for the request timeout; a stream etcd
+  ended is a new connection and stream; a lease found expired is granted and put again);
+  plus the presence connection, and (unless
   ``end_watch`` is off, for agents below ``end_watch_below``) the EndWatcher's client as
   ``EtcdClient.wait_any`` holds it: one watch stream (``/v3/watch``) of ``gen/<N>/end``
   from the store's revision when etcd makes it, on a connection of its own, and once etcd
@@ -672,8 +673,10 @@ class GrpcConn(_Conn):
     channel: each renewal is a gRPC message (a zero byte, a big-endian length, the
     request ``etcdkeepalive.encode_keepalive`` writes) in a DATA frame, each answer one
     back. The HTTP/2 framing, HPACK and flow control are the ``h2`` library's; one renewal
-    in flight. A stream etcd ends or resets, or a closed connection, is a failure: the
-    agent makes a new connection, as the real stream is made again."""
+    in flight, or one more once it went unanswered for the request timeout (counted as a
+    failed beat; the stream is kept, as the real one is, and any answer then counts). A
+    stream etcd ends or resets, or a closed connection, is a failure: the agent makes a new
+    connection, as the real stream is made again."""
 
     def __init__(self, gen: Generator, agent: Agent) -> None:
         super().__init__(gen, gen.etcd_port)
@@ -854,9 +857,10 @@ class Agent:
         if conn is None or not conn.live or self.frozen or not self.placed:
             return
         if conn.waiting:  # the last renewal is unanswered
-            if gen.loop.now - conn.sent_at > gen.op_timeout:  # given up: a new stream
-                conn.failed("no answer within the request timeout")
-            return
+            if gen.loop.now - conn.sent_at <= gen.op_timeout:
+                return
+            # given up, as a failed beat; the stream is kept and the next renewal sent
+            gen.count_error("etcd.keepalive stream: no answer within the request timeout")
         conn.renew(self.lease)
 
     def renewed(self, ttl: int) -> None:

@@ -8,7 +8,6 @@ per host. Skipped only when etcd-server (or, for the job, iproute2/iptables) is 
 from __future__ import annotations
 
 import base64
-import contextlib
 import itertools
 import json
 import os
@@ -25,7 +24,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import psutil
 import pytest
 
 from ftrun.cli import config_from_args
@@ -39,6 +37,8 @@ from tests.infra.etcd_cluster import (
     FreezableRelay,
     etcd_missing_reason,
     loopback_etcd,
+    member_process,
+    suspend,
 )
 from tests.launch import REPO, Launch, launcher, wait_until
 from tests.lines import Done, ElasticStep, find, parse, reached
@@ -178,7 +178,7 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
                 self.tries += 1
                 super()._offer(number, slot)
 
-        member = _member(endpoint)
+        member = member_process(endpoint)
         joiner = Counted(_quick_store(options, "ftrun/retry"), min_nodes=2, max_nodes=2,
                          last_call_s=0.5, is_leader=False, poll_s=0.02,
                          interrupted=lambda: False)
@@ -188,7 +188,7 @@ def test_etcd_store_operations_signed_records_and_failover() -> None:
             min_nodes=2, max_nodes=2, last_call_s=0.5, is_leader=True, poll_s=0.02,
             interrupted=lambda: False)
         retried: dict[str, object] = {}
-        _suspend(member)
+        suspend(member)
         try:
             late = threading.Thread(target=_join_into, args=(
                 retried, "joiner", joiner, NodeSlot(-1, 1, "10.0.0.2", "h2", 1, "node-2")))
@@ -245,28 +245,6 @@ def _lead_node_2_in(options: EtcdOptions, prefix: str, waiting: threading.Thread
     assert generation.node("node-2").node_rank == 1, generation  # type: ignore[union-attr]
 
 
-def _member(endpoint: str) -> psutil.Process:
-    """The loopback etcd member serving ``endpoint``."""
-    return psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
-                               if c.status == psutil.CONN_LISTEN and c.pid
-                               and f"127.0.0.1:{c.laddr.port}" == endpoint))
-
-
-def _suspend(member: psutil.Process) -> None:
-    """SIGSTOP the member and wait until every thread of it has stopped. A thread that is
-    running on the other core when the signal comes may first answer a request already
-    sent (a CI run saw a keepalive answered right after ``suspend()``)."""
-    member.suspend()
-
-    def stopped() -> bool:
-        for task in Path(f"/proc/{member.pid}/task").iterdir():
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "Tt":
-                    return False
-        return True
-    wait_until(stopped, 10, "every thread of the etcd member stopped")
-
-
 def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_answers() -> None:
     """The writer's reads while it waits for slots fail while the etcd member is frozen
     (every request times out, the store's own retries spent): it reads again until the
@@ -288,7 +266,7 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
         def _frozen(self, kind: str, read: Callable[[], Any]) -> Any:
             if self.failed[kind]:
                 return read()
-            _suspend(member)
+            suspend(member)
             try:
                 return read()
             except StoreError:
@@ -305,7 +283,7 @@ def test_a_leader_whose_reads_fail_under_load_forms_the_generation_once_etcd_ans
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
-        member = _member(endpoint)
+        member = member_process(endpoint)
         leader = Frozen(_quick_store(options, "ftrun/lead"), min_nodes=2, max_nodes=2,
                         last_call_s=0.5, is_leader=True, poll_s=0.02,
                         interrupted=lambda: False)
@@ -367,7 +345,7 @@ def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_
 
     with loopback_etcd() as endpoint:
         options = EtcdOptions.parse(endpoint, {"etcd_prefix": "/ftrun"})
-        member = _member(endpoint)
+        member = member_process(endpoint)
         store = _quick_store(options, "ftrun/wait", Counted)
         beat = connect_etcd(options, 10, op_timeout_s=0.4)  # the agent's heartbeat client
         joiner = DynamicRendezvous(store, min_nodes=2, max_nodes=2, last_call_s=0.5,
@@ -381,7 +359,7 @@ def test_an_agent_whose_member_goes_silent_while_it_waits_still_joins_once_etcd_
                    "the joiner's held watch")
         wait_until(lambda: store.slices >= 2, 30, "a slice on the held watch")
         assert store.reconnects == 0
-        _suspend(member)
+        suspend(member)
         try:
             if noticed_by == "heartbeat":
                 stream = KeepAliveStream.for_options(options)

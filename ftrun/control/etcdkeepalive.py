@@ -17,17 +17,22 @@ is needed; grpcio carries them as bytes. The stream goes to the same client URL 
 gateway (etcd serves both on its client port), with the same TLS files.
 
 Timeouts and errors: :meth:`KeepAliveStream.renew` waits at most its ``timeout_s`` for
-the answer. A stream that cannot be made, that broke, that gave no answer in time or an
-answer for another lease is closed, and ``RuntimeError`` says why; the next renewal makes a
-new stream (``EtcdClient.keep_alive`` names the endpoint and moves to the next one, as
-after a failed request). A late answer to a renewal that was given up is dropped with its stream.
-Nothing else is swallowed.
+the answer, and ``RuntimeError`` says why when none came or the stream failed.
+``EtcdClient.keep_alive`` then names the endpoint and moves to the next one, as after a
+failed request: a renewal there makes a new stream. A stream that broke, or that sent what
+is not a keepalive answer, is closed; one that only answered late is kept. etcd makes a
+renewal wait for its applied index to catch up, so under a burst of writes answers come
+late from a member that is alive; a new connection and stream for each late answer (the
+first version) made more work for a member already behind, in a cascade (README, store
+load). An answer that comes after its renewal gave up is dropped unread by the next one;
+a late answer for a lease the beat no longer holds is skipped. Nothing else is swallowed.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,26 +124,46 @@ class KeepAliveStream:
     def renew(self, endpoint: str, lease: int, timeout_s: float) -> int:
         """Renew ``lease`` at ``endpoint`` (``host:port``): the TTL etcd left it, or -1
         when it no longer exists. RuntimeError saying why when no answer came within
-        ``timeout_s`` (the stream is then closed; the caller names the endpoint)."""
+        ``timeout_s`` (the caller names the endpoint). A late answer is no failure of the
+        stream: it stays, and the next renewal on it takes the first answer for the lease
+        that comes after its own request was sent (etcd answers in order, each as it
+        renews, so that answer is a renewal made since)."""
         if endpoint != self._endpoint:
             self.close()
             self._open(endpoint)
+        deadline = time.monotonic() + timeout_s
+        self._drain(endpoint)
         self._outbox.put(encode_keepalive(lease))
-        try:
-            answer = self._answers.get(timeout=timeout_s)
-        except queue.Empty:
-            self.close()
-            raise RuntimeError(f"keepalive stream: no answer within {timeout_s:g} s") from None
-        try:
+        while True:
+            try:
+                answer = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"keepalive stream: no answer within {timeout_s:g} s"
+                                   ) from None
+            try:
+                if isinstance(answer, BaseException):
+                    raise RuntimeError(_described(answer))
+                answered, ttl = decode_keepalive(answer)
+            except (RuntimeError, ValueError) as error:
+                self.close()
+                raise RuntimeError(f"keepalive stream: {error}") from None
+            if answered == lease:
+                return ttl if ttl > 0 else -1
+            # a late answer for a lease this beat held before (it expired and was
+            # granted again): no news of this one
+
+    def _drain(self, endpoint: str) -> None:
+        """Drop the answers that came after their renewal gave up on them: they are older
+        than the one the caller waits for. A stream that broke meanwhile is made again."""
+        while True:
+            try:
+                answer = self._answers.get_nowait()
+            except queue.Empty:
+                return
             if isinstance(answer, BaseException):
-                raise RuntimeError(_described(answer))
-            answered, ttl = decode_keepalive(answer)
-            if answered != lease:
-                raise RuntimeError(f"an answer for lease {answered}, not {lease}")
-        except (RuntimeError, ValueError) as error:
-            self.close()
-            raise RuntimeError(f"keepalive stream: {error}") from None
-        return ttl if ttl > 0 else -1
+                self.close()
+                self._open(endpoint)
+                return
 
     def close(self) -> None:
         """End the stream and its channel (idempotent)."""

@@ -31,9 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from tests.infra.netns import NetnsHost
 
-__all__ = ["EtcdCluster", "ServerTls", "etcd_missing_reason", "loopback_etcd"]
+__all__ = ["EtcdCluster", "ServerTls", "etcd_missing_reason", "loopback_etcd", "member_process",
+           "suspend"]
 
 _seq = itertools.count()
 
@@ -245,3 +248,29 @@ class FreezableRelay:
     def close(self) -> None:
         for sock in self.socks:
             sock.close()
+
+
+def member_process(endpoint: str) -> psutil.Process:
+    """The loopback etcd member serving ``endpoint``."""
+    return psutil.Process(next(c.pid for c in psutil.net_connections("tcp")
+                               if c.status == psutil.CONN_LISTEN and c.pid
+                               and f"127.0.0.1:{c.laddr.port}" == endpoint))
+
+
+def suspend(member: psutil.Process) -> None:
+    """SIGSTOP the member and wait until every thread of it has stopped. A thread that is
+    running on the other core when the signal comes may first answer a request already
+    sent (a CI run saw a keepalive answered right after ``suspend()``)."""
+    member.suspend()
+
+    def stopped() -> bool:
+        for task in Path(f"/proc/{member.pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "Tt":
+                    return False
+        return True
+    deadline = time.monotonic() + 10
+    while not stopped():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"etcd member {member.pid}: not every thread stopped in 10 s")
+        time.sleep(0.01)
