@@ -26,9 +26,9 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   server's nonce, a signed ``{"node_id", "nonce", "ping_s"}``), then an empty line every
   ``ping_s``, and a signed goodbye when the run ends.
 * **etcd-v3** (mode ``etcd``, :class:`ftrun.control.election.LeaseBeat`): over an HTTP/1.1
-  keep-alive connection of its own to etcd's v3 JSON gateway, a lease of the heartbeat
-  timeout (``/v3/lease/grant``) and the signed liveness record naming it put bound to it
-  (``/v3/kv/put``); then a renewal every ``interval`` as a message on etcd's gRPC
+  keep-alive connection of its own to etcd's v3 JSON gateway, at its first beat, a lease of
+  the heartbeat timeout (``/v3/lease/grant``) and the signed liveness record naming it put
+  bound to it (``/v3/kv/put``); then a renewal every ``interval`` as a message on etcd's gRPC
   ``LeaseKeepAlive`` stream, held on an HTTP/2 connection of its own (:class:`GrpcConn`,
   as ``ftrun.control.etcdkeepalive.KeepAliveStream`` holds it; one in flight, and one more
   on the same stream once it went unanswered for the request timeout; a stream etcd
@@ -809,7 +809,7 @@ class Agent:
         self.next_step: Callable[[], None] | None = None  # once jc is (re)connected
         self.step: Callable[[], None] | None = None  # jc's request now (again if it fails)
         self.lease = 0
-        self.placed = False
+        self.placed = self.granting = False
         if on_etcd:
             self.hb = self.ew = None
         self.seq = 0
@@ -835,8 +835,14 @@ class Agent:
 
     # etcd-v3: the beat is a lease kept alive (ftrun.control.election.LeaseBeat)
     def http_live(self) -> None:
+        """The beat's gateway connection is made: its first beat grants the lease (at
+        once, as an agent's first beat does; granted here, a lease could expire before the
+        harness starts every agent's beats, once the last of thousands connected)."""
+
+    def _grant(self) -> None:
         """Grant the lease, then put the signed liveness key bound to it."""
         assert self.http is not None
+        self.granting = True
         self.http.post("/lease/grant", {"TTL": self.gen.ttl_s, "ID": 0}, self._granted)
 
     def _granted(self, answer: dict[str, Any]) -> None:
@@ -850,11 +856,17 @@ class Agent:
                        self._placed)
 
     def _placed(self, answer: dict[str, Any]) -> None:
-        self.placed = True
+        self.placed, self.granting = True, False
 
     def beat_etcd(self) -> None:
         conn, gen = self.grpc, self.gen
-        if conn is None or not conn.live or self.frozen or not self.placed:
+        if self.frozen or self.http is None or not self.http.live:
+            return
+        if not self.placed:
+            if not self.granting:
+                self._grant()
+            return
+        if conn is None or not conn.live:
             return
         if conn.waiting:  # the last renewal is unanswered
             if gen.loop.now - conn.sent_at <= gen.op_timeout:
@@ -873,7 +885,7 @@ class Agent:
         if ttl <= 0:  # expired: grant and put again
             gen.count_error("etcd.lease expired")
             self.placed = False
-            self.http_live()
+            self._grant()
 
     def grpc_failed(self, conn: GrpcConn) -> None:
         if self.frozen or conn is not self.grpc:
