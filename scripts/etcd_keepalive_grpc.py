@@ -37,48 +37,13 @@ from typing import Any
 import psutil
 import requests
 
+from ftrun.control.etcdkeepalive import decode_keepalive, encode_keepalive
+
 
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | 0x80 if n else low)
-        if not n:
-            return bytes(out)
-
-
-def _field(message: bytes, number: int) -> int:
-    """The varint field ``number`` of a protobuf message (skipping length-delimited ones)."""
-    i = 0
-    while i < len(message):
-        key, i = _read_varint(message, i)
-        if key & 7 == 0:
-            value, i = _read_varint(message, i)
-            if key >> 3 == number:
-                return value
-        elif key & 7 == 2:
-            length, i = _read_varint(message, i)
-            i += length
-        else:
-            raise ValueError(f"wire type {key & 7}")
-    raise ValueError(f"no field {number}")
-
-
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        byte = buf[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, i
 
 
 def measure(leases: int, seconds: float) -> dict[str, Any]:
@@ -120,7 +85,9 @@ def measure(leases: int, seconds: float) -> dict[str, Any]:
         same = lambda x: x  # noqa: E731  (messages are bytes both ways)
         grant = channel.unary_unary("/etcdserverpb.Lease/LeaseGrant",
                                     request_serializer=same, response_deserializer=same)
-        ids = [_field(grant(b"\x08" + _varint(30), timeout=10), 2) for _ in range(leases)]
+        # LeaseGrantRequest{TTL: 30} is field 1 too; its answer has the ID in field 2
+        ids = [decode_keepalive(grant(encode_keepalive(30), timeout=10))[0]
+               for _ in range(leases)]
 
         keepalive = channel.stream_stream("/etcdserverpb.Lease/LeaseKeepAlive",
                                           request_serializer=same, response_deserializer=same)
@@ -142,7 +109,7 @@ def measure(leases: int, seconds: float) -> dict[str, Any]:
             due = time.monotonic()
             while not stop.is_set():
                 for inbox, lease in zip(inboxes, ids, strict=True):
-                    inbox.put(b"\x08" + _varint(lease))
+                    inbox.put(encode_keepalive(lease))
                 due += 1.0
                 time.sleep(max(0.0, due - time.monotonic()))
         threading.Thread(target=pump, daemon=True).start()

@@ -231,6 +231,17 @@ class _Conn:
     def connecting(self, sock: socket.socket) -> None:
         raise NotImplementedError
 
+    def _connected(self) -> bool:
+        """A non-blocking connect to etcd finished: whether it succeeded (then the socket
+        is watched for reading); a failure is given to the connect queue to try again."""
+        assert self.sock is not None
+        if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self.close()
+            self.gen.connect_done(self, "etcd connect failed")
+            return False
+        self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
+        return True
+
     def reset(self) -> None:
         raise NotImplementedError
 
@@ -512,14 +523,9 @@ class HttpConn(_Conn):
         self.gen.loop.sel.register(sock, selectors.EVENT_WRITE, self._on_connect)
 
     def _on_connect(self, mask: int) -> None:
-        assert self.sock is not None
-        if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-            self.close()
-            self.gen.connect_done(self, "etcd connect failed")
-            return
-        self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
-        self.live = True
-        self.gen.connect_done(self, "")
+        if self._connected():
+            self.live = True
+            self.gen.connect_done(self, "")
         self.on_live()
 
     def reset(self) -> None:
@@ -694,12 +700,8 @@ class GrpcConn(_Conn):
         import h2.config
         import h2.connection
 
-        assert self.sock is not None
-        if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-            self.close()
-            self.gen.connect_done(self, "etcd connect failed")
+        if not self._connected():
             return
-        self.gen.loop.sel.modify(self.sock, selectors.EVENT_READ, self._on_read)
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
             client_side=True, header_encoding=None))
         self.h2.initiate_connection()

@@ -37,10 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ftrun.control.etcd import EtcdOptions
+from typing import Any, Protocol
 
 #: etcd's keepalive method: a stream of requests, each answered in order on the response
 #: stream (etcdserverpb/rpc.proto).
@@ -99,6 +96,19 @@ def _read_varint(buf: bytes, at: int) -> tuple[int, int]:
             return value, at
 
 
+class TlsOptions(Protocol):
+    """What a stream needs of a client's options (``EtcdOptions`` has it)."""
+
+    @property
+    def protocol(self) -> str: ...
+    @property
+    def cacert(self) -> str | None: ...
+    @property
+    def cert(self) -> str | None: ...
+    @property
+    def key(self) -> str | None: ...
+
+
 class KeepAliveStream:
     """One keepalive stream at a time, to one endpoint, held across renewals.
 
@@ -107,7 +117,7 @@ class KeepAliveStream:
     after a failure, and is closed by its owner when it stops (:meth:`close`)."""
 
     @classmethod
-    def for_options(cls, options: EtcdOptions) -> KeepAliveStream:
+    def for_options(cls, options: TlsOptions) -> KeepAliveStream:
         """A stream with the TLS files of a client's ``--rdzv-conf``."""
         return cls(cacert=options.cacert, cert=options.cert, key=options.key,
                    tls=options.protocol == "https")
@@ -130,11 +140,12 @@ class KeepAliveStream:
         stream: it stays, and the next renewal on it takes the first answer for the lease
         that comes after its own request was sent (etcd answers in order, each as it
         renews, so that answer is a renewal made since)."""
+        deadline = time.monotonic() + timeout_s
         if endpoint != self._endpoint:
             self.close()
             self._open(endpoint)
-        deadline = time.monotonic() + timeout_s
-        self._drain(endpoint)
+        else:  # a new stream has no earlier answers, and its failure is this renewal's
+            self._drain(endpoint)
         self._outbox.put(encode_keepalive(lease))
         while True:
             try:
