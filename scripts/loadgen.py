@@ -96,6 +96,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import h2.config
+import h2.connection
+import h2.events
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftrun.control.assignments import Assignment, NodeSlot
@@ -697,9 +701,6 @@ class GrpcConn(_Conn):
         self.gen.loop.sel.register(sock, selectors.EVENT_WRITE, self._on_connect)
 
     def _on_connect(self, mask: int) -> None:
-        import h2.config
-        import h2.connection
-
         if not self._connected():
             return
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
@@ -733,8 +734,6 @@ class GrpcConn(_Conn):
         self.agent.grpc_failed(self)
 
     def _on_read(self, mask: int) -> None:
-        import h2.events
-
         data = self.receive(65536)
         if data is None:
             return

@@ -124,7 +124,7 @@ class KeepAliveStream:
 
     def __init__(self, *, cacert: str | None = None, cert: str | None = None,
                  key: str | None = None, tls: bool = False) -> None:
-        self._tls = tls or cacert is not None
+        self._tls = tls
         self._files = (cacert, cert, key)
         self._endpoint: str | None = None
         self._channel: Any = None
