@@ -1672,8 +1672,9 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
         "agents": n, "backend": "etcd-v3", "processes": procs,
         "harness": (f"{n} event-driven simulated agents (scripts/loadgen.py, mode etcd) in "
                     f"{procs} processes: each a lease of {timeout_s:g} s and its signed "
-                    "liveness key (granted and put over an HTTP/1.1 keep-alive connection "
-                    "of its own to a one-member loopback etcd's v3 gateway), then a "
+                    "liveness key (granted and put over an HTTP/1.1 connection made for "
+                    "them to a one-member loopback etcd's v3 gateway, closed once the key "
+                    "is put, as LeaseBeat's), then a "
                     "keepalive every interval as a message on etcd's gRPC keepalive stream "
                     "(an HTTP/2 connection of its own), and a presence connection with its "
                     "pings; "

@@ -25,10 +25,11 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
 * **presence connection** (:mod:`ftrun.control.presence`): the authenticated hello (the
   server's nonce, a signed ``{"node_id", "nonce", "ping_s"}``), then an empty line every
   ``ping_s``, and a signed goodbye when the run ends.
-* **etcd-v3** (mode ``etcd``, :class:`ftrun.control.election.LeaseBeat`): over an HTTP/1.1
-  keep-alive connection of its own to etcd's v3 JSON gateway, at its first beat, a lease of
-  the heartbeat timeout (``/v3/lease/grant``) and the signed liveness record naming it put
-  bound to it (``/v3/kv/put``); then a renewal every ``interval`` as a message on etcd's gRPC
+* **etcd-v3** (mode ``etcd``, :class:`ftrun.control.election.LeaseBeat`): at its first beat,
+  over an HTTP/1.1 connection to etcd's v3 JSON gateway made for them and closed once they
+  are answered (LeaseBeat drops its idle gateway connection), a lease of the heartbeat
+  timeout (``/v3/lease/grant``) and the signed liveness record naming it put bound to it
+  (``/v3/kv/put``); then a renewal every ``interval`` as a message on etcd's gRPC
   ``LeaseKeepAlive`` stream, held on an HTTP/2 connection of its own (:class:`GrpcConn`,
   as ``ftrun.control.etcdkeepalive.KeepAliveStream`` holds it; one in flight, and one more
   on the same stream once it went unanswered for the request timeout; a stream etcd
@@ -91,6 +92,7 @@ import socket
 import struct
 import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -197,7 +199,10 @@ class Loop:
             _, _, fn, args = heapq.heappop(heap)
             fn(*args)
         wait = min(max_wait, heap[0][0] - time.time()) if heap else max_wait
+        registered = self.sel.get_map()
         for key, mask in self.sel.select(max(0.0, wait)):
+            if registered.get(key.fd) is not key:
+                continue  # closed by an earlier callback of this pass (its fd maybe reused)
             self.now = time.time()
             key.data(mask)
 
@@ -788,9 +793,11 @@ class Agent:
         self.pres: PresenceConn | None = PresenceConn(gen, self) if gen.presence_port \
             else None
         on_etcd = gen.mode == "etcd" or (gen.mode == "rdzv" and gen.etcd_port > 0)
-        self.http: HttpConn | None = HttpConn(gen, self) if on_etcd and gen.heartbeats \
-            else None
-        # the lease's renewals: LeaseBeat's KeepAliveStream (grant and put on self.http)
+        # the beat's grant and put (LeaseBeat's store client): a connection made for them,
+        # closed once the key is put, as LeaseBeat drops its idle gateway connection
+        self.http: HttpConn | None = HttpConn(gen, self, on_failed=self._http_failed) \
+            if on_etcd and gen.heartbeats else None
+        # the lease's renewals: LeaseBeat's KeepAliveStream
         self.grpc: GrpcConn | None = GrpcConn(gen, self) if self.http is not None else None
         # etcd-v3 rendezvous: the agent's main client (its offer and reads), and its held
         # wait's stream (HeldWatch: a connection made for each stream, not at set-up)
@@ -828,23 +835,42 @@ class Agent:
         self.joined: list[Any] | str | None = None
 
     def conns(self) -> list[_Conn]:
-        return [c for c in (self.hb, self.ew, self.pres, self.http, self.grpc, self.jc,
-                            self.ewc) if c is not None]
+        """The connections held from the set-up on (not the beat's gateway connection,
+        made for each grant and put)."""
+        return [c for c in (self.hb, self.ew, self.pres, self.grpc, self.jc, self.ewc)
+                if c is not None]
 
     def watches_end(self) -> bool:
         return (self.ew is not None or self.ewc is not None) and not self.frozen
 
     # etcd-v3: the beat is a lease kept alive (ftrun.control.election.LeaseBeat)
     def http_live(self) -> None:
-        """The beat's gateway connection is made: its first beat grants the lease (at
-        once, as an agent's first beat does; granted here, a lease could expire before the
-        harness starts every agent's beats, once the last of thousands connected)."""
+        """The beat's gateway connection, made at a beat that needs a lease (the first
+        beat, or one that found the lease expired; made at the set-up, a lease could expire
+        before the harness starts every agent's beats, once the last of thousands
+        connected), is up: grant the lease."""
+        if self.http is not None and self.http.live and self.granting and not self.frozen:
+            self._grant()
+
+    def _needs_lease(self) -> None:
+        """Grant and put at this beat, on a gateway connection made for them (never while
+        that connection waits to be made: it would be queued twice)."""
+        assert self.http is not None and (self.http.live or not self.granting)
+        self.granting, self.placed = True, False
+        self.http.close()
+        self.http.open()  # then http_live grants
 
     def _grant(self) -> None:
         """Grant the lease, then put the signed liveness key bound to it."""
         assert self.http is not None
-        self.granting = True
         self.http.post("/lease/grant", {"TTL": self.gen.ttl_s, "ID": 0}, self._granted)
+
+    def _http_failed(self, why: str) -> None:
+        """A grant or put failed (counted by the connection): the next beat tries again on
+        a new connection, as LeaseBeat's next beat does."""
+        assert self.http is not None
+        self.http.close()
+        self.granting = False
 
     def _granted(self, answer: dict[str, Any]) -> None:
         gen = self.gen
@@ -858,14 +884,20 @@ class Agent:
 
     def _placed(self, answer: dict[str, Any]) -> None:
         self.placed, self.granting = True, False
+        assert self.http is not None
+        self.http.close()  # the renewals go on the stream
 
     def beat_etcd(self) -> None:
         conn, gen = self.grpc, self.gen
-        if self.frozen or self.http is None or not self.http.live:
+        if self.frozen or self.http is None:
             return
         if not self.placed:
             if not self.granting:
-                self._grant()
+                self._needs_lease()
+            elif self.http.live and gen.loop.now - self.http.sent_at > gen.op_timeout \
+                    and self.http.callback is not None:  # unanswered: the request's bound
+                gen.count_error("etcd.lease grant or put: no answer within the request timeout")
+                self._needs_lease()
             return
         if conn is None or not conn.live:
             return
@@ -883,10 +915,9 @@ class Agent:
         if gen.in_window(gen.loop.now):
             gen.count("etcd.keepalive", 1)
             gen.heartbeat_s.append(gen.loop.now - conn.sent_at)
-        if ttl <= 0:  # expired: grant and put again
-            gen.count_error("etcd.lease expired")
-            self.placed = False
-            self._grant()
+        if ttl <= 0 and not self.granting:  # expired: grant and put again (once: a
+            gen.count_error("etcd.lease expired")  # second renewal may say it again)
+            self._needs_lease()
 
     def grpc_failed(self, conn: GrpcConn) -> None:
         if self.frozen or conn is not self.grpc:
@@ -1578,7 +1609,7 @@ class Generator:
             for agent in self.agents:
                 if agent.index in chosen:
                     agent.frozen = True
-                    for conn in agent.conns():
+                    for conn in [*agent.conns(), *([agent.http] if agent.http else [])]:
                         conn.close()
         elif what == "join":
             self.deadline = time.time() + float(cmd.get("timeout", 120.0))
@@ -1649,8 +1680,10 @@ def main() -> None:
         generator = Generator(json.loads(line))
         generator.stdin_buf = rest
         generator.run()
-    except Exception as error:  # reported to the harness in one line
-        say({"event": "error", "error": f"{type(error).__name__}: {error}"[:300]})
+    except Exception as error:  # reported to the harness in one line, naming where
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        say({"event": "error", "error": f"{type(error).__name__}: {error} (loadgen.py:"
+             f"{frame.lineno}, in {frame.name})"[:300]})
         sys.exit(1)
 
 

@@ -9,6 +9,7 @@ import socket
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
@@ -132,9 +133,18 @@ def test_a_silent_member_fails_a_renewal_in_its_timeout_keeps_the_stream_and_fai
 
 
 @needs_etcd
+def _connections_to(endpoint: str) -> int:
+    """This process's established TCP connections to ``endpoint``'s port."""
+    port = int(endpoint.rsplit(":", 1)[1])
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
 def test_a_heartbeat_sender_renews_on_one_stream_and_closes_it_when_it_stops() -> None:
     """The agent's real heartbeat: its lease is renewed each interval on one stream, which
-    ends with the sender (etcd sees its keepalive streams go back to none)."""
+    ends with the sender (etcd sees its keepalive streams go back to none). Once its key is
+    put, the stream is the only connection the beat holds to the member: the gateway
+    connection of its grant and put is not kept idle (a member's descriptors per agent)."""
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatSender
     from ftrun.control.store import JsonStore
@@ -146,14 +156,19 @@ def test_a_heartbeat_sender_renews_on_one_stream_and_closes_it_when_it_stops() -
             return connect_etcd(options, 10, op_timeout_s=2)
         store = JsonStore(connect(), "ftrun/beat", signer=Signer(b"t" * 16))
         sender = HeartbeatSender(connect, store, "node-a", 0.1, 3.0)  # type: ignore[arg-type]
+        before = _connections_to(endpoint)  # the template's own client
         sender.start()
         try:
             wait_until(lambda: sender.seq >= 15 and sender.lease is not None
                        and sender.lease.stream is not None, 20, "15 beats")
             assert sender.lease is not None and sender.lease.stream is not None
             assert sender.lease.stream.opened == 1 and sender.lease.expired == 0
+            assert sender.lease.placed
+            assert _connections_to(endpoint) - before == 1  # the stream's, no idle gateway
         finally:
             sender.stop(timeout_s=5)
+        wait_until(lambda: _connections_to(endpoint) == before, 10,
+                   "the beat's connections closed with it")
         wait_until(lambda: len(set(_keepalive_streams(endpoint))) == 1, 10,
                    "etcd's keepalive streams back to none (as many ended as started)")
 

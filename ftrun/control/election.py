@@ -65,7 +65,7 @@ class Election:
 
     def campaign(self) -> bool:
         client = self._connect()
-        lease = client.grant(self.ttl_s)
+        lease = client.grant_ttl(self.ttl_s)[0]
         won = client.create_with_lease(self.key, self.value, lease) == self.value.encode()
         if not won:
             client.revoke(lease)
@@ -238,7 +238,9 @@ class LeaseBeat:
     key bound to it, a record signed with the job's secret that names the lease
     (``{"lease": id, "ttl": s}``); from then on one keepalive per interval, a message on
     etcd's gRPC keepalive stream that this beat holds across its clients (:meth:`close`
-    ends it when the sender stops).
+    ends it when the sender stops). The gateway connection of the grant and put is closed
+    once the key is put: in the steady state the stream is the one connection the beat
+    holds to the member (whose descriptors bound how many agents it serves).
 
     Why a lease: etcd deletes the key itself a TTL after the last renewal, so a lost node is
     a lease that expired, and the writer learns it from a watch (:class:`LeaseView`) with
@@ -284,6 +286,7 @@ class LeaseBeat:
             client.put_leased(store.key(name), store.signer.line(store.key(name), body),
                               self.lease)
             self.placed = True
+            client.drop_idle()  # the renewals go on the stream: no idle gateway connection
 
     def close(self) -> None:
         """End the keepalive stream (the sender stopped; from its thread or after it)."""

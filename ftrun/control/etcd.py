@@ -202,9 +202,8 @@ class EtcdClient:
         """The values of keys that exist, in one transaction per ``wire.TXN_OPS`` keys (a
         missing key: RuntimeError, callers check first, as with torch whose ``multi_get``
         would wait)."""
-        responses = self._reads([self._span(k) for k in keys])
         values: list[bytes] = []
-        for name, response in zip(keys, responses, strict=False):
+        for name, response in zip(keys, self._reads([self._span(k) for k in keys]), strict=False):
             kvs = response.get("response_range", {}).get("kvs") or []
             if not kvs:
                 raise RuntimeError(f"etcd: key {name!r} does not exist")
@@ -320,9 +319,6 @@ class EtcdClient:
 
     # --- leases (the election and heartbeats) ---------------------------------------------
 
-    def grant(self, ttl_s: int) -> int:
-        return self.grant_ttl(ttl_s)[0]
-
     def grant_ttl(self, ttl_s: int) -> tuple[int, int]:
         """A new lease: (its id, the TTL etcd granted: at least its minimum, 2 s with
         etcd's default election timeout, whatever was asked)."""
@@ -416,6 +412,11 @@ class EtcdClient:
 
     def revoke(self, lease: int) -> None:
         self._post("/kv/lease/revoke", {"ID": lease})
+
+    def drop_idle(self) -> None:
+        """Close the idle gateway connections (the next request makes one again)."""
+        for client in self._clients:
+            client.session.close()
 
     def create_with_lease(self, key: str, value: str | bytes, lease: int) -> bytes:
         """Put ``value`` bound to ``lease`` if the key does not exist; the value it holds."""
@@ -546,8 +547,7 @@ class EtcdClient:
 
     def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]]) -> dict[str, Any]:
-        return self._post("/kv/txn", {"compare": compare, "success": success,
-                                      "failure": failure})
+        return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure})
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         return self._on_each_endpoint(path, lambda c: dict(c.post(c.get_url(path), json=payload)))
