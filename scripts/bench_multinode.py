@@ -1900,11 +1900,10 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                             "harness": "events (scripts/loadgen.py)" if fleet else
                             "threads (DynamicRendezvous.join per agent)",
                             "switch_interval_s": switch_interval,
-                            # etcd-v3: the main client, and with heartbeats the beat's
-                            # gateway connection and its keepalive stream's (the held
-                            # wait's stream, one per wait, not counted)
-                            "connections": (1 + (2 if etcd is not None else 1) *
-                                            heartbeats) * (n - 1),
+                            # etcd-v3: the main client, and with heartbeats the keepalive
+                            # stream's (the beat's grant and put, and the held wait's
+                            # stream, each on a connection made for it, not counted)
+                            "connections": (1 + heartbeats) * (n - 1),
                             "heartbeats": heartbeats,
                             "resolver_options": os.environ.get("RES_OPTIONS")}
     try:
