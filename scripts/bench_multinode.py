@@ -1552,9 +1552,10 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     """The etcd-v3 backend's store load: ``n`` simulated agents of scripts/loadgen.py
     (mode ``etcd``) on a one-member loopback etcd (tests/infra/etcd_cluster.py), each doing
     what an etcd-v3 agent's heartbeat does (ftrun.control.election.LeaseBeat: a lease of the
-    heartbeat timeout, 5 s, granted once, the signed liveness key put bound to it, then one
-    keepalive every ``interval``: the grant and the put over an HTTP/1.1 keep-alive
-    connection of its own to etcd's v3 JSON gateway, the renewals as messages on etcd's
+    heartbeat timeout, 5 s, granted once, the signed liveness key put bound to it, then a
+    keepalive at the first beat (every ``interval``) a third of the TTL after the last
+    answered renewal: the grant and the put over an HTTP/1.1 connection made for them to
+    etcd's v3 JSON gateway, the renewals as messages on etcd's
     gRPC keepalive stream on an HTTP/2 connection of its own), and holding a presence
     connection with its pings. The writer
     is ftrun's own code in this process: a HeartbeatMonitor on the etcd-v3 client (its
@@ -1564,6 +1565,7 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     EtcdClient.wait_any, held: scripts/loadgen.py says how); after the window the writer appends the
     end record and ``end_seen_by_all_s`` says when every watcher had verified it. Raises
     RuntimeError when the agents cannot be set up."""
+    import math
     import resource
 
     import psutil
@@ -1586,6 +1588,8 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
     procs = procs or max(2, -(-3 * n // 7500))
     slice_s = _end_wait_slice(timeout_s)
     watches = n if end_watches is None else min(n, end_watches)
+    # LeaseBeat renews at the first beat a third of the TTL after its last renewal
+    renew_every = interval * math.ceil(timeout_s / 3 / interval)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     token, run_id = "bench-token", f"etcdload-{time.time_ns()}"
@@ -1675,7 +1679,8 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
                     "liveness key (granted and put over an HTTP/1.1 connection made for "
                     "them to a one-member loopback etcd's v3 gateway, closed once the key "
                     "is put, as LeaseBeat's), then a "
-                    "keepalive every interval as a message on etcd's gRPC keepalive stream "
+                    "keepalive at the first beat a third of the TTL after the last answered "
+                    "renewal, as a message on etcd's gRPC keepalive stream "
                     "(an HTTP/2 connection of its own), and a presence connection with its "
                     "pings; "
                     f"{watches} of them also an end watch as the EndWatcher's (one watch "
@@ -1685,13 +1690,13 @@ def store_load_etcd(n: int, interval: float, seconds: float = 20.0,
                     "process is the writer: ftrun's HeartbeatMonitor (LeaseView) with the "
                     "PresenceServer"),
         "connections": 2 * n + watches, "presence_connections": n, "end_watchers": watches,
-        "end_wait_slice_s": slice_s, "interval_s": interval,
+        "end_wait_slice_s": slice_s, "interval_s": interval, "renew_every_s": renew_every,
         "heartbeat_timeout_s": timeout_s, "window_s": round(window, 2),
         "setup_s": round(setup_s, 1), "agents_kept_a_lease_before_window": beaten,
         # computed from the schedule: keepalives, and per watcher a read and a watch per
         # held stream (HOLD_S) on the same connection, so no connects (the key stays for
         # readers of the JSON; before the held end watch it was a connect per slice)
-        "offered_req_per_s": round(n / interval + 2 * watches / HOLD_S, 1),
+        "offered_req_per_s": round(n / renew_every + 2 * watches / HOLD_S, 1),
         "end_watch_connects_offered_per_s": 0.0,
         "achieved_req_per_s": round(sum(r["requests"] for r in reports) / window, 1),
         "requests_per_s_by_kind": {k: round(v / window, 1) for k, v in sorted(calls.items())},

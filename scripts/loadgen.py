@@ -29,7 +29,8 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   over an HTTP/1.1 connection to etcd's v3 JSON gateway made for them and closed once they
   are answered (LeaseBeat drops its idle gateway connection), a lease of the heartbeat
   timeout (``/v3/lease/grant``) and the signed liveness record naming it put bound to it
-  (``/v3/kv/put``); then a renewal every ``interval`` as a message on etcd's gRPC
+  (``/v3/kv/put``); then a renewal at the first beat (every ``interval``) a third of the
+  lease's TTL after the last answered one (LeaseBeat's), as a message on etcd's gRPC
   ``LeaseKeepAlive`` stream, held on an HTTP/2 connection of its own (:class:`GrpcConn`,
   as ``ftrun.control.etcdkeepalive.KeepAliveStream`` holds it; one in flight, and one more
   on the same stream once it went unanswered for the request timeout; a stream etcd
@@ -818,6 +819,8 @@ class Agent:
         self.step: Callable[[], None] | None = None  # jc's request now (again if it fails)
         self.lease = 0
         self.placed = self.granting = False
+        self.lease_ttl = float(gen.ttl_s)  # as granted
+        self.renewed_at = 0.0  # when the last answered renewal (or the grant) was asked
         if on_etcd:
             self.hb = self.ew = None
         self.seq = 0
@@ -875,6 +878,9 @@ class Agent:
     def _granted(self, answer: dict[str, Any]) -> None:
         gen = self.gen
         self.lease = int(answer.get("ID", 0))
+        self.lease_ttl = float(answer.get("TTL", gen.ttl_s))
+        assert self.http is not None
+        self.renewed_at = self.http.sent_at
         key = gen.prefix + self.hb_name
         line = gen.signer.line(key, {"lease": self.lease, "ttl": int(answer.get("TTL", 0))})
         assert self.http is not None
@@ -906,6 +912,8 @@ class Agent:
                 return
             # given up, as a failed beat; the stream is kept and the next renewal sent
             gen.count_error("etcd.keepalive stream: no answer within the request timeout")
+        elif gen.loop.now - self.renewed_at < self.lease_ttl / 3:
+            return  # renewed a third of its TTL ago (LeaseBeat's schedule)
         conn.renew(self.lease)
 
     def renewed(self, ttl: int) -> None:
@@ -915,6 +923,8 @@ class Agent:
         if gen.in_window(gen.loop.now):
             gen.count("etcd.keepalive", 1)
             gen.heartbeat_s.append(gen.loop.now - conn.sent_at)
+        if ttl > 0:
+            self.renewed_at = conn.sent_at
         if ttl <= 0 and not self.granting:  # expired: grant and put again (once: a
             gen.count_error("etcd.lease expired")  # second renewal may say it again)
             self._needs_lease()

@@ -47,15 +47,22 @@ def test_keepalive_messages_are_encoded_and_bad_answers_refused() -> None:
         encode_keepalive(-1)
 
 
-def _keepalive_streams(endpoint: str) -> tuple[int, int]:
-    """The member's ``LeaseKeepAlive`` streams so far, started and ended (its /metrics):
-    the gateway starts one per renewal request, a held stream one in all."""
+def _keepalive_counts(endpoint: str) -> dict[str, int]:
+    """The member's ``LeaseKeepAlive`` counts so far (its /metrics): streams ``started``
+    and ``handled`` (ended; the gateway starts one per renewal request, a held stream one
+    in all), and keepalive messages ``msg_received``."""
     text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-    counts = {"started": 0, "handled": 0}
-    for name, value in re.findall(r'^grpc_server_(started|handled)_total\{[^}]*'
+    counts = {"started": 0, "handled": 0, "msg_received": 0}
+    for name, value in re.findall(r'^grpc_server_(started|handled|msg_received)_total\{[^}]*'
                                   r'grpc_method="LeaseKeepAlive"[^}]*\} (\S+)$',
                                   text, re.MULTILINE):
         counts[name] += int(float(value))
+    return counts
+
+
+def _keepalive_streams(endpoint: str) -> tuple[int, int]:
+    """Keepalive streams so far: (started, ended)."""
+    counts = _keepalive_counts(endpoint)
     return counts["started"], counts["handled"]
 
 
@@ -141,10 +148,12 @@ def _connections_to(endpoint: str) -> int:
 
 
 def test_a_heartbeat_sender_renews_on_one_stream_and_closes_it_when_it_stops() -> None:
-    """The agent's real heartbeat: its lease is renewed each interval on one stream, which
-    ends with the sender (etcd sees its keepalive streams go back to none). Once its key is
-    put, the stream is the only connection the beat holds to the member: the gateway
-    connection of its grant and put is not kept idle (a member's descriptors per agent)."""
+    """The agent's real heartbeat: its lease is renewed on one stream, which ends with the
+    sender (etcd sees its keepalive streams go back to none), once a third of its TTL
+    passed, not at every beat (etcd counts the messages: beats every 0.1 s, a 3 s lease,
+    so a renewal a second), and the lease lives on past its TTL. Once its key is put, the
+    stream is the only connection the beat holds to the member: the gateway connection of
+    its grant and put is not kept idle (a member's descriptors per agent)."""
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatSender
     from ftrun.control.store import JsonStore
@@ -165,6 +174,13 @@ def test_a_heartbeat_sender_renews_on_one_stream_and_closes_it_when_it_stops() -
             assert sender.lease.stream.opened == 1 and sender.lease.expired == 0
             assert sender.lease.placed
             assert _connections_to(endpoint) - before == 1  # the stream's, no idle gateway
+            received, beats = _keepalive_counts(endpoint)["msg_received"], sender.seq
+            time.sleep(4.5)  # a window to count in: 1.5 TTLs, 45 beats
+            renewals = _keepalive_counts(endpoint)["msg_received"] - received
+            beats = sender.seq - beats
+            assert beats >= 30 and 3 <= renewals <= 7, (beats, renewals)  # 45 beats: 4-5
+            assert sender.lease.expired == 0 and sender.failing_since is None
+            assert store.raw.time_to_live(sender.lease.lease) > 0  # alive past its TTL
         finally:
             sender.stop(timeout_s=5)
         wait_until(lambda: _connections_to(endpoint) == before, 10,

@@ -236,9 +236,14 @@ class LeaseBeat:
     """An etcd-v3 agent's heartbeat (ftrun/control/heartbeat.py's sender calls it every
     interval, on its own client): a lease of the heartbeat timeout and the agent's liveness
     key bound to it, a record signed with the job's secret that names the lease
-    (``{"lease": id, "ttl": s}``); from then on one keepalive per interval, a message on
-    etcd's gRPC keepalive stream that this beat holds across its clients (:meth:`close`
-    ends it when the sender stops). The gateway connection of the grant and put is closed
+    (``{"lease": id, "ttl": s}``); from then on a keepalive at the first beat a third of
+    the TTL after the last answered renewal (as etcd's own client renews: every 2 s for the
+    default 5 s TTL and 1 s beats; a beat in between sends nothing), a message on etcd's
+    gRPC keepalive stream that this beat holds across its clients (:meth:`close` ends it
+    when the sender stops). Why not every beat: the keepalives are what one etcd member
+    serving thousands of agents spends most on; renewing once a third of the TTL passed
+    still leaves two thirds of it (three beats at the defaults) to get a renewal through
+    before the lease could expire. The gateway connection of the grant and put is closed
     once the key is put: in the steady state the stream is the one connection the beat
     holds to the member (whose descriptors bound how many agents it serves).
 
@@ -253,8 +258,8 @@ class LeaseBeat:
     etcd grants at least its minimum TTL (2 s with its default election timeout); the
     grant's TTL is what the record says. The lease expires a TTL after its last renewal,
     and etcd's expiry check runs every half second: detection of a silent node is the TTL
-    plus up to 0.5 s after the last renewal, which came at most an interval before the
-    silence.
+    plus up to 0.5 s after the last renewal, which came at most a third of the TTL (rounded
+    up to a beat) before the silence: no later than with a renewal at every beat.
 
     A renewal that finds the lease gone (this agent was paused, or cut off, for a whole
     TTL: :attr:`expired` counts them) grants a new lease and puts the key again; it does
@@ -263,24 +268,36 @@ class LeaseBeat:
     Errors: the requests' ``RuntimeError`` (no endpoint answered), which the sender counts
     as a failed beat; a put that failed is made again at the next beat."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = max(1, math.ceil(timeout_s))
         self.lease: int | None = None
         self.granted_s = self.ttl_s
         self.placed = False  # the key is put, bound to the current lease
         self.expired = 0
+        self.renewals = 0  # keepalives sent (answered or not)
+        self.renewed_at = -math.inf  # the last renewal (or grant) etcd answered
+        self.clock = clock
         self.stream: KeepAliveStream | None = None
 
     def __call__(self, store: JsonStore, name: str) -> None:
         client = store.raw
         if self.stream is None:
             self.stream = KeepAliveStream.for_options(client.options)
-        if self.lease is not None and client.keep_alive(self.lease, self.stream) < 0:
-            self.expired += 1
-            self.lease = None
+        if self.lease is not None and self.placed \
+                and self.clock() - self.renewed_at < self.granted_s / 3:
+            return  # renewed a third of its TTL ago: still alive, as the beat is
+        if self.lease is not None:
+            self.renewals += 1
+            asked = self.clock()
+            if client.keep_alive(self.lease, self.stream) < 0:
+                self.expired += 1
+                self.lease = None
+            else:
+                self.renewed_at = asked
         if self.lease is None:
+            asked = self.clock()
             self.lease, self.granted_s = client.grant_ttl(self.ttl_s)
-            self.placed = False
+            self.renewed_at, self.placed = asked, False
         if not self.placed:
             body = {"lease": self.lease, "ttl": self.granted_s}
             client.put_leased(store.key(name), store.signer.line(store.key(name), body),
