@@ -87,6 +87,7 @@ import errno
 import heapq
 import json
 import os
+import random
 import resource
 import selectors
 import socket
@@ -819,6 +820,8 @@ class Agent:
         self.step: Callable[[], None] | None = None  # jc's request now (again if it fails)
         self.lease = 0
         self.placed = self.granting = False
+        self.grant_failures = 0  # failed grants in a row (LeaseBeat's back-off)
+        self.grant_after = 0.0
         self.lease_ttl = float(gen.ttl_s)  # as granted
         self.renewed_at = 0.0  # when the last answered renewal (or the grant) was asked
         if on_etcd:
@@ -851,38 +854,52 @@ class Agent:
         """The beat's gateway connection, made at a beat that needs a lease (the first
         beat, or one that found the lease expired; made at the set-up, a lease could expire
         before the harness starts every agent's beats, once the last of thousands
-        connected), is up: grant the lease."""
+        connected), is up: grant the lease (or put the key, when only the put failed)."""
         if self.http is not None and self.http.live and self.granting and not self.frozen:
-            self._grant()
+            if self.lease:
+                self._put()
+            else:
+                self._grant()
 
-    def _needs_lease(self) -> None:
+    def _attempt(self) -> None:
         """Grant and put at this beat, on a gateway connection made for them (never while
         that connection waits to be made: it would be queued twice)."""
-        assert self.http is not None and (self.http.live or not self.granting)
+        assert self.http is not None and not self.granting
         self.granting, self.placed = True, False
         self.http.close()
         self.http.open()  # then http_live grants
+
+    def _attempt_failed(self) -> None:
+        """A grant or put failed (unanswered within the request timeout, or an error, both
+        counted): the next beat tries again on a new connection, after a failed grant only
+        once its back-off is over (LeaseBeat._grant: a random wait of up to 2, 4 ... s)."""
+        assert self.http is not None
+        self.http.close()
+        self.granting = False
+        if not self.lease:
+            self.grant_failures += 1
+            ceiling = min(float(self.gen.ttl_s), 2.0 ** self.grant_failures)
+            self.grant_after = self.gen.loop.now + random.uniform(0.0, ceiling)
+
+    def _http_failed(self, why: str) -> None:
+        self._attempt_failed()
 
     def _grant(self) -> None:
         """Grant the lease, then put the signed liveness key bound to it."""
         assert self.http is not None
         self.http.post("/lease/grant", {"TTL": self.gen.ttl_s, "ID": 0}, self._granted)
 
-    def _http_failed(self, why: str) -> None:
-        """A grant or put failed (counted by the connection): the next beat tries again on
-        a new connection, as LeaseBeat's next beat does."""
-        assert self.http is not None
-        self.http.close()
-        self.granting = False
-
     def _granted(self, answer: dict[str, Any]) -> None:
-        gen = self.gen
-        self.lease = int(answer.get("ID", 0))
-        self.lease_ttl = float(answer.get("TTL", gen.ttl_s))
         assert self.http is not None
-        self.renewed_at = self.http.sent_at
+        self.lease = int(answer.get("ID", 0))
+        self.lease_ttl = float(answer.get("TTL", self.gen.ttl_s))
+        self.renewed_at, self.grant_failures = self.http.sent_at, 0
+        self._put()
+
+    def _put(self) -> None:
+        gen = self.gen
         key = gen.prefix + self.hb_name
-        line = gen.signer.line(key, {"lease": self.lease, "ttl": int(answer.get("TTL", 0))})
+        line = gen.signer.line(key, {"lease": self.lease, "ttl": int(self.lease_ttl)})
         assert self.http is not None
         self.http.post("/kv/put", {"key": b64(gen.etcd_root + key.encode()),
                                    "value": b64(line.encode()), "lease": str(self.lease)},
@@ -898,12 +915,18 @@ class Agent:
         if self.frozen or self.http is None:
             return
         if not self.placed:
-            if not self.granting:
-                self._needs_lease()
-            elif self.http.live and gen.loop.now - self.http.sent_at > gen.op_timeout \
-                    and self.http.callback is not None:  # unanswered: the request's bound
-                gen.count_error("etcd.lease grant or put: no answer within the request timeout")
-                self._needs_lease()
+            if self.granting:
+                if self.http.live and gen.loop.now - self.http.sent_at > gen.op_timeout \
+                        and self.http.callback is not None:  # the request's bound
+                    gen.count_error("etcd.lease grant or put: no answer within the request "
+                                    "timeout")
+                    self._attempt_failed()
+                return
+            if gen.loop.now < self.grant_after:
+                return  # LeaseBeat's BeatDeferred
+            if self.lease and gen.loop.now - self.renewed_at >= self.lease_ttl:
+                self.lease = 0  # the put failed for a TTL: the lease is gone, grant again
+            self._attempt()
             return
         if conn is None or not conn.live:
             return
@@ -925,9 +948,11 @@ class Agent:
             gen.heartbeat_s.append(gen.loop.now - conn.sent_at)
         if ttl > 0:
             self.renewed_at = conn.sent_at
-        if ttl <= 0 and not self.granting:  # expired: grant and put again (once: a
+        elif self.placed:  # expired: grant and put again now, as LeaseBeat does (once: a
             gen.count_error("etcd.lease expired")  # second renewal may say it again)
-            self._needs_lease()
+            self.lease, self.placed = 0, False
+            if not self.granting and gen.loop.now >= self.grant_after:
+                self._attempt()
 
     def grpc_failed(self, conn: GrpcConn) -> None:
         if self.frozen or conn is not self.grpc:

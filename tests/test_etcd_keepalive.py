@@ -188,3 +188,46 @@ def test_a_heartbeat_sender_renews_on_one_stream_and_closes_it_when_it_stops() -
         wait_until(lambda: len(set(_keepalive_streams(endpoint))) == 1, 10,
                    "etcd's keepalive streams back to none (as many ended as started)")
 
+
+
+@needs_etcd
+def test_a_failed_lease_grant_backs_off_then_the_lease_is_granted() -> None:
+    """A grant no endpoint answered (a frozen member: the request timeout) makes the next
+    beats within a random back-off of up to 2 s (then 4 s ...) raise BeatDeferred at once,
+    with no request; past it the grant is made again and succeeds, and the count of
+    failures in a row starts over."""
+    from ftrun.control.auth import Signer
+    from ftrun.control.election import LeaseBeat
+    from ftrun.control.errors import BeatDeferred
+    from ftrun.control.store import JsonStore
+
+    with loopback_etcd() as endpoint:
+        relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        try:
+            signer = Signer(b"t" * 16)
+            store = JsonStore(connect_etcd(EtcdOptions.parse(endpoint, {}), 10,
+                                           op_timeout_s=1), "ftrun/back", signer=signer)
+            frozen = JsonStore(connect_etcd(EtcdOptions.parse(relay.endpoint, {}), 10,
+                                            op_timeout_s=1), "ftrun/back", signer=signer)
+            relay.freeze()
+            now = [100.0]
+            beat = LeaseBeat(5.0, clock=lambda: now[0])
+            with pytest.raises(RuntimeError, match="no etcd endpoint answered"):
+                beat(frozen, "hb/a")
+            assert beat.grant_failures == 1 and beat.lease is None
+            assert 100.0 <= beat.grant_after < 102.0  # up to 2 s
+            asked = time.monotonic()
+            with pytest.raises(BeatDeferred):
+                beat(frozen, "hb/a")  # no request: the frozen relay would take 1 s
+            assert time.monotonic() - asked < 0.5
+            now[0] = 102.0
+            with pytest.raises(RuntimeError, match="no etcd endpoint answered"):
+                beat(frozen, "hb/a")
+            assert beat.grant_failures == 2 and 102.0 <= beat.grant_after < 106.0  # 4 s
+            now[0] = 106.0
+            beat(store, "hb/a")  # past the back-off: granted and put, on a live member
+            assert beat.lease is not None and beat.placed and beat.grant_failures == 0
+            assert store.raw.time_to_live(beat.lease) > 0
+            beat.close()
+        finally:
+            relay.close()

@@ -19,6 +19,11 @@ class RendezvousError(RuntimeError):
     """The generation could not be formed (timeout, store lost, inconsistent records)."""
 
 
+class BeatDeferred(RuntimeError):
+    """A heartbeat held back on purpose (etcd-v3: a lease grant waiting out its back-off
+    after a failed one): not a beat, but no sign that the client is out of step either."""
+
+
 class StoreValueError(StoreError):
     """A key holds something other than the JSON object its reader expects."""
 

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ftrun.control.auth import Signer
+from ftrun.control.errors import BeatDeferred
 from ftrun.control.presence import (
     RECORD,
     PresenceClient,
@@ -160,7 +161,8 @@ class HeartbeatSender:
                 self.last_error = str(error) or type(error).__name__
                 if self.failing_since is None:
                     self.failing_since = started
-                store = None  # a timed-out client may be out of step: reconnect
+                if not isinstance(error, BeatDeferred):
+                    store = None  # a timed-out client may be out of step: reconnect
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def _hold_presence(self, store: JsonStore) -> None:
