@@ -245,7 +245,31 @@ class _Reader:
                 self.numbers.append(int(match[1]))
 
 
+#: ``--keep-slow-output DIR``: where each survivor's output of a slow recovery is written
+KEEP_SLOW_OUTPUT: Path | None = None
+#: a recovery slower than this (or none) keeps its output
+SLOW_RECOVERY_S = 3.0
+
+
 def _progress_after(survivors: list[_Reader], fault: float, cap_s: float
+                    ) -> tuple[float | None, int | None]:
+    """(seconds from ``fault`` to progress again, committed steps redone), see
+    :func:`_first_progress`; with ``--keep-slow-output``, a recovery slower than
+    ``SLOW_RECOVERY_S`` (or none within ``cap_s``) writes each survivor's output there,
+    a few seconds after it, so that an outlier can be read (the jobs end with the run)."""
+    found = _first_progress(survivors, fault, cap_s)
+    if KEEP_SLOW_OUTPUT is not None and (found[0] is None or found[0] > SLOW_RECOVERY_S):
+        time.sleep(3.0)  # what the survivors say just after it
+        KEEP_SLOW_OUTPUT.mkdir(parents=True, exist_ok=True)
+        for k, reader in enumerate(survivors):
+            path = KEEP_SLOW_OUTPUT / f"{int(fault)}-survivor{k}.txt"
+            path.write_text("".join(reader.lines))
+        print(f"  recovery {found[0]} s: the survivors' output is in {KEEP_SLOW_OUTPUT}",
+              file=sys.stderr, flush=True)
+    return found
+
+
+def _first_progress(survivors: list[_Reader], fault: float, cap_s: float
                     ) -> tuple[float | None, int | None]:
     """(seconds from ``fault`` to progress again, committed steps redone) once every
     survivor stepped after it, or (None, None) after ``cap_s``. Progress again: a step of
@@ -2409,6 +2433,9 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0,
                         help="false-alarms: busy-loop processes (0: one per core)")
     parser.add_argument("--cap", type=float, default=90.0, help="torchrun recovery cap (s)")
+    parser.add_argument("--keep-slow-output", type=Path, default=None, metavar="DIR",
+                        help="node and writer loss: write each survivor's output of a "
+                             f"recovery slower than {SLOW_RECOVERY_S:g} s into DIR")
     parser.add_argument("--agents", default="64,128,256,512")
     parser.add_argument("--torchrun-rendezvous", action="store_true",
                         help="re-measure torchrun's c10d rendezvous (slow at 256+)")
@@ -2466,6 +2493,8 @@ def main() -> None:
     parser.add_argument("--end-poll", action="store_true",
                         help="agents poll the end key every 0.1 s (before the EndWatcher)")
     args = parser.parse_args()
+    global KEEP_SLOW_OUTPUT
+    KEEP_SLOW_OUTPUT = args.keep_slow_output
     if args.heartbeat_timeout is None:  # ftrun/cli.py's auto for the TCPStore
         args.heartbeat_timeout = max(2.0, 2 * args.interval)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
