@@ -386,3 +386,64 @@ def test_a_worker_leaves_a_dead_store_for_the_one_its_agent_names(job_dir: Path,
             beats.join(15)
         dead.kill()
         dead.wait(10)
+
+
+class _KillAfterCheck:
+    """A real store client whose store host is SIGKILLed right after a ``check`` that
+    found every key: the job's writer dying between a worker's check of the votes and its
+    read of them (a fault placed at that instant, the client itself untouched)."""
+
+    def __init__(self, client: object, host: subprocess.Popen[str]) -> None:
+        self._client, self._host = client, host
+
+    def check(self, keys: list[str]) -> bool:
+        found = bool(self._client.check(keys))  # type: ignore[attr-defined]
+        if found and self._host.poll() is None:
+            self._host.kill()
+            self._host.wait(10)
+        return found
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+
+def test_votes_checked_on_a_store_that_then_dies_are_not_waited_for_on_the_next(
+        job_dir: Path) -> None:
+    """etcd-v3: the votes a worker found on its member-epoch store are read from that
+    store; when it dies in between (its writer's node lost), the check is made again on
+    the store that replaces it, which has none of them: not valid, at once. Before, the
+    read went to the new store and torch's ``multi_get`` waited there for the missing
+    votes for the request timeout (60 s in a job: a bench run lost 6 steps and 23 s)."""
+    from ftrun.control.store import connect_store
+
+    signer = Signer(SECRET.encode())
+    names = [P.vote_key(0, 5, f"{n}.0") for n in range(3)]
+    dead = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(job_dir)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    new = serve_store(0, 30.0)
+    try:
+        assert dead.stdout is not None
+        dead_port = int(dead.stdout.readline())
+        client = connect_store("127.0.0.1", dead_port, 10, op_timeout_s=20)
+        store = JsonStore(client, PREFIX, signer=signer, retry_s=10,
+                          reconnect=lambda: connect_store("127.0.0.1", new.port, 10,
+                                                          op_timeout_s=20))
+        for name in names:
+            store.set_record(name, {})
+        assert store.all_valid(names)  # every vote there, each signed: valid
+        store.raw = _KillAfterCheck(client, dead)  # type: ignore[assignment]
+        began = time.monotonic()
+        assert not store.all_valid(names)
+        took = time.monotonic() - began
+        assert dead.poll() is not None  # the fault came between the check and the read
+        assert took < 5, took  # the old read waited out the 20 s request timeout
+        there = JsonStore(new, PREFIX, signer=signer)
+        for name in names:
+            there.set_record(name, {})
+        assert store.all_valid(names)  # the new store, once the votes are there
+        there.raw.set(there.key(names[0]), b"not a signed record")
+        assert not store.all_valid(names)
+    finally:
+        dead.kill()
+        dead.wait(10)

@@ -393,10 +393,34 @@ class JsonStore:
         step = self.KEYS_PER_REQUEST
         return all(self._call("check", keys[i:i + step]) for i in range(0, len(keys), step))
 
-    def _multi_get(self, keys: list[str]) -> list[bytes]:
-        step = self.KEYS_PER_REQUEST
-        return [value for i in range(0, len(keys), step)
-                for value in self._call("multi_get", keys[i:i + step])]
+    def _multi_get(self, keys: list[str], client: TCPStore | None = None) -> list[bytes]:
+        """Values of keys that exist; with ``client``, read there alone (no reconnect)."""
+        parts = [keys[i:i + self.KEYS_PER_REQUEST]
+                 for i in range(0, len(keys), self.KEYS_PER_REQUEST)]
+        if client is None:
+            return [value for part in parts for value in self._call("multi_get", part)]
+        return [value for part in parts for value in client.multi_get(part)]
+
+    def all_valid(self, names: list[str]) -> bool:
+        """Whether each of ``names`` holds a valid record: one ``check``, then a read on the
+        connection that found them all. If that read fails, the check again on a new
+        connection (once): a store that moved meanwhile (etcd-v3, the job's writer died)
+        holds none of them, and a read there waited out the store's timeout (60 s) for them
+        (torch's ``multi_get`` waits for a missing key); the same store, after a transient
+        failure, holds them all still."""
+        keys = [self.key(n) for n in names]
+        for _ in range(2):
+            if not self.exist_all(names):
+                return False
+            client = self.raw  # the one that answered the check
+            try:
+                values = self._multi_get(keys, client)
+            except (RuntimeError, ValueError):  # torch's DistStoreError too
+                self._conn.failed = self.reconnect is not None
+                continue
+            return all(self.check_record(n, v) is not None
+                       for n, v in zip(names, values, strict=True))
+        return False
 
     def present_records(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
         """Name -> record (None when invalid) for those of ``names`` that exist.

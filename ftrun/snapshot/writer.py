@@ -139,10 +139,7 @@ def complete(store: JsonStore, epoch: int, step: int, directory: Path | None) ->
     keys = [records.local_key(epoch, step, r) for r in range(world)]
     if replicas:
         keys += [records.replica_key(epoch, step, r) for r in range(world)]
-    if not store.exist_all(keys):
-        return False
-    found = store.read_records(keys)
-    if any(r is None for r in found):
+    if not store.all_valid(keys):
         return False
     if directory is not None and not replicas:
         return all((directory / memory.file_name(epoch, step, r)).exists()
@@ -422,7 +419,7 @@ class SnapshotWriter:
                                                 get_record(records.failed_key(epoch, step))):
                 return False
         self._settle_s = 0.8 * (time.monotonic() - started)  # a little early next time
-        return all(r is not None for r in self.store.read_records(keys))
+        return self.store.all_valid(keys)
 
     def _retire(self, path: Path) -> None:
         target = self._maps.pop(path, None)

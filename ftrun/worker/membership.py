@@ -430,10 +430,7 @@ class Membership:
     # --- reading records ------------------------------------------------------------------
 
     def _all_valid(self, names: list[str]) -> bool:
-        """Whether each of ``names`` holds a valid record: one ``check``, and one
-        ``multi_get`` once all exist."""
-        store = self.store
-        return store.exist_all(names) and all(r is not None for r in store.read_records(names))
+        return self.store.all_valid(names)
 
     def _lacking(self, keys: dict[str, str]) -> str:
         """The members (of member id -> key) without a valid record yet: for an error."""
