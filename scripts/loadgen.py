@@ -15,7 +15,7 @@ What each simulated agent does, as a non-leader ftrun agent does it (ftrun/agent
   (:class:`ftrun.control.auth.Signer`, so the leader's real HeartbeatMonitor verifies it)
   and a ``check`` of that key, whose reply proves the set arrived; one request in flight,
   as on a blocking client; a reply missing for the request timeout is a failure, and the
-  connection is replaced (as :func:`ftrun.control.store.connect_store`'s bound makes it).
+  connection is replaced (as :func:`ftrun.control.tcpstore.connect_store`'s bound makes it).
 * **end-watch connection** (:class:`ftrun.control.endwatch.EndWatcher`): a server-side
   ``wait`` on ``gen/<N>/end`` held for the wait slice, then cancelled in-protocol and held
   again; once it fires, the agent reads the end record as its loop does (``check``, then
@@ -797,7 +797,7 @@ class Agent:
         on_etcd = gen.mode == "etcd" or (gen.mode == "rdzv" and gen.etcd_port > 0)
         # the beat's grant and put (LeaseBeat's store client): a connection made for them,
         # closed once the key is put, as LeaseBeat drops its idle gateway connection
-        self.http: HttpConn | None = HttpConn(gen, self, on_failed=self._http_failed) \
+        self.http: HttpConn | None = HttpConn(gen, self, on_failed=self._attempt_failed) \
             if on_etcd and gen.heartbeats else None
         # the lease's renewals: LeaseBeat's KeepAliveStream
         self.grpc: GrpcConn | None = GrpcConn(gen, self) if self.http is not None else None
@@ -869,7 +869,7 @@ class Agent:
         self.http.close()
         self.http.open()  # then http_live grants
 
-    def _attempt_failed(self) -> None:
+    def _attempt_failed(self, why: str = "") -> None:
         """A grant or put failed (unanswered within the request timeout, or an error, both
         counted): the next beat tries again on a new connection, after a failed grant only
         once its back-off is over (LeaseBeat._grant: a random wait of up to 2, 4 ... s)."""
@@ -880,9 +880,6 @@ class Agent:
             self.grant_failures += 1
             ceiling = min(float(self.gen.ttl_s), 2.0 ** self.grant_failures)
             self.grant_after = self.gen.loop.now + random.uniform(0.0, ceiling)
-
-    def _http_failed(self, why: str) -> None:
-        self._attempt_failed()
 
     def _grant(self) -> None:
         """Grant the lease, then put the signed liveness key bound to it."""

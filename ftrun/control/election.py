@@ -275,7 +275,6 @@ class LeaseBeat:
         self.granted_s = self.ttl_s
         self.placed = False  # the key is put, bound to the current lease
         self.expired = 0
-        self.renewals = 0  # keepalives sent (answered or not)
         self.renewed_at = -math.inf  # the last renewal (or grant) etcd answered
         self.grant_failures = 0  # in a row
         self.grant_after = -math.inf  # the back-off of the last failed grant ends
@@ -290,7 +289,6 @@ class LeaseBeat:
                 and self.clock() - self.renewed_at < self.granted_s / 3:
             return  # renewed a third of its TTL ago: still alive, as the beat is
         if self.lease is not None:
-            self.renewals += 1
             asked = self.clock()
             if client.keep_alive(self.lease, self.stream) < 0:
                 self.expired += 1
