@@ -517,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         fork_server = start_fork_server(config)
-        from ftrun.control.store import tcpstore_class
+        from ftrun.control.tcpstore import tcpstore_class
 
         tcpstore_class()  # torch, with its C++ log quiet: before the agent's modules import it
         from ftrun.agent import run_agent
@@ -569,8 +569,8 @@ def _leave_if_a_connect_hangs(code: int) -> int:
     """``code``, or an exit with it now when a store connect that a subcommand gave up on (a
     frozen or vanished store host) still runs inside torch (see ``exit_at_once``; seen with
     ``ftrun status`` against a job that had just ended: -6 instead of 3)."""
-    if "ftrun.control.store" in sys.modules:  # only a command that used a store can have one
-        from ftrun.control.store import connect_still_running
+    if "ftrun.control.tcpstore" in sys.modules:  # only a command that used a store can have one
+        from ftrun.control.tcpstore import connect_still_running
 
         if connect_still_running():
             exit_at_once(code)

@@ -65,7 +65,7 @@ class JobRef:
         """A client of the job's store, reached within ``timeout_s`` (each request bounded
         by it too). Raises StoreError (unreachable) or JobRefError (bad etcd options)."""
         if not self.etcd:
-            from ftrun.control.store import connect_store
+            from ftrun.control.tcpstore import connect_store
 
             return connect_store(self.host, self.port, timeout_s, op_timeout_s=timeout_s)
         from ftrun.control.etcd import EtcdConfigError, EtcdOptions, connect_etcd

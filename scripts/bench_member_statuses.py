@@ -34,7 +34,8 @@ from rich.table import Table
 from ftrun import protocol as P
 from ftrun.agent.membership import Membership
 from ftrun.control.auth import Signer
-from ftrun.control.store import JsonStore, connect_store, serve_store
+from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import connect_store, serve_store
 
 _TICK_S = 0.1  # LaunchConfig.monitor_interval_s
 _BEAT_S = 0.2  # ftrun.worker.settings.HEARTBEAT_DEFAULT_S

@@ -514,6 +514,7 @@ _AGENT_PRELOAD = [
     "ftrun.control.heartbeat",
     "ftrun.control.rendezvous",
     "ftrun.control.store",
+    "ftrun.control.tcpstore",
     "ftrun.control.etcd",
 ]
 #: Agents are started this many at a time, each batch once the one before is ready: a few
@@ -540,7 +541,8 @@ def _ftrun_agent(index: int, n: int, port: int, run_id: str,
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatSender
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
-    from ftrun.control.store import JsonStore, connect_store, serve_store
+    from ftrun.control.store import JsonStore
+    from ftrun.control.tcpstore import connect_store, serve_store
 
     op_timeout = max(1.0, _HB_TIMEOUT_S / 3)
 
@@ -703,7 +705,7 @@ def rendezvous_run(program: str, n: int, timeout_s: float = 120.0, quiet_cores: 
     returned within ``timeout_s``. Before the agents start, waits up to ``quiet_wait_s``
     for other work on this machine to use fewer than ``quiet_cores`` cores."""
     global _agent_mem_mb
-    from ftrun.control.store import serve_store
+    from ftrun.control.tcpstore import serve_store
 
     info: dict[str, object] = {"program": program, "agents": n, "s": None}
     available = _mem_available_mb()
@@ -958,7 +960,8 @@ def _light_agents(port: int, ids: list[int], cfg: dict[str, Any], out: mp.Queue,
     from ftrun.control.auth import Signer
     from ftrun.control.endwatch import EndWatcher
     from ftrun.control.heartbeat import HeartbeatSender
-    from ftrun.control.store import JsonStore, connect_store
+    from ftrun.control.store import JsonStore
+    from ftrun.control.tcpstore import connect_store
 
     try:
         op_timeout = _agent_op_timeout(cfg["heartbeat_timeout"])
@@ -1084,7 +1087,8 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
     RuntimeError when the agents cannot be set up."""
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatMonitor
-    from ftrun.control.store import JsonStore, serve_store
+    from ftrun.control.store import JsonStore
+    from ftrun.control.tcpstore import serve_store
 
     procs = max(1, min(procs, n))
     slice_s = _end_wait_slice(heartbeat_timeout)
@@ -1344,7 +1348,7 @@ import resource, sys
 limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 sys.path.insert(0, sys.argv[1])
-from ftrun.control.store import serve_store
+from ftrun.control.tcpstore import serve_store
 server = serve_store(0, 60)
 print(server.port, flush=True)
 sys.stdin.read()
@@ -1372,7 +1376,8 @@ def store_load_events(n: int, interval: float, heartbeat_timeout: float,
     from ftrun.control.auth import Signer
     from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
     from ftrun.control.presence import PING_S
-    from ftrun.control.store import JsonStore, connect_store, serve_store
+    from ftrun.control.store import JsonStore
+    from ftrun.control.tcpstore import connect_store, serve_store
 
     loadgen = _loadgen()
     procs = procs or max(2, -(-3 * n // 7500))
@@ -1770,7 +1775,8 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
     from ftrun.control.etcd import EtcdOptions, connect_etcd
     from ftrun.control.heartbeat import HeartbeatSender
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
-    from ftrun.control.store import JsonStore, connect_store
+    from ftrun.control.store import JsonStore
+    from ftrun.control.tcpstore import connect_store
 
     class Timed(DynamicRendezvous):
         """The real rendezvous; notes the moment this agent's offer is in the store."""
@@ -1878,7 +1884,8 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
 
     from ftrun.control.auth import Signer
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot
-    from ftrun.control.store import JsonStore, serve_store
+    from ftrun.control.store import JsonStore
+    from ftrun.control.tcpstore import serve_store
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 3 * n + 256

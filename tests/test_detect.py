@@ -135,7 +135,8 @@ def test_pings_keep_a_quiet_store_heartbeat_alive_and_a_stopped_agent_is_lost_in
     STOP_TO_VERDICT_S; SIGCONTinued, its pings are heard again. A hello with a bad ping
     period is refused."""
     from ftrun.control.heartbeat import HeartbeatMonitor
-    from ftrun.control.store import JsonStore, serve_store
+    from ftrun.control.store import JsonStore
+    from ftrun.control.tcpstore import serve_store
 
     refused: list[str] = []
     server = PresenceServer(Signer(TOKEN), "run", "127.0.0.1", on_reject=refused.append).start()

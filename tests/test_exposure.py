@@ -5,7 +5,7 @@ torch's ``TCPStore`` server binds the wildcard address whatever host name it is 
 single-node job's control store and worker store used to listen on every interface: anyone
 who could reach the host could write the peer addresses torch's process-group bootstrap
 reads, or delete keys. ftrun now binds the listening socket itself and hands it to the
-store (``ftrun.control.store.serve_store``). Checked here on namespace hosts (a host with
+store (``ftrun.control.tcpstore.serve_store``). Checked here on namespace hosts (a host with
 an address of its own on a private network, tests/infra/netns.py), with real jobs: the
 kernel's socket tables of the agents' processes, and real connects from another host.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.control.errors import StoreError
-from ftrun.control.store import serve_store
+from ftrun.control.tcpstore import serve_store
 from ftrun.hostnet import store_bind_address
 from tests.infra.netns import tcp_connect
 from tests.launch import copy_train_script

@@ -53,7 +53,7 @@ HANG_DETECT_S = 20.0
 
 FROZEN_STORE_HOST = """
 import sys
-from ftrun.control.store import serve_store
+from ftrun.control.tcpstore import serve_store
 store = serve_store(0, 60.0)
 print(store.port, flush=True)
 sys.stdin.read()
@@ -331,7 +331,7 @@ def test_the_job_record_says_a_new_world_at_once(monkeypatch: pytest.MonkeyPatch
 
     from ftrun.agent import inject
     from ftrun.agent.events import Event, EventLog
-    from ftrun.control.store import connect_store, serve_store
+    from ftrun.control.tcpstore import connect_store, serve_store
 
     monkeypatch.setattr(inject, "JOB_EVERY_S", 60.0)
     server = serve_store(0, 10.0)
@@ -363,7 +363,7 @@ def test_the_inject_thread_outlives_a_failed_store_request(monkeypatch: pytest.M
     and a CI run's ``ftrun inject`` was never executed on that node."""
     from ftrun.agent import inject
     from ftrun.agent.events import EventLog
-    from ftrun.control.store import connect_store, serve_store
+    from ftrun.control.tcpstore import connect_store, serve_store
 
     monkeypatch.setattr(inject, "RETRY_S", 0.2)
     server = serve_store(0, 10.0)

@@ -27,7 +27,8 @@ from ftrun.cli import config_from_args
 from ftrun.config import ConfigError
 from ftrun.control.auth import AuthError, Signer
 from ftrun.control.heartbeat import HeartbeatMonitor, HeartbeatSender
-from ftrun.control.store import JsonStore, connect_store, serve_store
+from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import connect_store, serve_store
 from tests.launch import PRELOAD, REPO, Launch, copy_train_script, launcher, wait_until
 from tests.lines import (
     Done,
@@ -177,7 +178,7 @@ def test_heartbeat_sender_reads_failures_not_silence_as_a_lost_store() -> None:
     is silent but has not lost its store; one whose requests fail for the timeout (the
     store host SIGKILLed) has."""
     host = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom ftrun.control.store import serve_store\n"
+        [sys.executable, "-c", "import sys, time\nfrom ftrun.control.tcpstore import serve_store\n"
          "s = serve_store(0, 10)\nprint(s.port, flush=True)\ntime.sleep(300)"],
         stdout=subprocess.PIPE, text=True, cwd=REPO)
     senders: list[HeartbeatSender] = []
@@ -213,7 +214,7 @@ def test_a_failed_client_is_never_reused_even_when_its_reconnect_fails() -> None
     (a ``get`` reading a length from the middle of a value). It reconnects and reads the
     right record."""
     host = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom ftrun.control.store import serve_store\n"
+        [sys.executable, "-c", "import sys, time\nfrom ftrun.control.tcpstore import serve_store\n"
          "s = serve_store(0, 10)\nprint(s.port, flush=True)\ntime.sleep(300)"],
         stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:

@@ -35,7 +35,8 @@ from ftrun.control.rendezvous import (
     RendezvousError,
     assignment_key,
 )
-from ftrun.control.store import JsonStore, connect_store, serve_store
+from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import connect_store, serve_store
 from tests.infra.etcd_cluster import FreezableRelay, etcd_missing_reason, loopback_etcd
 
 TOKEN = b"scale-test-token"

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ftrun.control.auth import Signer
-from ftrun.control.store import JsonStore, serve_store
+from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import serve_store
 from ftrun.snapshot import format as fmt
 from ftrun.snapshot import memory, records
 from ftrun.snapshot.writer import SnapshotWriter, Where, complete

@@ -27,7 +27,8 @@ import pytest
 from ftrun import protocol as P
 from ftrun.agent.membership import Membership as AgentMembership
 from ftrun.control.auth import TOKEN_ENV, Signer
-from ftrun.control.store import JsonStore, serve_store
+from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import serve_store
 from ftrun.worker import settings
 from ftrun.worker.errors import RegroupTimeoutError
 from ftrun.worker.membership import Membership
@@ -309,7 +310,7 @@ def test_the_bound_follows_the_argument_then_the_environment_then_the_default() 
 # requests, nobody answers them (a host that drops packets looks the same to a client).
 STORE_HOST = """
 import sys, time
-from ftrun.control.store import serve_store
+from ftrun.control.tcpstore import serve_store
 server = serve_store(0, 30.0)
 print(server.port, flush=True)
 time.sleep(300)
@@ -414,7 +415,7 @@ def test_votes_checked_on_a_store_that_then_dies_are_not_waited_for_on_the_next(
     the store that replaces it, which has none of them: not valid, at once. Before, the
     read went to the new store and torch's ``multi_get`` waited there for the missing
     votes for the request timeout (60 s in a job: a bench run lost 6 steps and 23 s)."""
-    from ftrun.control.store import connect_store
+    from ftrun.control.tcpstore import connect_store
 
     signer = Signer(SECRET.encode())
     names = [P.vote_key(0, 5, f"{n}.0") for n in range(3)]

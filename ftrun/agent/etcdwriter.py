@@ -33,7 +33,8 @@ from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
 from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
-from ftrun.control.store import JsonStore, connect_store, reconnect_store, serve_store
+from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import connect_store, reconnect_store, serve_store
 
 if TYPE_CHECKING:
     from ftrun.control.election import Election
@@ -127,7 +128,7 @@ def generation_store(agent: Agent, generation: Generation, prefix: str) -> JsonS
     own = agent.worker_stores[-1] if agent.worker_stores else None
     if own is not None and int(own.port) == port and host == agent.store_host:
         # the writer: its own store, in process (no connect: one to the last writer's
-        # dead host may still hold the connect lock, see control/store.py)
+        # dead host may still hold the connect lock, see control/tcpstore.py)
         return JsonStore(own, prefix, signer=Signer(load_secret()),
                          on_reject=agent._rejected_record)
     connect = lambda: reconnect_store(host, port, op, op_timeout_s=op)  # noqa: E731

@@ -65,7 +65,8 @@ from ftrun.control.rendezvous import (
     StaticRendezvous,
     StoreLostError,
 )
-from ftrun.control.store import JsonStore, connect_store, serve_store
+from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import connect_store, serve_store
 from ftrun.exitcodes import ExitCode, exit_at_once, for_signal
 from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
 from ftrun.jobref import register, register_etcd, unregister
@@ -151,8 +152,7 @@ class Agent:
         # and the host name their clients are given (see _bind_stores).
         self.store_bind: str | None = LOOPBACK
         self.store_host = config.rdzv_host
-        # Non-leaders: how a thread opens a store client of its own, and the bound on one
-        # store request.
+        # Non-leaders: how a thread opens a store client of its own; one request's bound.
         self._open_client: Callable[[], Any] | None = None
         self._op_timeout = 1.0
 

@@ -583,7 +583,7 @@ def connect_etcd(options: EtcdOptions, timeout_s: float, *, op_timeout_s: float 
                  interrupted: Callable[[], bool] = lambda: False) -> EtcdClient:
     """A client that has reached one endpoint: tried in turn until ``timeout_s`` has passed
     or ``interrupted()`` (then :class:`~ftrun.control.errors.StoreError` naming every
-    endpoint and why, as :func:`~ftrun.control.store.connect_store` raises: this is also
+    endpoint and why, as :func:`~ftrun.control.tcpstore.connect_store` raises: this is also
     :class:`~ftrun.control.store.JsonStore`'s reconnect); each request is then bounded by
     ``op_timeout_s`` (default ``timeout_s``)."""
     op = op_timeout_s if op_timeout_s is not None else timeout_s

@@ -1,4 +1,4 @@
-"""Bounds on the sockets a torch ``TCPStore`` client opens (:func:`ftrun.control.store.
+"""Bounds on the sockets a torch ``TCPStore`` client opens (:func:`ftrun.control.tcpstore.
 connect_store`): torch gives a client's requests no timeout of their own, so a store host
 that stops answering (frozen, cut off) would block a request forever. The sockets the
 client opened are found by comparing this process's socket descriptors before and after

@@ -11,7 +11,8 @@ Two kinds of store exist in a job:
   the workers of generation N+1 can never read an address that a dead worker of generation
   N left behind (the failure mode of pytorch/pytorch#135712).
 
-Values in the control store are JSON objects, validated by their readers, never pickled.
+Both are served and reached with :mod:`ftrun.control.tcpstore`; this module reads and writes
+them. Values in the control store are JSON objects, validated by their readers, never pickled.
 Every call has an explicit timeout. Errors: connection problems raise :class:`StoreError`;
 a value that is not the JSON object a reader expects, :class:`StoreValueError` naming it.
 """
@@ -19,10 +20,6 @@ a value that is not the JSON object a reader expects, :class:`StoreValueError` n
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,182 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun.control.auth import AuthError, Signer
 from ftrun.control.errors import StoreError, StoreValueError
-from ftrun.control.sockbounds import bound_requests, socket_fds
+from ftrun.control.tcpstore import first_line
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
-
-
-def tcpstore_class() -> type[TCPStore]:
-    """torch's ``TCPStore``, imported at the first store served or reached: ``JsonStore``
-    also wraps etcd-v3 clients (``ftrun inject`` of an etcd job), which need no torch.
-
-    torch's C++ client logs every failed connect and timed-out request (tens of lines while
-    a store host is down); the agent says one line of its own instead, so torch is imported
-    with its C++ log at FATAL unless the user chose a level, restored at once for the
-    workers: only at that first import (torch reads it then), never again, when the
-    agent's threads may be spawning workers. ``ftrun``'s command line calls this before it
-    imports the agent (whose snapshot modules import torch), connects before their thread
-    starts."""
-    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
-    if quiet:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    try:
-        from torch.distributed import TCPStore
-    finally:
-        if quiet:
-            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
-    return TCPStore
-
-
-# Bounds each blocking connect so that a signal to the agent is acted on promptly.
-_CONNECT_SLICE_S = 2.0
-_CONNECT_THREAD = "ftrun-store-connect"
-
-
-def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") -> TCPStore:
-    """Host a store on ``host``'s address only; ``port=0`` takes a free port (see ``.port``).
-
-    ``host``: loopback (the default) for a store only this machine uses, the address
-    other nodes reach this node at for a multi-node job; ``None``: every interface (no
-    single address is known to be right: the caller says so to the user).
-
-    Why not torch's ``host_name``: a master ``TCPStore`` ignores it and binds the wildcard
-    address (TCPStoreLibUvBackend.cpp, ``makeWithPort``), which left single-node jobs'
-    stores open to the network. So a socket is bound here to the one address and handed
-    over (``master_listen_fd``; the store owns and closes it), with ``SO_REUSEADDR`` as
-    torch sets it (a port whose connections linger in TIME_WAIT is served again at once).
-
-    Errors: :class:`StoreError` naming the address and port (taken, not this machine's, a
-    name that does not resolve)."""
-    where = f"{host}:{port}" if host is not None else f"port {port}"
-    tcpstore = tcpstore_class()
-    if host is None:
-        try:
-            return tcpstore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                            timeout=timedelta(seconds=timeout_s))
-        except (RuntimeError, ValueError) as error:
-            raise StoreError(f"cannot serve the store on {where}: {_first_line(error)}"
-                             ) from None
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError) as error:
-        raise StoreError(f"cannot serve the store on {where}: {host!r} does not resolve "
-                         f"({error})") from None
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(socket.SOMAXCONN)
-    except OSError as error:
-        listener.close()
-        raise StoreError(f"cannot serve the store on {where}: "
-                         f"{error.strerror or error}") from None
-    bound_port = int(listener.getsockname()[1])
-    fd = listener.detach()  # from here the store owns the socket (and closes it)
-    try:
-        return tcpstore(address[0], bound_port, is_master=True, wait_for_workers=False,
-                        timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
-    except (RuntimeError, ValueError) as error:
-        # torch closed the socket if it had taken it; a second close could hit a reused fd
-        raise StoreError(f"cannot serve the store on {where}: {_first_line(error)}") from None
-
-
-def connect_store(host: str, port: int, timeout_s: float, *,
-                  interrupted: Callable[[], bool] = lambda: False,
-                  op_timeout_s: float | None = None) -> TCPStore:
-    """Connect to a store that may not be up yet, retrying until ``timeout_s``.
-
-    With ``op_timeout_s``, every later request of this client fails after that long
-    without an answer. torch's client has no such bound: on a cut link its ``recv``
-    waits for TCP to give up (many minutes), so an agent would hang instead of noticing
-    that its store host is gone. The bound is put on the client's socket (receive and send
-    timeouts, ``TCP_USER_TIMEOUT``); ``timeout_s`` still bounds server-side waits.
-
-    One gap is inside torch: the constructor's first exchange with the server has no
-    timeout, so a connect to a *frozen* host (SIGSTOP, a stalled VM: its kernel still
-    accepts connections) blocks until it resumes. So each attempt runs in a thread, and
-    the caller stops waiting for it at the deadline (its client is dropped if the host
-    resumes); it holds the lock that attributes new sockets to a client, which other
-    connects give up on at their deadline. Nothing that calls this hangs on a frozen host."""
-    tcpstore_class()  # torch's first import here, not in a thread racing the deadline
-    deadline = time.monotonic() + timeout_s
-    last_error = "no attempt"
-    while True:
-        slice_s = min(_CONNECT_SLICE_S, max(deadline - time.monotonic(), 0.1))
-        attempt = _ConnectAttempt(host, port, slice_s, op_timeout_s)
-        attempt.thread.start()
-        give_up = max(deadline, time.monotonic() + slice_s) + 0.5
-        while attempt.thread.is_alive() and time.monotonic() < give_up and not interrupted():
-            attempt.thread.join(0.25)
-        if attempt.thread.is_alive():
-            raise StoreError(f"cannot reach the store at {host}:{port}: no answer to the "
-                             "connect (a frozen store host?)")
-        if attempt.store is not None:
-            attempt.store.set_timeout(timedelta(seconds=op_timeout_s or timeout_s))
-            return attempt.store
-        last_error = attempt.error
-        if interrupted() or time.monotonic() >= deadline:
-            raise StoreError(f"cannot reach the store at {host}:{port}: {last_error}")
-
-
-def reconnect_store(host: str, port: int, timeout_s: float, *,
-                    op_timeout_s: float | None = None) -> TCPStore:
-    """:func:`connect_store` to a store that was up and may have died with its host's
-    agent. A plain connect first: a refused one (nothing listens there now) fails at once
-    with :class:`~ftrun.control.errors.StoreError`, where torch's client retries it until
-    ``timeout_s`` as for a store still starting; so a retrying caller (``JsonStore``'s
-    reconnect) asks its ``lost()`` again after its pause. Then the client's own connect is
-    bounded by a second (seen: a worker held 3 s connecting to its dead writer's store)."""
-    try:
-        socket.create_connection((host, port), timeout=min(2.0, timeout_s)).close()
-    except OSError as error:
-        raise StoreError(f"cannot reach the store at {host}:{port}: "
-                         f"{error.strerror or error}") from None
-    return connect_store(host, port, min(1.0, timeout_s), op_timeout_s=op_timeout_s)
-
-
-class _ConnectAttempt:
-    """One TCPStore client construction, in a daemon thread (see :func:`connect_store`)."""
-
-    def __init__(self, host: str, port: int, slice_s: float, op_timeout_s: float | None
-                 ) -> None:
-        self.store: TCPStore | None = None
-        self.error = "no attempt"
-        self.thread = threading.Thread(target=self._run, args=(host, port, slice_s,
-                                                               op_timeout_s),
-                                       name=_CONNECT_THREAD, daemon=True)
-
-    def _run(self, host: str, port: int, slice_s: float, op_timeout_s: float | None) -> None:
-        if not _CONNECT_LOCK.acquire(timeout=slice_s + 0.5):
-            self.error = "another connect has not returned (a frozen store host?)"
-            return
-        try:
-            before = socket_fds()
-            store = tcpstore_class()(host, port, is_master=False,
-                                     timeout=timedelta(seconds=slice_s))
-            if op_timeout_s is not None:
-                bound_requests(socket_fds() - before, op_timeout_s)
-            self.store = store
-        except (RuntimeError, ValueError) as error:
-            self.error = _first_line(error)
-        finally:
-            _CONNECT_LOCK.release()
-
-
-_CONNECT_LOCK = threading.Lock()
-
-
-def connect_still_running() -> bool:
-    """Whether a connect this process gave up on is still inside torch's client: a short
-    command then leaves with ``os._exit`` (see ``ftrun.cli``), as the agent does."""
-    return any(t.name == _CONNECT_THREAD and t.is_alive() for t in threading.enumerate())
-
-
-def _first_line(error: BaseException) -> str:
-    """torch's store errors carry a C++ trace after the first line."""
-    text = str(error)
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 class JsonStore:
@@ -468,7 +293,7 @@ class JsonStore:
         else the connection is replaced (never used again, even if this reconnect fails)
         and the wait reads as a slice without news."""
         if self.reconnect is None or self.lost():
-            raise StoreError(f"store request failed: {_first_line(error)}") from None
+            raise StoreError(f"store request failed: {first_line(error)}") from None
         self._conn.failed = True
         self._usable(0.0)
 
@@ -599,7 +424,7 @@ class JsonStore:
                 try:
                     return getattr(self.raw, method)(*args)
                 except (RuntimeError, ValueError) as error:  # torch's DistStoreError too
-                    detail = _first_line(error)
+                    detail = first_line(error)
                     if self.reconnect is not None:
                         self._conn.failed = True
             now = time.monotonic()

@@ -38,13 +38,8 @@ import torch.distributed as dist
 
 from ftrun import protocol as P
 from ftrun.control.auth import Signer, load_secret
-from ftrun.control.store import (
-    JsonStore,
-    StoreError,
-    StoreValueError,
-    connect_store,
-    reconnect_store,
-)
+from ftrun.control.store import JsonStore, StoreError, StoreValueError
+from ftrun.control.tcpstore import connect_store, reconnect_store
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
 
 POLL_S = 0.005  # between two looks at a record that a peer or the leader writes
@@ -176,7 +171,7 @@ class Membership:
         # etcd-v3: the store may move (the job's writer died and a new one took over); a
         # failed request then reconnects to where the agent's store file says it is now,
         # for up to a collective timeout (op_timeout), and fails with StoreError after it.
-        # There the bounds are also put on the clients' sockets (control/store.py
+        # There the bounds are also put on the clients' sockets (control/tcpstore.py
         # connect_store): a request to a writer whose link is cut fails within its bound
         # instead of waiting for TCP to give up.
         moved = self._moved_store(env, signer, op_timeout)
