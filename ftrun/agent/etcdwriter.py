@@ -127,13 +127,11 @@ def generation_store(agent: Agent, generation: Generation, prefix: str) -> JsonS
         agent._op_timeout
     own = agent.worker_stores[-1] if agent.worker_stores else None
     if own is not None and int(own.port) == port and host == agent.store_host:
-        # the writer: its own store, in process (no connect: one to the last writer's
-        # dead host may still hold the connect lock, see control/tcpstore.py)
+        # the writer: its own store, in process (no connection, no connect to wait for)
         return JsonStore(own, prefix, signer=Signer(load_secret()),
                          on_reject=agent._rejected_record)
     connect = lambda: reconnect_store(host, port, op, op_timeout_s=op)  # noqa: E731
-    # the first connect waits longer: the writer may still be opening it, and a connect
-    # to the last writer's dead host may hold the connect lock for an op timeout
+    # the first connect waits longer: the writer may still be opening it
     first = connect_store(host, port, agent.config.heartbeat_timeout_s * 3, op_timeout_s=op)
     return JsonStore(first, prefix, signer=Signer(load_secret()), reconnect=connect,
                      retry_s=agent.config.heartbeat_timeout_s * 3,

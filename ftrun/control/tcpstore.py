@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.control.errors import StoreError
-from ftrun.control.sockbounds import bound_requests, socket_fds
+from ftrun.control.sockbounds import bound_requests, connected_to, socket_fds
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -51,6 +51,8 @@ def tcpstore_class() -> type[TCPStore]:
 # Bounds each blocking connect so that a signal to the agent is acted on promptly.
 _CONNECT_SLICE_S = 2.0
 _CONNECT_THREAD = "ftrun-store-connect"
+#: How often a reconnect checks that its store still listens (see :func:`connect_store`).
+_REFUSED_PROBE_S = 0.1
 
 
 def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") -> TCPStore:
@@ -103,7 +105,8 @@ def serve_store(port: int, timeout_s: float, *, host: str | None = "127.0.0.1") 
 
 def connect_store(host: str, port: int, timeout_s: float, *,
                   interrupted: Callable[[], bool] = lambda: False,
-                  op_timeout_s: float | None = None) -> TCPStore:
+                  op_timeout_s: float | None = None, give_up_if_refused: bool = False
+                  ) -> TCPStore:
     """Connect to a store that may not be up yet, retrying until ``timeout_s``.
 
     With ``op_timeout_s``, every later request of this client fails after that long
@@ -116,8 +119,15 @@ def connect_store(host: str, port: int, timeout_s: float, *,
     timeout, so a connect to a *frozen* host (SIGSTOP, a stalled VM: its kernel still
     accepts connections) blocks until it resumes. So each attempt runs in a thread, and
     the caller stops waiting for it at the deadline (its client is dropped if the host
-    resumes); it holds the lock that attributes new sockets to a client, which other
-    connects give up on at their deadline. Nothing that calls this hangs on a frozen host."""
+    resumes); it holds the lock of its address (one connect at a time to one address, so
+    that the new sockets are attributed to the right client), which other connects to
+    that address give up on at their deadline; a connect elsewhere does not wait for it.
+    Nothing that calls this hangs on a frozen host.
+
+    ``give_up_if_refused``: torch's client tries a refused connect again until its
+    timeout, as for a store still starting. For a store that was up (a reconnect), a
+    refused connect means it is gone, so the wait is also given up (StoreError, at once)
+    when a plain connect, tried every ``_REFUSED_PROBE_S`` meanwhile, is refused."""
     tcpstore_class()  # torch's first import here, not in a thread racing the deadline
     deadline = time.monotonic() + timeout_s
     last_error = "no attempt"
@@ -127,7 +137,10 @@ def connect_store(host: str, port: int, timeout_s: float, *,
         attempt.thread.start()
         give_up = max(deadline, time.monotonic() + slice_s) + 0.5
         while attempt.thread.is_alive() and time.monotonic() < give_up and not interrupted():
-            attempt.thread.join(0.25)
+            attempt.thread.join(_REFUSED_PROBE_S if give_up_if_refused else 0.25)
+            if give_up_if_refused and attempt.thread.is_alive() and _refused(host, port):
+                raise StoreError(f"cannot reach the store at {host}:{port}: connection "
+                                 "refused (nothing listens there now)")
         if attempt.thread.is_alive():
             raise StoreError(f"cannot reach the store at {host}:{port}: no answer to the "
                              "connect (a frozen store host?)")
@@ -146,13 +159,29 @@ def reconnect_store(host: str, port: int, timeout_s: float, *,
     with :class:`~ftrun.control.errors.StoreError`, where torch's client retries it until
     ``timeout_s`` as for a store still starting; so a retrying caller (``JsonStore``'s
     reconnect) asks its ``lost()`` again after its pause. Then the client's own connect is
-    bounded by a second (seen: a worker held 3 s connecting to its dead writer's store)."""
+    bounded by a second (seen: a worker held 3 s connecting to its dead writer's store),
+    and given up as soon as a connect is refused: a store whose host's agent is being
+    killed may still accept the plain connect and be gone for torch's (seen: a worker's
+    connect to its dead writer's store took its whole second, retrying refused connects,
+    while the new store's address was known)."""
     try:
         socket.create_connection((host, port), timeout=min(2.0, timeout_s)).close()
     except OSError as error:
         raise StoreError(f"cannot reach the store at {host}:{port}: "
                          f"{error.strerror or error}") from None
-    return connect_store(host, port, min(1.0, timeout_s), op_timeout_s=op_timeout_s)
+    return connect_store(host, port, min(1.0, timeout_s), op_timeout_s=op_timeout_s,
+                         give_up_if_refused=True)
+
+
+def _refused(host: str, port: int) -> bool:
+    """Whether a plain connect to ``host:port`` is refused now (a timeout says nothing)."""
+    try:
+        socket.create_connection((host, port), timeout=_REFUSED_PROBE_S).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 class _ConnectAttempt:
@@ -167,23 +196,32 @@ class _ConnectAttempt:
                                        name=_CONNECT_THREAD, daemon=True)
 
     def _run(self, host: str, port: int, slice_s: float, op_timeout_s: float | None) -> None:
-        if not _CONNECT_LOCK.acquire(timeout=slice_s + 0.5):
-            self.error = "another connect has not returned (a frozen store host?)"
+        lock = _address_lock(host, port)
+        if not lock.acquire(timeout=slice_s + 0.5):
+            self.error = "another connect to it has not returned (a frozen store host?)"
             return
         try:
             before = socket_fds()
             store = tcpstore_class()(host, port, is_master=False,
                                      timeout=timedelta(seconds=slice_s))
             if op_timeout_s is not None:
-                bound_requests(socket_fds() - before, op_timeout_s)
+                bound_requests(connected_to(socket_fds() - before, host, port), op_timeout_s)
             self.store = store
         except (RuntimeError, ValueError) as error:
             self.error = first_line(error)
         finally:
-            _CONNECT_LOCK.release()
+            lock.release()
 
 
-_CONNECT_LOCK = threading.Lock()
+def _address_lock(host: str, port: int) -> threading.Lock:
+    """The lock of connects to ``host:port`` (see :func:`connect_store`): one entry per
+    store address this process ever reached, a handful in a job's life."""
+    with _ADDRESS_LOCKS_GUARD:
+        return _ADDRESS_LOCKS.setdefault((host, port), threading.Lock())
+
+
+_ADDRESS_LOCKS: dict[tuple[str, int], threading.Lock] = {}
+_ADDRESS_LOCKS_GUARD = threading.Lock()
 
 
 def connect_still_running() -> bool:
