@@ -106,9 +106,8 @@ class JsonStore:
 
     def get(self, name: str) -> dict[str, Any] | None:
         """The record, or None when the key does not exist (never blocks)."""
-        if not self.exists(name):
-            return None
-        return self._decode(name, self._call("get", self.key(name)))
+        values = self._read_present([self.key(name)])
+        return None if values is None else self._decode(name, values[0])
 
     def exists(self, name: str) -> bool:
         return bool(self._call("check", [self.key(name)]))
@@ -129,9 +128,8 @@ class JsonStore:
 
     def first_record(self, name: str) -> dict[str, Any] | None:
         """The body of the first valid record appended to ``name``, or None."""
-        if not self.exists(name):
-            return None
-        return self._first_valid(name, self._call("get", self.key(name)))
+        values = self._read_present([self.key(name)])
+        return None if values is None else self._first_valid(name, values[0])
 
     def set_record(self, name: str, body: dict[str, Any]) -> None:
         """Overwrite ``name`` with a signed record (heartbeats, slots, the latest pointer)."""
@@ -140,9 +138,8 @@ class JsonStore:
 
     def get_record(self, name: str) -> dict[str, Any] | None:
         """The body of a record written with :meth:`set_record`; None if absent or invalid."""
-        if not self.exists(name):
-            return None
-        return self.check_record(name, self._call("get", self.key(name)))
+        values = self._read_present([self.key(name)])
+        return None if values is None else self.check_record(name, values[0])
 
     def set_records(self, bodies: dict[str, dict[str, Any]]) -> None:
         """Overwrite several keys with signed records in one request (torch's
@@ -158,9 +155,10 @@ class JsonStore:
         """The records appended (:meth:`put_record`) to ``name`` past byte ``offset``, in
         order, and the offset after them: a reader that keeps the offset parses each record
         once (a ``check`` and a ``get``; None for a line that is not a valid record)."""
-        if not self.exists(name):
+        values = self._read_present([self.key(name)])
+        if values is None:
             return [], offset
-        raw = self._call("get", self.key(name))
+        raw = values[0]
         lines = raw[offset:].split(b"\n")
         return [self.check_record(name, line) for line in lines if line.strip()], len(raw)
 
@@ -176,9 +174,9 @@ class JsonStore:
         250 ms before this. Cached records are the same objects each time: keep them."""
         if not names:
             return []
-        keys = [self.key(n) for n in names]
-        if self._check(keys):
-            return self._checked(names, self._multi_get(keys), seen)
+        values = self._read_present([self.key(n) for n in names])
+        if values is not None:
+            return self._checked(names, values, seen)
         return [self.get_record(n) for n in names]
 
     def _checked(self, names: list[str], values: list[bytes],
@@ -218,6 +216,42 @@ class JsonStore:
         step = self.KEYS_PER_REQUEST
         return all(self._call("check", keys[i:i + step]) for i in range(0, len(keys), step))
 
+    def _read_present(self, keys: list[str]) -> list[bytes] | None:
+        """The values of ``keys`` when every one exists, else None.
+
+        torch's ``get`` and ``multi_get`` wait for a missing key (the store's timeout,
+        60 s in a job), so a read is made only where a ``check`` found the keys: on the
+        connection that answered it. A read through :meth:`_call` could reconnect in
+        between, and on etcd-v3 the new connection may reach the store that replaced the
+        job's dead writer's, which holds none of them: a worker's read of a vote waited
+        60 s there (5 steps lost), then of a step's decision (68.7 s). So when the
+        connection changes between the check and the read, or the read fails, the check
+        is made again on the new connection: a moved store answers None at once, the same
+        store after a transient failure the values. StoreError as for any request: no
+        reconnect, or none that holds for ``retry_s``."""
+        again_until: float | None = None
+        changes = 0
+        while True:
+            client = self.raw
+            if not self._check(keys):
+                return None
+            if self.raw is not client:  # a reconnect during the check: look again there
+                changes += 1
+                if changes > 3:
+                    raise StoreError("store request failed: the connection kept failing")
+                continue
+            try:
+                return self._multi_get(keys, client)
+            except (RuntimeError, ValueError) as error:  # torch's DistStoreError too
+                detail = first_line(error)
+                if self.reconnect is None:
+                    raise StoreError(f"store request failed: {detail}") from None
+                self._conn.failed = True
+            now = time.monotonic()
+            again_until = now + self.retry_s if again_until is None else again_until
+            if now >= again_until:
+                raise StoreError(f"store request failed: {detail}")
+
     def _multi_get(self, keys: list[str], client: TCPStore | None = None) -> list[bytes]:
         """Values of keys that exist; with ``client``, read there alone (no reconnect)."""
         parts = [keys[i:i + self.KEYS_PER_REQUEST]
@@ -227,25 +261,10 @@ class JsonStore:
         return [value for part in parts for value in client.multi_get(part)]
 
     def all_valid(self, names: list[str]) -> bool:
-        """Whether each of ``names`` holds a valid record: one ``check``, then a read on the
-        connection that found them all. If that read fails, the check again on a new
-        connection (once): a store that moved meanwhile (etcd-v3, the job's writer died)
-        holds none of them, and a read there waited out the store's timeout (60 s) for them
-        (torch's ``multi_get`` waits for a missing key); the same store, after a transient
-        failure, holds them all still."""
-        keys = [self.key(n) for n in names]
-        for _ in range(2):
-            if not self.exist_all(names):
-                return False
-            client = self.raw  # the one that answered the check
-            try:
-                values = self._multi_get(keys, client)
-            except (RuntimeError, ValueError):  # torch's DistStoreError too
-                self._conn.failed = self.reconnect is not None
-                continue
-            return all(self.check_record(n, v) is not None
-                       for n, v in zip(names, values, strict=True))
-        return False
+        """Whether each of ``names`` holds a valid record (votes, arrivals)."""
+        values = self._read_present([self.key(n) for n in names])
+        return values is not None and all(
+            self.check_record(n, v) is not None for n, v in zip(names, values, strict=True))
 
     def present_records(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
         """Name -> record (None when invalid) for those of ``names`` that exist.
@@ -267,7 +286,10 @@ class JsonStore:
                         bad = mid
                 end = good  # names[end] does not exist
             chunk = names[start:end]
-            found.update(zip(chunk, self.read_records(chunk), strict=True))
+            values = self._read_present([self.key(n) for n in chunk])
+            if values is None:
+                continue  # not all there on the connection now (it moved): look again
+            found.update(zip(chunk, self._checked(chunk, values, None), strict=True))
             start = end + 1
         return found
 
