@@ -811,8 +811,10 @@ def test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation(
         took = [n for n in waiting if any("took over" in x or "job's writer (elected" in x
                                           for x in n.lines)]
         assert len(took) == 1, [n.output[-2000:] for n in waiting]
-        for node in waiting:
-            assert node.wait(180) == 0, node.output[-3000:]
+        codes = [node.wait(180) for node in waiting]
+        # every node's output: the failing node's own says why (CI once showed only the
+        # other's, "rank 0 on vm (killed by SIGABRT)", 2 runs in about 70)
+        assert codes == [0, 0], "\n=====\n".join(n.output[-4000:] for n in waiting)
         done = [d for n in waiting for d in find(n.lines, Done)]
         assert sorted(d.rank for d in done) == [0, 1], done
         assert len({d.param_sum for d in done}) == 1 and done[0].steps == steps, done
