@@ -44,7 +44,6 @@ per-scan read; the presence pings and the both-channels rule are the same.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -61,6 +60,7 @@ from ftrun.control.presence import (
     record_node,
 )
 from ftrun.control.store import JsonStore
+from ftrun.control.tcpstore import connect_refused
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -178,7 +178,7 @@ class HeartbeatSender:
             return
         gone, self._presence_at = self._presence_at, None
         if gone is not None and gone[2] and self.on_server_gone is not None \
-                and _refused(gone[0], gone[1], min(1.0, self.interval_s)):
+                and connect_refused(gone[0], gone[1], min(1.0, self.interval_s)):
             self.on_server_gone(gone[2])
         now = time.monotonic()
         if now < self._presence_next:
@@ -195,17 +195,6 @@ class HeartbeatSender:
             self._presence_at = (*target, record_node(body))
         except PresenceError as error:
             self.presence_error = str(error)
-
-
-def _refused(host: str, port: int, timeout_s: float) -> bool:
-    """Whether a TCP connect to ``host:port`` is refused (within ``timeout_s``)."""
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def serve_presence(store: JsonStore, signer: Signer, run_id: str, bind: str | None,

@@ -138,7 +138,8 @@ def connect_store(host: str, port: int, timeout_s: float, *,
         give_up = max(deadline, time.monotonic() + slice_s) + 0.5
         while attempt.thread.is_alive() and time.monotonic() < give_up and not interrupted():
             attempt.thread.join(_REFUSED_PROBE_S if give_up_if_refused else 0.25)
-            if give_up_if_refused and attempt.thread.is_alive() and _refused(host, port):
+            if give_up_if_refused and attempt.thread.is_alive() \
+                    and connect_refused(host, port, _REFUSED_PROBE_S):
                 raise StoreError(f"cannot reach the store at {host}:{port}: connection "
                                  "refused (nothing listens there now)")
         if attempt.thread.is_alive():
@@ -173,10 +174,11 @@ def reconnect_store(host: str, port: int, timeout_s: float, *,
                          give_up_if_refused=True)
 
 
-def _refused(host: str, port: int) -> bool:
-    """Whether a plain connect to ``host:port`` is refused now (a timeout says nothing)."""
+def connect_refused(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a plain TCP connect to ``host:port`` is refused now: nothing listens there
+    (its process is gone). A timeout says nothing (a frozen or cut-off host)."""
     try:
-        socket.create_connection((host, port), timeout=_REFUSED_PROBE_S).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except ConnectionRefusedError:
         return True
     except OSError:
