@@ -4,6 +4,7 @@ the lease, an expired lease, a frozen member and a dead endpoint."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -231,3 +232,52 @@ def test_a_failed_lease_grant_backs_off_then_the_lease_is_granted() -> None:
             beat.close()
         finally:
             relay.close()
+
+
+#: An agent's side of the fork hazard, in a fresh interpreter (grpcio not imported yet): a
+#: lease renewed on its keepalive stream by a thread while the main thread starts children
+#: as the agent starts workers (``subprocess`` with a ``preexec_fn``, closing descriptors).
+_FORKER = """
+import os, subprocess, sys, threading
+from ftrun.control.etcd import EtcdOptions, connect_etcd
+from ftrun.control.etcdkeepalive import KeepAliveStream, load_grpc
+endpoint = sys.argv[1]
+load_grpc()
+print("left in environ:", "GRPC_ENABLE_FORK_SUPPORT" in os.environ, flush=True)
+client = connect_etcd(EtcdOptions.parse(endpoint, {}), 10, op_timeout_s=2)
+lease, _ = client.grant_ttl(30)
+stream, stop = KeepAliveStream(), threading.Event()
+def renew():
+    while not stop.is_set():
+        stream.renew(endpoint, lease, 2.0)
+renewer = threading.Thread(target=renew, daemon=True)
+renewer.start()
+codes = []
+for _ in range(40):
+    child = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=lambda: None,
+                             close_fds=True, start_new_session=True)
+    codes.append(child.wait())
+stop.set()
+renewer.join(5)
+stream.close()
+print("children:", codes.count(0), "of", len(codes), "exited 0", flush=True)
+"""
+
+
+def test_an_agent_forks_its_workers_with_grpcs_fork_support_off() -> None:
+    """With grpcio's fork support on, every fork while a keepalive stream runs goes through
+    gRPC's fork handlers ("skipping fork() handlers" when a call is in flight), and now and
+    then the poller it re-creates in the child aborts the worker before its exec (CI:
+    "rank 1 killed by SIGABRT", "Epoll1Poller ... Bad file descriptor"). ``load_grpc``
+    imports grpcio with it off, and leaves the environment the workers inherit as it was."""
+    import subprocess
+    import sys
+
+    with loopback_etcd() as endpoint:
+        env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+        done = subprocess.run([sys.executable, "-c", _FORKER, endpoint], capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left in environ: False" in done.stdout, done.stdout
+    assert "children: 40 of 40 exited 0" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "fork() handlers" not in done.stderr, done.stderr[-2000:]

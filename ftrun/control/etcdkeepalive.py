@@ -32,7 +32,9 @@ holds is skipped. Nothing else is swallowed.
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -188,8 +190,7 @@ class KeepAliveStream:
         self._endpoint = self._channel = self._call = None
 
     def _open(self, endpoint: str) -> None:
-        import grpc  # its C core starts threads: only in agents that renew leases
-
+        grpc = load_grpc()
         host, _, port = endpoint.rpartition(":")
         target = f"[{host}]:{port}" if ":" in host else endpoint
         # no proxy from the environment: etcd is reached directly, as by the gateway client
@@ -210,6 +211,38 @@ class KeepAliveStream:
         self._endpoint, self._channel, self._call = endpoint, channel, call
         self._outbox, self._answers = outbox, answers
         self.opened += 1
+
+
+def load_grpc() -> Any:
+    """grpcio, imported (once) with its fork support off.
+
+    Why: with it on (grpcio's default), a fork re-creates gRPC's poller thread in the
+    child, and the agent forks every worker (``subprocess`` with a ``preexec_fn``) while
+    its keepalive streams run. The child closes its descriptors before its ``exec``;
+    now and then the poller runs in that window, finds its epoll descriptor gone and
+    aborts the process ("Epoll1Poller ... epoll_wait error: Bad file descriptor"): a
+    worker killed by SIGABRT before it started (CI, twice in about 70 runs of
+    ``test_netns_etcd_writer_killed_while_the_others_wait_for_a_generation``; 2 of 1,000
+    children with a live stream, 0 of 1,400 with it off). Nothing in the agent uses gRPC
+    in a forked child. grpcio reads ``GRPC_ENABLE_FORK_SUPPORT`` at its import, so it is
+    set for the import alone (a value the user set is kept) and taken out again: workers
+    get the agent's environment. The agent calls this from its main thread before any
+    thread or worker starts, so no worker's environment is built meanwhile; its C core
+    starts threads only with its first channel, in agents that renew leases."""
+    if "grpc" in sys.modules:
+        return sys.modules["grpc"]
+    ours = _FORK_SUPPORT not in os.environ
+    if ours:
+        os.environ[_FORK_SUPPORT] = "false"
+    try:
+        import grpc
+    finally:
+        if ours:
+            os.environ.pop(_FORK_SUPPORT, None)
+    return grpc
+
+
+_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 
 
 def _same(message: bytes) -> bytes:
