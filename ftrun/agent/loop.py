@@ -341,9 +341,7 @@ class Agent:
         if multi and config.rdzv_backend == "etcd-v3":
             from ftrun.control.election import join_etcd
             from ftrun.control.etcd import EtcdOptions, connect_etcd
-            from ftrun.control.etcdkeepalive import load_grpc
             etcd = EtcdOptions.parse(config.rdzv_endpoint, config.rdzv_conf)
-            load_grpc()  # here, before the heartbeat and any worker (see its docstring)
         hosting = hosting and etcd is None
         op_timeout = max(1.0, config.heartbeat_timeout_s / 3)
         self._op_timeout = op_timeout

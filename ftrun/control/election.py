@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from ftrun.control.errors import BeatDeferred, StoreError
 from ftrun.control.etcd import EtcdClient, EtcdOptions, connect_etcd
-from ftrun.control.etcdkeepalive import KeepAliveStream
+from ftrun.control.etcdkeepalive import KeepAliveStream, load_grpc
 
 if TYPE_CHECKING:
     from ftrun.control.store import JsonStore
@@ -123,7 +123,11 @@ def join_etcd(options: EtcdOptions, *, run_id: str, node_id: str, op_timeout_s: 
     """An agent's start on the etcd-v3 backend: reach the cluster within ``connect_s`` and
     run for the job's writer (key ``ftrun/<run id>/writer``, a lease of ``lease_s``).
     Returns the client and, when this agent won, its :class:`Election` (to resign at exit).
-    Errors: :class:`~ftrun.control.errors.StoreError` with one line naming every endpoint."""
+    Errors: :class:`~ftrun.control.errors.StoreError` with one line naming every endpoint.
+
+    grpcio (the leases' keepalive streams) is loaded here, in the agent's main thread
+    before its election, heartbeat and workers start (see ``etcdkeepalive.load_grpc``)."""
+    load_grpc()
     try:
         client = connect_etcd(options, connect_s, op_timeout_s=op_timeout_s,
                               interrupted=interrupted)

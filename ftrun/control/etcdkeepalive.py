@@ -226,8 +226,9 @@ def load_grpc() -> Any:
     children with a live stream, 0 of 1,400 with it off). Nothing in the agent uses gRPC
     in a forked child. grpcio reads ``GRPC_ENABLE_FORK_SUPPORT`` at its import, so it is
     set for the import alone (a value the user set is kept) and taken out again: workers
-    get the agent's environment. The agent calls this from its main thread before any
-    heartbeat or worker starts, so no worker's environment is built meanwhile; its C core
+    get the agent's environment. The agent calls this (``election.join_etcd``) from its
+    main thread before any heartbeat or worker starts, so no worker's environment is built
+    meanwhile; its C core
     starts threads only with its first channel, in agents that renew leases."""
     if "grpc" in sys.modules:
         return sys.modules["grpc"]
