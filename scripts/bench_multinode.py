@@ -1259,18 +1259,28 @@ def store_load(n: int, interval: float, heartbeat_timeout: float, seconds: float
 # --- store load: event-driven simulated agents (scripts/loadgen.py) -----------------------
 
 
-def _loadgen() -> Any:
-    """scripts/loadgen.py, imported by path (scripts/ is not a package)."""
+def _script_module(name: str) -> Any:
+    """scripts/``name``.py, imported by path (scripts/ is not a package)."""
     import importlib.util
 
-    if "ftrun_loadgen" not in sys.modules:
+    if f"ftrun_{name}" not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            "ftrun_loadgen", Path(__file__).resolve().parent / "loadgen.py")
+            f"ftrun_{name}", Path(__file__).resolve().parent / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules["ftrun_loadgen"] = module
+        sys.modules[f"ftrun_{name}"] = module
         spec.loader.exec_module(module)
-    return sys.modules["ftrun_loadgen"]
+    return sys.modules[f"ftrun_{name}"]
+
+
+def _loadgen() -> Any:
+    """scripts/loadgen.py: the event-driven simulated agents."""
+    return _script_module("loadgen")
+
+
+def _goprofile() -> Any:
+    """scripts/goprofile.py: an etcd member's CPU profile, summed by function."""
+    return _script_module("goprofile")
 
 
 def _thread_cpu_s(tid: int) -> float:
@@ -1865,7 +1875,8 @@ def _light_rdzv_agents(port: int, ids: list[int], n: int, run_id: str, cfg: dict
 
 def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                      heartbeats: bool = True, switch_interval: float = 0.005,
-                     etcd: str | None = None, harness: str = "threads") -> dict[str, Any]:
+                     etcd: str | None = None, harness: str = "threads",
+                     etcd_profile: bool = False) -> dict[str, Any]:
     """One rendezvous of ``n`` agents: the leader in this process (it serves the store, as
     the store host's agent does, and opens the generation's worker store), ``n - 1`` light
     agents in ``procs`` processes (see :func:`_light_rdzv_agents`). The figure ``s`` is
@@ -1879,7 +1890,9 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
     TCPStore only; ``procs`` of them, default 2): the same protocol on the wire (the signed
     slot appended, torch's ``get`` of the agent's own assignment, verified as the agent
     does; a heartbeat connection beating unless ``heartbeats`` is off), without a Python
-    thread per agent to wake."""
+    thread per agent to wake. ``etcd_profile`` (a member started with ``--enable-pprof``):
+    its Go CPU profile over the second from the leader having every slot, summed by
+    function (scripts/goprofile.py), is ``etcd_profile_top``."""
     import resource
 
     from ftrun.control.auth import Signer
@@ -1970,6 +1983,15 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
                                  signer=Signer(b"bench-token"), reconnect=redial,
                                  retry_s=_HB_TIMEOUT_S * 3 if redial else 0.0)
 
+        profiled: list[bytes] = []
+        profiling: list[threading.Thread] = []
+
+        def profile_member() -> None:  # the second after every slot: the figure's window
+            try:
+                profiled.append(_goprofile().cpu_profile(etcd or "", 1.0))
+            except OSError as error:
+                print(f"  etcd profile: none: {error}", file=sys.stderr, flush=True)
+
         class TimedLeader(DynamicRendezvous):
             """The real leader; notes when it has every slot (before it writes)."""
 
@@ -1978,6 +2000,9 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
             def _collect(self, *args: Any, **kwargs: Any) -> list[NodeSlot]:
                 slots = super()._collect(*args, **kwargs)
                 self.collected = time.time()
+                if etcd_profile and etcd:
+                    profiling.append(threading.Thread(target=profile_member, daemon=True))
+                    profiling[-1].start()
                 return slots
 
         leader = TimedLeader(leader_store, min_nodes=n, max_nodes=n, last_call_s=30,
@@ -2037,6 +2062,12 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
             info["etcd_cores"] = round((_cpu_s(etcd_pid) - etcd_cpu) / window, 2)
             info["leader_process_cpu_s"] = round(_cpu_s(os.getpid()) - host_cpu, 2)
         info["agents_cores"] = round((agents_now - agents_cpu) / window, 2)
+        for thread in profiling:
+            thread.join(15)
+        if profiled:
+            sampled_s, functions = _goprofile().top(profiled[0], 12)
+            info["etcd_profile_top"] = {"sampled_cpu_s": sampled_s, "functions": [
+                [f.name, f.cumulative_s, f.flat_s] for f in functions]}
         info["other_work_cores"] = round(max(0.0, _machine_busy_s() - busy) / window
                                          - info["store_host_cores"] - info["agents_cores"]
                                          - info.get("etcd_cores", 0.0), 2)
@@ -2082,14 +2113,23 @@ def measure_rendezvous_light(args: argparse.Namespace, result: dict[str, object]
                 info = rendezvous_light(n, procs=args.light_procs, timeout_s=args.rdzv_timeout,
                                         heartbeats=not args.light_no_heartbeats,
                                         switch_interval=args.light_switch_interval, etcd=etcd,
-                                        harness=args.light_harness)
+                                        harness=args.light_harness,
+                                        etcd_profile=args.etcd_profile)
             except RuntimeError as error:
                 info = {"agents": n, "s": None, "failed": str(error)}
             runs.setdefault(str(n), []).append(info)
             notes = ", ".join(f"{k} {v}" for k, v in info.items()
-                              if k not in ("agents", "s") and v not in (None, [], 0))
+                              if k not in ("agents", "s", "etcd_profile_top")
+                              and v not in (None, [], 0))
             print(f"  rendezvous (light agents), {name}, {n} agents: {info['s']}  ({notes})",
                   file=sys.stderr, flush=True)
+            if "etcd_profile_top" in info:
+                top = info["etcd_profile_top"]
+                print(f"    the member's CPU profile, the second after every slot "
+                      f"({top['sampled_cpu_s']:.2f} s sampled): cumulative / flat s",
+                      file=sys.stderr)
+                for fname, cumulative, flat in top["functions"]:
+                    print(f"    {cumulative:6.2f} {flat:6.2f}  {fname}", file=sys.stderr)
         valid = [i["s"] for i in runs[str(n)] if i.get("s") is not None
                  and i.get("consistent")]
         medians[str(n)] = _median(valid) if valid else None
@@ -2109,7 +2149,7 @@ def measure_rendezvous_light_etcd(args: argparse.Namespace, result: dict[str, ob
     if reason:
         print(f"  rendezvous (light agents), ftrun_etcd: skipped: {reason}", file=sys.stderr)
         return
-    with loopback_etcd() as endpoint:
+    with loopback_etcd(profiling=args.etcd_profile) as endpoint:
         share: dict[str, Any] = {}
         for n in (int(x) for x in args.agents.split(",")):
             share[str(n)] = etcd_leader_share(n, endpoint)
@@ -2469,6 +2509,12 @@ def main() -> None:
                              "per agent running DynamicRendezvous.join")
     parser.add_argument("--light-no-heartbeats", action="store_true",
                         help="rendezvous-light: agents send no heartbeats while joining")
+    parser.add_argument("--etcd-binary", default=None, metavar="PATH",
+                        help="the etcd that loopback and namespace members run (default: "
+                             "etcd on PATH, Debian's 3.4.23); its release is etcd_version")
+    parser.add_argument("--etcd-profile", action="store_true",
+                        help="rendezvous-light-etcd: the member's CPU profile over the second "
+                             "after the leader has every slot (etcd_profile_top)")
     parser.add_argument("--etcd-share-only", action="store_true",
                         help="rendezvous-light-etcd: only the leader's share (no live agents)")
     parser.add_argument("--store-load", type=int, default=1000,
@@ -2500,6 +2546,12 @@ def main() -> None:
     parser.add_argument("--end-poll", action="store_true",
                         help="agents poll the end key every 0.1 s (before the EndWatcher)")
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.infra.etcd_cluster import ETCD_BINARY_ENV, etcd_missing_reason, etcd_version
+    if args.etcd_binary:  # before any member starts: they all read it
+        os.environ[ETCD_BINARY_ENV] = str(Path(args.etcd_binary).resolve())
+        if reason := etcd_missing_reason():
+            parser.error(f"--etcd-binary: {reason}")
     global KEEP_SLOW_OUTPUT
     KEEP_SLOW_OUTPUT = args.keep_slow_output
     if args.heartbeat_timeout is None:  # ftrun/cli.py's auto for the TCPStore
@@ -2517,6 +2569,7 @@ def main() -> None:
         "leader_loss_recovery_s": {variant: [] for variant in ETCD_VARIANTS},
         "leader_loss_steps_lost": {variant: [] for variant in ETCD_VARIANTS},
         "censored": {"torchrun": []},
+        "etcd_version": etcd_version() if etcd_missing_reason() is None else None,
     }
     if args.only in (None, "recovery"):
         recovery = result["node_loss_recovery_s"]

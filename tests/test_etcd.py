@@ -925,7 +925,8 @@ def test_etcd_heartbeats_are_leases_a_foreign_delete_is_not_a_loss_and_a_pause_r
                 time.sleep(0.05)
             assert said[-1][2] == "-", said[-3:]
             assert all(s.last_error == "" and s.failing_since is None
-                       for s in senders.values())
+                       for s in senders.values()), \
+                {n: (s.last_error, s.failing_since) for n, s in senders.items()}
         finally:
             child.kill()
             child.wait(10)

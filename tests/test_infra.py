@@ -334,3 +334,50 @@ def test_skips_with_a_reason_when_unavailable(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(netns_mod.os, "geteuid", lambda: 1000)
     with pytest.raises(pytest.skip.Exception, match="need root"):
         NetnsNetwork(2).start()
+
+
+def test_an_etcd_members_cpu_profile_is_summed_by_function() -> None:
+    """The source of the benchmark's ``--etcd-profile``: a loopback member started with
+    profiling answers a CPU profile while it serves requests, scripts/goprofile.py sums it
+    by function, with etcd's own functions among the costliest; what is not a profile is a
+    ValueError, and a member started without profiling answers none."""
+    import gzip
+    import importlib.util
+    import threading
+
+    from ftrun.control.etcd import EtcdOptions, connect_etcd
+    from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
+
+    if reason := etcd_missing_reason():
+        pytest.skip(reason)
+    spec = importlib.util.spec_from_file_location("goprofile_under_test",
+                                                  REPO / "scripts/goprofile.py")
+    assert spec is not None and spec.loader is not None
+    goprofile = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = goprofile  # its dataclass looks its module up
+    spec.loader.exec_module(goprofile)
+    with loopback_etcd(profiling=True) as endpoint:
+        client = connect_etcd(EtcdOptions.parse(endpoint, {}), 10)
+        stop = threading.Event()
+
+        def serve_puts() -> None:
+            while not stop.is_set():
+                client.set("profiled", "v" * 256)
+
+        loader = threading.Thread(target=serve_puts)
+        loader.start()
+        try:
+            profile = goprofile.cpu_profile(endpoint, 1.0)
+        finally:
+            stop.set()
+            loader.join(10)
+    sampled_s, functions = goprofile.top(profile, 40)
+    assert 0 < sampled_s < 10, sampled_s
+    assert any(f.name.startswith("go.etcd.io/etcd/") for f in functions), functions[:5]
+    assert all(f.cumulative_s >= f.flat_s >= 0 for f in functions)
+    assert [f.cumulative_s for f in functions] == sorted(
+        (f.cumulative_s for f in functions), reverse=True)
+    with pytest.raises(ValueError):
+        goprofile.top(gzip.compress(b"\x12\x05\x0a"))  # a sample that runs past its end
+    with loopback_etcd() as endpoint, pytest.raises(OSError):
+        goprofile.cpu_profile(endpoint, 1.0)

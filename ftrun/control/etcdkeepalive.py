@@ -60,14 +60,14 @@ def decode_keepalive(message: bytes) -> tuple[int, int]:
     fields = {2: 0, 3: 0}
     at = 0
     while at < len(message):
-        key, at = _read_varint(message, at)
+        key, at = read_varint(message, at)
         number, kind = key >> 3, key & 7
         if kind == 0:
-            value, at = _read_varint(message, at)
+            value, at = read_varint(message, at)
             if number in fields:
                 fields[number] = value - (1 << 64) if value >= 1 << 63 else value
         elif kind == 2:
-            length, at = _read_varint(message, at)
+            length, at = read_varint(message, at)
             if at + length > len(message):
                 raise ValueError("a field runs past the message's end")
             at += length
@@ -85,7 +85,9 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(buf: bytes, at: int) -> tuple[int, int]:
+def read_varint(buf: bytes, at: int) -> tuple[int, int]:
+    """A protobuf varint at ``buf[at:]``: ``(value, the index after it)``; ValueError for
+    one truncated or longer than 64 bits."""
     value = shift = 0
     while True:
         if at >= len(buf) or shift > 63:
@@ -229,21 +231,26 @@ def load_grpc() -> Any:
     get the agent's environment. The agent calls this (``election.join_etcd``) from its
     main thread before any heartbeat or worker starts, so no worker's environment is built
     meanwhile; its C core
-    starts threads only with its first channel, in agents that renew leases."""
-    if "grpc" in sys.modules:
-        return sys.modules["grpc"]
-    ours = _FORK_SUPPORT not in os.environ
-    if ours:
-        os.environ[_FORK_SUPPORT] = "false"
-    try:
-        import grpc
-    finally:
+    starts threads only with its first channel, in agents that renew leases.
+
+    Threads may call this at once (a process with several lease beats): one imports and
+    the others wait for its import to finish, never handed a module still being made (the
+    ``import`` statement waits for another thread's import of the same module; a look in
+    ``sys.modules`` does not)."""
+    with _IMPORTING:  # one import sets and takes out the variable
+        ours = "grpc" not in sys.modules and _FORK_SUPPORT not in os.environ
         if ours:
-            os.environ.pop(_FORK_SUPPORT, None)
+            os.environ[_FORK_SUPPORT] = "false"
+        try:
+            import grpc
+        finally:
+            if ours:
+                os.environ.pop(_FORK_SUPPORT, None)
     return grpc
 
 
 _FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
+_IMPORTING = threading.Lock()
 
 
 def _same(message: bytes) -> bytes:

@@ -35,17 +35,43 @@ import psutil
 
 from tests.infra.netns import NetnsHost
 
-__all__ = ["EtcdCluster", "ServerTls", "etcd_missing_reason", "loopback_etcd", "member_process",
-           "suspend"]
+__all__ = ["ETCD_BINARY_ENV", "EtcdCluster", "ServerTls", "etcd_binary", "etcd_missing_reason",
+           "etcd_version", "loopback_etcd", "member_process", "suspend"]
 
 _seq = itertools.count()
 
 
+#: An etcd binary to run instead of the one on ``PATH`` (Debian's 3.4.23): the benchmarks'
+#: ``--etcd-binary`` sets it, so that a figure can be measured on another etcd release
+#: (README, "Scale of the control plane"), and the tests can be run against one.
+ETCD_BINARY_ENV = "FTRUN_TEST_ETCD"
+
+
+def etcd_binary() -> str:
+    """The etcd binary that members run: ``$FTRUN_TEST_ETCD``, else ``etcd`` on ``PATH``."""
+    return os.environ.get(ETCD_BINARY_ENV) or shutil.which("etcd") or "/usr/bin/etcd"
+
+
 def etcd_missing_reason() -> str | None:
     """Why no etcd member can be started here (for a skip), or None."""
-    if shutil.which("etcd") is None and not Path("/usr/bin/etcd").exists():
+    binary = etcd_binary()
+    if not os.access(binary, os.X_OK):
+        if os.environ.get(ETCD_BINARY_ENV):
+            return f"{ETCD_BINARY_ENV}={binary} is not an executable file"
         return "etcd-server is not installed: run scripts/install_test_services.sh"
     return None
+
+
+def etcd_version() -> str:
+    """The release of :func:`etcd_binary` (``etcd --version``'s first line), for a figure's
+    record; ``"unknown"`` when it does not say."""
+    try:
+        out = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    first = out.splitlines()[0] if out else ""
+    return first.split(":", 1)[1].strip() if first.startswith("etcd Version:") else "unknown"
 
 
 def _health(sock: socket.socket, host: str, port: int, timeout: float,
@@ -104,7 +130,7 @@ class EtcdCluster:
         peer = f"http://{host.addr}:{self.peer_port}"
         log = open(self.root / f"m{i}.log", "ab")  # noqa: SIM115 - the member owns it
         self.procs[i] = host.popen(
-            ["etcd", "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
+            [etcd_binary(), "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", peers, "--initial-cluster-state", state,
@@ -165,10 +191,12 @@ class ServerTls:
 
 
 @contextlib.contextmanager
-def loopback_etcd(timeout: float = 30.0, *, tls: ServerTls | None = None) -> Iterator[str]:
+def loopback_etcd(timeout: float = 30.0, *, tls: ServerTls | None = None,
+                  profiling: bool = False) -> Iterator[str]:
     """One etcd member on 127.0.0.1 with ports free now (this process's own; killed and its
     data removed on exit); yields its client endpoint ``127.0.0.1:PORT``. With ``tls`` its
-    clients speak https and must show a certificate of ``tls.client_ca``."""
+    clients speak https and must show a certificate of ``tls.client_ca``. ``profiling``:
+    the member serves Go's ``/debug/pprof`` on its client URL (``--enable-pprof``)."""
     ports = []
     for _ in range(2):
         with socket.socket() as probe:
@@ -183,10 +211,11 @@ def loopback_etcd(timeout: float = 30.0, *, tls: ServerTls | None = None) -> Ite
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     with open(root / "log", "wb") as log:
         proc = subprocess.Popen(
-            ["etcd", "--name", "solo", "--data-dir", str(root / "data"),
+            [etcd_binary(), "--name", "solo", "--data-dir", str(root / "data"),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"solo={peer}", "--log-level", "warn", *secure],
+             "--initial-cluster", f"solo={peer}", "--log-level", "warn", *secure,
+             *(["--enable-pprof"] if profiling else [])],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
     try:
