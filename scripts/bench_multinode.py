@@ -2065,7 +2065,7 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         for thread in profiling:
             thread.join(15)
         if profiled:
-            sampled_s, functions = _goprofile().top(profiled[0], 12)
+            sampled_s, functions = _goprofile().top(profiled[0], 14, _goprofile().ETCD_PARTS)
             info["etcd_profile_top"] = {"sampled_cpu_s": sampled_s, "functions": [
                 [f.name, f.cumulative_s, f.flat_s] for f in functions]}
         info["other_work_cores"] = round(max(0.0, _machine_busy_s() - busy) / window
