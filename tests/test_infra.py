@@ -381,3 +381,30 @@ def test_an_etcd_members_cpu_profile_is_summed_by_function() -> None:
         goprofile.top(gzip.compress(b"\x12\x05\x0a"))  # a sample that runs past its end
     with loopback_etcd() as endpoint, pytest.raises(OSError):
         goprofile.cpu_profile(endpoint, 1.0)
+
+
+def test_the_watch_cost_benchmark_confirms_and_fires_watches_both_ways() -> None:
+    """scripts/etcd_watch_grpc.py against a real member: its hand-made ``WatchRequest``
+    is confirmed, each watcher's event arrives, through the gateway and natively, and its
+    reading of ``WatchResponse`` tells the kinds apart."""
+    import importlib.util
+
+    from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
+
+    if reason := etcd_missing_reason():
+        pytest.skip(reason)
+    spec = importlib.util.spec_from_file_location("etcd_watch_grpc_under_test",
+                                                  REPO / "scripts/etcd_watch_grpc.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    assert bench.watch_response_kind(b"\x18\x01") == "created"
+    assert bench.watch_response_kind(b"\x18\x01\x5a\x00") == "events"
+    assert bench.watch_response_kind(b"\x20\x01") == "canceled"
+    assert bench.watch_response_kind(b"\x10\x05") == "other"
+    with loopback_etcd() as endpoint:
+        for way in ("gateway", "native"):
+            done = bench.measure_round(endpoint, way, 3, 20.0, "test")
+            assert done["way"] == way and done["deliver_s"] < 20.0, done
+            assert done["create_us_per_watcher"] >= 0, done

@@ -50,7 +50,7 @@ def encode_keepalive(lease: int) -> bytes:
     """``LeaseKeepAliveRequest{ID: lease}``: field 1, an int64 varint."""
     if lease < 0:
         raise ValueError(f"lease id {lease} is negative")
-    return b"\x08" + _varint(lease)
+    return b"\x08" + encode_varint(lease)
 
 
 def decode_keepalive(message: bytes) -> tuple[int, int]:
@@ -76,7 +76,8 @@ def decode_keepalive(message: bytes) -> tuple[int, int]:
     return fields[2], fields[3]
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf varint."""
     out = bytearray()
     while True:
         low, value = value & 0x7F, value >> 7
