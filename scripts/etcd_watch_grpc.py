@@ -50,7 +50,7 @@ from typing import Any
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ftrun.control.etcdkeepalive import encode_varint, load_grpc, read_varint
+from ftrun.control.etcdkeepalive import encode_varint, load_grpc, protobuf_fields
 from tests.infra.etcd_cluster import (
     ETCD_BINARY_ENV,
     etcd_missing_reason,
@@ -73,21 +73,8 @@ def encode_watch_create(key: bytes, start_revision: int) -> bytes:
 def watch_response_kind(message: bytes) -> str:
     """``"events"`` when a ``WatchResponse`` carries events (field 11), ``"created"`` when
     it confirms a watch (field 3), ``"canceled"`` (field 4), else ``"other"``."""
-    fields: set[int] = set()
-    at = 0
-    while at < len(message):
-        key, at = read_varint(message, at)
-        number, kind = key >> 3, key & 7
-        if kind == 0:
-            value, at = read_varint(message, at)
-            if value:
-                fields.add(number)
-        elif kind == 2:
-            length, at = read_varint(message, at)
-            at += length
-            fields.add(number)
-        else:
-            raise ValueError(f"unexpected protobuf wire type {kind}")
+    fields = {number for number, _, value in protobuf_fields(message)
+              if not isinstance(value, int) or value}
     for number, name in ((11, "events"), (4, "canceled"), (3, "created")):
         if number in fields:
             return name

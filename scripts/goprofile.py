@@ -21,7 +21,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
-from ftrun.control.etcdkeepalive import read_varint
+from ftrun.control.etcdkeepalive import protobuf_fields, read_varint
 
 
 def cpu_profile(endpoint: str, seconds: float, timeout_s: float = 10.0) -> bytes:
@@ -109,25 +109,7 @@ def _decode(message: bytes) -> tuple[list[tuple[list[int], int]], dict[int, list
 
 
 def _fields(message: bytes) -> list[tuple[int, int | bytes]]:
-    out: list[tuple[int, int | bytes]] = []
-    at = 0
-    while at < len(message):
-        key, at = read_varint(message, at)
-        number, kind = key >> 3, key & 7
-        if kind == 0:
-            value, at = read_varint(message, at)
-            out.append((number, value))
-        elif kind == 2:
-            length, at = read_varint(message, at)
-            if at + length > len(message):
-                raise ValueError("a profile field runs past its message")
-            out.append((number, message[at:at + length]))
-            at += length
-        elif kind in (1, 5):
-            at += 8 if kind == 1 else 4
-        else:
-            raise ValueError(f"profile: unexpected protobuf wire type {kind}")
-    return out
+    return [(number, value) for number, _, value in protobuf_fields(message)]
 
 
 def _packed(item: int | bytes) -> list[int]:

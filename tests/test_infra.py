@@ -14,6 +14,7 @@ import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -336,13 +337,26 @@ def test_skips_with_a_reason_when_unavailable(monkeypatch: pytest.MonkeyPatch) -
         NetnsNetwork(2).start()
 
 
+def _script_module(name: str) -> Any:
+    """scripts/``name``.py, imported by path (scripts/ is not a package); registered in
+    ``sys.modules`` first, where its dataclasses look their module up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test",
+                                                  REPO / f"scripts/{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_an_etcd_members_cpu_profile_is_summed_by_function() -> None:
     """The source of the benchmark's ``--etcd-profile``: a loopback member started with
     profiling answers a CPU profile while it serves requests, scripts/goprofile.py sums it
     by function, with etcd's own functions among the costliest; what is not a profile is a
     ValueError, and a member started without profiling answers none."""
     import gzip
-    import importlib.util
     import threading
 
     from ftrun.control.etcd import EtcdOptions, connect_etcd
@@ -350,12 +364,7 @@ def test_an_etcd_members_cpu_profile_is_summed_by_function() -> None:
 
     if reason := etcd_missing_reason():
         pytest.skip(reason)
-    spec = importlib.util.spec_from_file_location("goprofile_under_test",
-                                                  REPO / "scripts/goprofile.py")
-    assert spec is not None and spec.loader is not None
-    goprofile = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = goprofile  # its dataclass looks its module up
-    spec.loader.exec_module(goprofile)
+    goprofile = _script_module("goprofile")
     with loopback_etcd(profiling=True) as endpoint:
         client = connect_etcd(EtcdOptions.parse(endpoint, {}), 10)
         stop = threading.Event()
@@ -387,18 +396,11 @@ def test_the_watch_cost_benchmark_confirms_and_fires_watches_both_ways() -> None
     """scripts/etcd_watch_grpc.py against a real member: its hand-made ``WatchRequest``
     is confirmed, each watcher's event arrives, through the gateway and natively, and its
     reading of ``WatchResponse`` tells the kinds apart."""
-    import importlib.util
-
     from tests.infra.etcd_cluster import etcd_missing_reason, loopback_etcd
 
     if reason := etcd_missing_reason():
         pytest.skip(reason)
-    spec = importlib.util.spec_from_file_location("etcd_watch_grpc_under_test",
-                                                  REPO / "scripts/etcd_watch_grpc.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = _script_module("etcd_watch_grpc")
     assert bench.watch_response_kind(b"\x18\x01") == "created"
     assert bench.watch_response_kind(b"\x18\x01\x5a\x00") == "events"
     assert bench.watch_response_kind(b"\x20\x01") == "canceled"

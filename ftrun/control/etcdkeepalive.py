@@ -58,22 +58,37 @@ def decode_keepalive(message: bytes) -> tuple[int, int]:
     out is 0, and etcd answers a TTL of 0 for a lease that no longer exists). The
     header (field 1) is skipped; ValueError for anything that is not such a message."""
     fields = {2: 0, 3: 0}
+    for number, kind, value in protobuf_fields(message):
+        if kind not in (0, 2):
+            raise ValueError(f"unexpected protobuf wire type {kind}")
+        if number in fields and isinstance(value, int):
+            fields[number] = value - (1 << 64) if value >= 1 << 63 else value
+    return fields[2], fields[3]
+
+
+def protobuf_fields(message: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """``(field number, wire type, value)`` of each field of a protobuf message, in order:
+    an int for a varint (type 0), the bytes for the others (2: length-delimited; 1 and 5:
+    fixed 8 and 4 bytes). ValueError for a field that runs past the message's end or a
+    wire type (3, 4: groups) that no message here has."""
     at = 0
     while at < len(message):
         key, at = read_varint(message, at)
         number, kind = key >> 3, key & 7
         if kind == 0:
             value, at = read_varint(message, at)
-            if number in fields:
-                fields[number] = value - (1 << 64) if value >= 1 << 63 else value
-        elif kind == 2:
-            length, at = read_varint(message, at)
-            if at + length > len(message):
-                raise ValueError("a field runs past the message's end")
-            at += length
+            yield number, kind, value
+            continue
+        if kind == 2:
+            size, at = read_varint(message, at)
+        elif kind in (1, 5):
+            size = 8 if kind == 1 else 4
         else:
             raise ValueError(f"unexpected protobuf wire type {kind}")
-    return fields[2], fields[3]
+        if at + size > len(message):
+            raise ValueError("a field runs past the message's end")
+        yield number, kind, message[at:at + size]
+        at += size
 
 
 def encode_varint(value: int) -> bytes:
