@@ -234,6 +234,48 @@ def test_a_failed_lease_grant_backs_off_then_the_lease_is_granted() -> None:
             relay.close()
 
 
+def test_a_sender_keeps_its_client_while_its_lease_grant_is_held_back() -> None:
+    """A beat that failed makes the sender reconnect (a timed-out client may be out of
+    step), but a beat held back by the grant's back-off (BeatDeferred) sent no request, so
+    the sender keeps the client it has: one reconnect after the failure, not one a beat.
+    Thousands of agents backing off together would otherwise each open a connection a
+    beat to a member that is already behind."""
+    from ftrun.control.auth import Signer
+    from ftrun.control.heartbeat import HeartbeatSender
+    from ftrun.control.store import JsonStore
+
+    with loopback_etcd() as endpoint:
+        relay = FreezableRelay(int(endpoint.rsplit(":", 1)[1]))
+        sender = None
+        try:
+            frozen = connect_etcd(EtcdOptions.parse(relay.endpoint, {}), 10, op_timeout_s=1)
+            connects = [0]
+
+            def connect() -> EtcdClient:  # the client made before the freeze, counted
+                connects[0] += 1
+                return frozen
+
+            template = JsonStore(frozen, "ftrun/held", signer=Signer(b"t" * 16))
+            sender = HeartbeatSender(connect, template, "a", 0.1, 5.0)
+            assert sender.lease is not None
+            sender.lease.clock = lambda: 100.0  # the back-off never runs out
+            relay.freeze()
+            sender.start()
+            deadline = time.monotonic() + 10
+            while "held back" not in sender.last_error:
+                assert time.monotonic() < deadline, (sender.last_error, connects)
+                time.sleep(0.05)
+            held_at = connects[0]
+            time.sleep(1.0)  # ten beats, each held back
+            assert "held back" in sender.last_error, sender.last_error
+            assert connects[0] == held_at == 2, connects  # the first, one after the failure
+            assert sender.lease.grant_failures == 1
+        finally:
+            if sender is not None:
+                sender.stop(2.0)
+            relay.close()
+
+
 #: An agent's side of the fork hazard, in a fresh interpreter (grpcio not imported yet): a
 #: lease renewed on its keepalive stream by a thread while the main thread starts children
 #: as the agent starts workers (``subprocess`` with a ``preexec_fn``, closing descriptors).
