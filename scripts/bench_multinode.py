@@ -2069,9 +2069,13 @@ def rendezvous_light(n: int, *, procs: int = 0, timeout_s: float = 120.0,
         for thread in profiling:
             thread.join(15)
         if profiled:
-            sampled_s, functions = _goprofile().top(profiled[0], 14, _goprofile().ETCD_PARTS)
-            info["etcd_profile_top"] = {"sampled_cpu_s": sampled_s, "functions": [
-                [f.name, f.cumulative_s, f.flat_s] for f in functions]}
+            try:
+                sampled_s, functions = _goprofile().top(profiled[0], 14,
+                                                        _goprofile().ETCD_PARTS)
+                info["etcd_profile_top"] = {"sampled_cpu_s": sampled_s, "functions": [
+                    [f.name, f.cumulative_s, f.flat_s] for f in functions]}
+            except ValueError as error:  # a figure without its profile, said
+                info["etcd_profile_error"] = str(error)
         info["other_work_cores"] = round(max(0.0, _machine_busy_s() - busy) / window
                                          - info["store_host_cores"] - info["agents_cores"]
                                          - info.get("etcd_cores", 0.0), 2)
@@ -2553,9 +2557,10 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.infra.etcd_cluster import ETCD_BINARY_ENV, etcd_missing_reason, etcd_version
     if args.etcd_binary:  # before any member starts: they all read it
-        os.environ[ETCD_BINARY_ENV] = str(Path(args.etcd_binary).resolve())
-        if reason := etcd_missing_reason():
-            parser.error(f"--etcd-binary: {reason}")
+        binary = Path(args.etcd_binary).resolve()
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            parser.error(f"--etcd-binary: {binary} is not an executable file")
+        os.environ[ETCD_BINARY_ENV] = str(binary)
     global KEEP_SLOW_OUTPUT
     KEEP_SLOW_OUTPUT = args.keep_slow_output
     if args.heartbeat_timeout is None:  # ftrun/cli.py's auto for the TCPStore

@@ -28,16 +28,20 @@ import queue
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import requests
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ftrun.control.etcdkeepalive import decode_keepalive, encode_keepalive
+from tests.infra.etcd_cluster import etcd_binary
 
 
 def _free_port() -> int:
@@ -53,8 +57,9 @@ def measure(leases: int, seconds: float) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="ftrun-ka-", dir="/dev/shm")
     client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
     member = subprocess.Popen(
-        ["etcd", "--name", "ka", "--data-dir", f"{root}/data", "--listen-client-urls", client,
-         "--advertise-client-urls", client, "--listen-peer-urls", peer,
+        [etcd_binary(), "--name", "ka", "--data-dir", f"{root}/data",
+         "--listen-client-urls", client, "--advertise-client-urls", client,
+         "--listen-peer-urls", peer,
          "--initial-advertise-peer-urls", peer, "--initial-cluster", f"ka={peer}",
          "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     stop = threading.Event()

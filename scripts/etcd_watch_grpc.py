@@ -112,6 +112,12 @@ class GatewayWatchers:
                     data = sock.recv(65536)
                 except BlockingIOError:
                     continue
+                except OSError:
+                    data = b""
+                if not data:  # the member closed it: that watcher waits for nothing more
+                    self.sel.unregister(sock)
+                    sock.close()
+                    continue
                 fd = sock.fileno()
                 self.seen[fd] += data
                 if self._state[fd] == 0 and b'"created":true' in self.seen[fd]:
@@ -150,13 +156,13 @@ class NativeWatchers:
     def _read(self, call: Any) -> None:
         try:
             for message in call:
-                kind = watch_response_kind(message)
+                kind = watch_response_kind(message)  # a ValueError: said, not swallowed
                 with self._lock:
                     if kind == "created":
                         self.created += 1
                     elif kind == "events":
                         self.fired += 1
-        except Exception:  # grpc.RpcError at close: the stream's end, nothing to count
+        except load_grpc().RpcError:  # the cancel at close ends the stream: nothing to count
             return
 
     def pump(self, until: Callable[[], bool], deadline: float) -> None:
@@ -205,16 +211,32 @@ def measure_round(endpoint: str, way: str, watchers: int, timeout_s: float,
     session = requests.Session()
     base = f"http://{endpoint}/v3"
     keys = [f"/bench/{tag}/{way}/{i}".encode() for i in range(watchers)]
-    revision = int(session.post(f"{base}/kv/range", json={"key": "AA=="}, timeout=10)
-                   .json()["header"]["revision"]) + 1
     result: dict[str, Any] = {"way": way, "watchers": watchers}
-    channels = connected_channels(endpoint, watchers, timeout_s) if way == "native" else []
-    time.sleep(0.5)
-    c0, t0 = cpu_s(), time.monotonic()
-    if way == "gateway":
-        group: GatewayWatchers | NativeWatchers = GatewayWatchers(endpoint, keys, revision)
-    else:
-        group = NativeWatchers(channels, keys, revision)
+    channels: list[Any] = []
+    try:
+        revision = int(session.post(f"{base}/kv/range", json={"key": "AA=="}, timeout=10)
+                       .json()["header"]["revision"]) + 1
+        if way == "native":
+            channels = connected_channels(endpoint, watchers, timeout_s)
+        time.sleep(0.5)
+        c0, t0 = cpu_s(), time.monotonic()
+        if way == "gateway":
+            group: GatewayWatchers | NativeWatchers = GatewayWatchers(endpoint, keys, revision)
+        else:
+            group = NativeWatchers(channels, keys, revision)
+        return _round(group, result, session, base, keys, timeout_s, cpu_s, c0, t0)
+    finally:
+        session.close()
+        for channel in channels:
+            channel.close()
+
+
+def _round(group: GatewayWatchers | NativeWatchers, result: dict[str, Any],
+           session: requests.Session, base: str, keys: list[bytes], timeout_s: float,
+           cpu_s: Callable[[], float], c0: float, t0: float) -> dict[str, Any]:
+    """The three phases of :func:`measure_round` on watchers just made (created at ``t0``,
+    the member's CPU then ``c0``); the watches are ended whatever happens."""
+    way, watchers = result["way"], len(keys)
     try:
         group.pump(lambda: group.created >= watchers, time.monotonic() + timeout_s)
         if group.created < watchers:
@@ -242,8 +264,6 @@ def measure_round(endpoint: str, way: str, watchers: int, timeout_s: float,
         group.close()
     time.sleep(1.0)  # the member notices the closes
     result["close_us_per_watcher"] = round((cpu_s() - c2) / watchers * 1e6, 1)
-    for channel in channels:
-        channel.close()
     return result
 
 
@@ -254,7 +274,8 @@ def writes_alone(endpoint: str, watchers: int, tag: str) -> float:
     keys = [f"/bench/{tag}/alone/{i}".encode() for i in range(watchers)]
     times = member.cpu_times()
     c0 = times.user + times.system
-    _write(session, f"http://{endpoint}/v3", keys)
+    with session:
+        _write(session, f"http://{endpoint}/v3", keys)
     time.sleep(0.5)
     times = member.cpu_times()
     return round((times.user + times.system - c0) / watchers * 1e6, 1)

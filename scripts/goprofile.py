@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import urllib.request
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -54,13 +55,18 @@ def top(profile: bytes, count: int = 15,
         within: tuple[str, ...] = ()) -> tuple[float, list[FunctionCost]]:
     """``(sampled CPU seconds, the ``count`` functions of most cumulative CPU)``; with
     ``within``, only functions whose name contains one of those parts (``ETCD_PARTS``)."""
-    samples, functions_at, names = _decode(gzip.decompress(profile))
+    try:
+        message = gzip.decompress(profile)
+    except (OSError, EOFError, zlib.error) as error:
+        raise ValueError(f"not a gzipped profile: {error}") from None
+    samples, functions_at, names = _decode(message)
     flat: Counter[str] = Counter()
     cumulative: Counter[str] = Counter()
     total = 0
     for locations, nanoseconds in samples:
         total += nanoseconds
-        stack = [names[f] for at in locations for f in functions_at.get(at, [])]
+        stack = [names.get(f, f"function {f}") for at in locations
+                 for f in functions_at.get(at, [])]
         if stack:
             flat[stack[0]] += nanoseconds
         for name in set(stack):

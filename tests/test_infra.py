@@ -380,6 +380,7 @@ def test_an_etcd_members_cpu_profile_is_summed_by_function() -> None:
         finally:
             stop.set()
             loader.join(10)
+            client.drop_idle()
     sampled_s, functions = goprofile.top(profile, 40)
     assert 0 < sampled_s < 10, sampled_s
     assert any(f.name.startswith("go.etcd.io/etcd/") for f in functions), functions[:5]
@@ -388,6 +389,8 @@ def test_an_etcd_members_cpu_profile_is_summed_by_function() -> None:
         (f.cumulative_s for f in functions), reverse=True)
     with pytest.raises(ValueError):
         goprofile.top(gzip.compress(b"\x12\x05\x0a"))  # a sample that runs past its end
+    with pytest.raises(ValueError):
+        goprofile.top(b"<html>not found</html>")
     with loopback_etcd() as endpoint, pytest.raises(OSError):
         goprofile.cpu_profile(endpoint, 1.0)
 
@@ -406,7 +409,5 @@ def test_the_watch_cost_benchmark_confirms_and_fires_watches_both_ways() -> None
     assert bench.watch_response_kind(b"\x20\x01") == "canceled"
     assert bench.watch_response_kind(b"\x10\x05") == "other"
     with loopback_etcd() as endpoint:
-        for way in ("gateway", "native"):
-            done = bench.measure_round(endpoint, way, 3, 20.0, "test")
-            assert done["way"] == way and done["deliver_s"] < 20.0, done
-            assert done["create_us_per_watcher"] >= 0, done
+        for way in ("gateway", "native"):  # RuntimeError unless every watch fired
+            bench.measure_round(endpoint, way, 3, 20.0, "test")

@@ -69,8 +69,9 @@ def decode_keepalive(message: bytes) -> tuple[int, int]:
 def protobuf_fields(message: bytes) -> Iterator[tuple[int, int, int | bytes]]:
     """``(field number, wire type, value)`` of each field of a protobuf message, in order:
     an int for a varint (type 0), the bytes for the others (2: length-delimited; 1 and 5:
-    fixed 8 and 4 bytes). ValueError for a field that runs past the message's end or a
-    wire type (3, 4: groups) that no message here has."""
+    fixed 8 and 4 bytes). ValueError for a truncated or overlong varint, a field that runs
+    past the message's end, or any other wire type (3 and 4, groups, which no message
+    here has; 6 and 7, which do not exist)."""
     at = 0
     while at < len(message):
         key, at = read_varint(message, at)
