@@ -2555,12 +2555,12 @@ def main() -> None:
                         help="agents poll the end key every 0.1 s (before the EndWatcher)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.infra.etcd_cluster import ETCD_BINARY_ENV, etcd_missing_reason, etcd_version
+    from tests.infra.etcd_cluster import etcd_missing_reason, etcd_version, use_etcd_binary
     if args.etcd_binary:  # before any member starts: they all read it
-        binary = Path(args.etcd_binary).resolve()
-        if not (binary.is_file() and os.access(binary, os.X_OK)):
-            parser.error(f"--etcd-binary: {binary} is not an executable file")
-        os.environ[ETCD_BINARY_ENV] = str(binary)
+        try:
+            use_etcd_binary(args.etcd_binary)
+        except ValueError as error:
+            parser.error(f"--etcd-binary: {error}")
     global KEEP_SLOW_OUTPUT
     KEEP_SLOW_OUTPUT = args.keep_slow_output
     if args.heartbeat_timeout is None:  # ftrun/cli.py's auto for the TCPStore

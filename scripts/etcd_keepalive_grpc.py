@@ -25,138 +25,113 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ftrun.control.etcdkeepalive import decode_keepalive, encode_keepalive
-from tests.infra.etcd_cluster import etcd_binary
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.infra.etcd_cluster import loopback_etcd, member_process
 
 
 def measure(leases: int, seconds: float) -> dict[str, Any]:
     import grpc
 
-    client_port, peer_port = _free_port(), _free_port()
-    root = tempfile.mkdtemp(prefix="ftrun-ka-", dir="/dev/shm")
-    client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
-    member = subprocess.Popen(
-        [etcd_binary(), "--name", "ka", "--data-dir", f"{root}/data",
-         "--listen-client-urls", client, "--advertise-client-urls", client,
-         "--listen-peer-urls", peer,
-         "--initial-advertise-peer-urls", peer, "--initial-cluster", f"ka={peer}",
-         "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     stop = threading.Event()
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                requests.post(f"{client}/v3/maintenance/status", json={}, timeout=1)
-                break
-            except requests.RequestException:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("etcd did not start") from None
-                time.sleep(0.1)
-        proc = psutil.Process(member.pid)
+    with loopback_etcd() as endpoint:
+        try:
+            return _measure(grpc, endpoint, leases, seconds, stop)
+        finally:
+            stop.set()
 
-        def cpu_s() -> float:
-            times = proc.cpu_times()
-            return float(times.user + times.system)
 
-        def window(count: list[int]) -> tuple[float, float]:
-            """(keepalives a second, etcd cores) over ``seconds``."""
-            c0, n0, t0 = cpu_s(), count[0], time.monotonic()
-            time.sleep(seconds)
-            c1, n1, t1 = cpu_s(), count[0], time.monotonic()
-            return (n1 - n0) / (t1 - t0), (c1 - c0) / (t1 - t0)
+def _measure(grpc: Any, endpoint: str, leases: int, seconds: float,
+             stop: threading.Event) -> dict[str, Any]:
+    client = f"http://{endpoint}"
+    proc = member_process(endpoint)
 
-        channel = grpc.insecure_channel(f"127.0.0.1:{client_port}")
-        same = lambda x: x  # noqa: E731  (messages are bytes both ways)
-        grant = channel.unary_unary("/etcdserverpb.Lease/LeaseGrant",
-                                    request_serializer=same, response_deserializer=same)
-        # LeaseGrantRequest{TTL: 30} is field 1 too; its answer has the ID in field 2
-        ids = [decode_keepalive(grant(encode_keepalive(30), timeout=10))[0]
-               for _ in range(leases)]
+    def cpu_s() -> float:
+        times = proc.cpu_times()
+        return float(times.user + times.system)
 
-        keepalive = channel.stream_stream("/etcdserverpb.Lease/LeaseKeepAlive",
-                                          request_serializer=same, response_deserializer=same)
-        inboxes: list[queue.Queue[bytes | None]] = [queue.Queue() for _ in ids]
+    def window(count: list[int]) -> tuple[float, float]:
+        """(keepalives a second, etcd cores) over ``seconds``."""
+        c0, n0, t0 = cpu_s(), count[0], time.monotonic()
+        time.sleep(seconds)
+        c1, n1, t1 = cpu_s(), count[0], time.monotonic()
+        return (n1 - n0) / (t1 - t0), (c1 - c0) / (t1 - t0)
 
-        def requests_of(inbox: queue.Queue[bytes | None]) -> Iterator[bytes]:
-            while (item := inbox.get()) is not None:
-                yield item
-        answered = [0]
+    channel = grpc.insecure_channel(endpoint)
+    same = lambda x: x  # noqa: E731  (messages are bytes both ways)
+    grant = channel.unary_unary("/etcdserverpb.Lease/LeaseGrant",
+                                request_serializer=same, response_deserializer=same)
+    # LeaseGrantRequest{TTL: 30} is field 1 too; its answer has the ID in field 2
+    ids = [decode_keepalive(grant(encode_keepalive(30), timeout=10))[0]
+           for _ in range(leases)]
 
-        def read(stream: Any) -> None:
-            for _ in stream:
-                answered[0] += 1
-        for inbox in inboxes:
-            threading.Thread(target=read, args=(keepalive(requests_of(inbox)),),
-                             daemon=True).start()
+    keepalive = channel.stream_stream("/etcdserverpb.Lease/LeaseKeepAlive",
+                                      request_serializer=same, response_deserializer=same)
+    inboxes: list[queue.Queue[bytes | None]] = [queue.Queue() for _ in ids]
 
-        def pump() -> None:
-            due = time.monotonic()
-            while not stop.is_set():
-                for inbox, lease in zip(inboxes, ids, strict=True):
-                    inbox.put(encode_keepalive(lease))
-                due += 1.0
-                time.sleep(max(0.0, due - time.monotonic()))
-        threading.Thread(target=pump, daemon=True).start()
-        time.sleep(2.0)
-        stream_rate, stream_cores = window(answered)
-        stop.set()
-        for inbox in inboxes:
-            inbox.put(None)
-        time.sleep(1.0)
-        c0 = cpu_s()
-        time.sleep(3.0)
-        idle_cores = (cpu_s() - c0) / 3.0
+    def requests_of(inbox: queue.Queue[bytes | None]) -> Iterator[bytes]:
+        while (item := inbox.get()) is not None:
+            yield item
+    answered = [0]
 
-        posted, stop_posting = [0], threading.Event()
+    def read(stream: Any) -> None:
+        for _ in stream:
+            answered[0] += 1
+    for inbox in inboxes:
+        threading.Thread(target=read, args=(keepalive(requests_of(inbox)),),
+                         daemon=True).start()
 
-        def post(part: list[int]) -> None:
-            session, due = requests.Session(), time.monotonic()
-            while not stop_posting.is_set():
-                for lease in part:
-                    try:
-                        session.post(f"{client}/v3/lease/keepalive", json={"ID": str(lease)},
-                                     timeout=5)
-                        posted[0] += 1
-                    except requests.RequestException:
-                        return
-                due += 1.0
-                time.sleep(max(0.0, due - time.monotonic()))
-        posters = [threading.Thread(target=post, args=(ids[k::32],), daemon=True)
-                   for k in range(32)]
-        for thread in posters:
-            thread.start()
-        time.sleep(2.0)
-        gateway_rate, gateway_cores = window(posted)
-        stop_posting.set()
-        for thread in posters:
-            thread.join(10)
-        channel.close()
-    finally:
-        stop.set()
-        member.kill()
-        member.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
+    def pump() -> None:
+        due = time.monotonic()
+        while not stop.is_set():
+            for inbox, lease in zip(inboxes, ids, strict=True):
+                inbox.put(encode_keepalive(lease))
+            due += 1.0
+            time.sleep(max(0.0, due - time.monotonic()))
+    threading.Thread(target=pump, daemon=True).start()
+    time.sleep(2.0)
+    stream_rate, stream_cores = window(answered)
+    stop.set()
+    for inbox in inboxes:
+        inbox.put(None)
+    time.sleep(1.0)
+    c0 = cpu_s()
+    time.sleep(3.0)
+    idle_cores = (cpu_s() - c0) / 3.0
+
+    posted, stop_posting = [0], threading.Event()
+
+    def post(part: list[int]) -> None:
+        session, due = requests.Session(), time.monotonic()
+        while not stop_posting.is_set():
+            for lease in part:
+                try:
+                    session.post(f"{client}/v3/lease/keepalive", json={"ID": str(lease)},
+                                 timeout=5)
+                    posted[0] += 1
+                except requests.RequestException:
+                    return
+            due += 1.0
+            time.sleep(max(0.0, due - time.monotonic()))
+    posters = [threading.Thread(target=post, args=(ids[k::32],), daemon=True)
+               for k in range(32)]
+    for thread in posters:
+        thread.start()
+    time.sleep(2.0)
+    gateway_rate, gateway_cores = window(posted)
+    stop_posting.set()
+    for thread in posters:
+        thread.join(10)
+    channel.close()
 
     def per_keepalive_us(rate: float, cores: float) -> float | None:
         return round((cores - idle_cores) / rate * 1e6, 1) if rate > 0 else None

@@ -36,27 +36,32 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import queue
 import selectors
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ftrun.control.etcdkeepalive import encode_varint, load_grpc, protobuf_fields
+from ftrun.control.etcdkeepalive import (
+    as_is,
+    drained,
+    encode_varint,
+    load_grpc,
+    protobuf_fields,
+)
 from tests.infra.etcd_cluster import (
-    ETCD_BINARY_ENV,
     etcd_missing_reason,
     etcd_version,
     loopback_etcd,
     member_process,
+    use_etcd_binary,
 )
 
 WATCH = "/etcdserverpb.Watch/Watch"
@@ -144,11 +149,11 @@ class NativeWatchers:
         self.outboxes: list[queue.SimpleQueue[bytes | None]] = []
         self.calls: list[Any] = []
         for key, channel in zip(keys, channels, strict=True):
-            method = channel.stream_stream(WATCH, request_serializer=_same,
-                                           response_deserializer=_same)
+            method = channel.stream_stream(WATCH, request_serializer=as_is,
+                                           response_deserializer=as_is)
             outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
             outbox.put(encode_watch_create(key, revision))
-            call = method(_drained(outbox))
+            call = method(drained(outbox))
             threading.Thread(target=self._read, args=(call,), daemon=True).start()
             self.outboxes.append(outbox)
             self.calls.append(call)
@@ -186,18 +191,9 @@ def connected_channels(endpoint: str, count: int, timeout_s: float) -> list[Any]
     for channel in channels:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
         # one request first, as the keepalives were: the connection's header tables warm
-        channel.unary_unary(RANGE, request_serializer=_same, response_deserializer=_same)(
+        channel.unary_unary(RANGE, request_serializer=as_is, response_deserializer=as_is)(
             b"\x0a\x01x", timeout=timeout_s)  # RangeRequest{key: "x"}
     return channels
-
-
-def _same(message: bytes) -> bytes:
-    return message
-
-
-def _drained(outbox: queue.SimpleQueue[bytes | None]) -> Iterator[bytes]:
-    while (item := outbox.get()) is not None:
-        yield item
 
 
 def measure_round(endpoint: str, way: str, watchers: int, timeout_s: float,
@@ -205,8 +201,7 @@ def measure_round(endpoint: str, way: str, watchers: int, timeout_s: float,
     member = member_process(endpoint)
 
     def cpu_s() -> float:
-        times = member.cpu_times()
-        return float(times.user + times.system)
+        return _cpu_s(member)
 
     session = requests.Session()
     base = f"http://{endpoint}/v3"
@@ -238,10 +233,7 @@ def _round(group: GatewayWatchers | NativeWatchers, result: dict[str, Any],
     the member's CPU then ``c0``); the watches are ended whatever happens."""
     way, watchers = result["way"], len(keys)
     try:
-        group.pump(lambda: group.created >= watchers, time.monotonic() + timeout_s)
-        if group.created < watchers:
-            raise RuntimeError(f"{way}: create: {group.created} of {watchers} confirmed "
-                               f"within {timeout_s:.0f} s")
+        _await(group, "created", watchers, timeout_s, f"{way}: create")
         c1, t1 = cpu_s(), time.monotonic()
         result["create_s"] = round(t1 - t0, 3)
         result["create_us_per_watcher"] = round((c1 - c0) / watchers * 1e6, 1)
@@ -250,11 +242,8 @@ def _round(group: GatewayWatchers | NativeWatchers, result: dict[str, Any],
         writer = threading.Thread(target=_write, args=(session, base, keys))
         t1 = time.monotonic()
         writer.start()
-        group.pump(lambda: group.fired >= watchers, time.monotonic() + timeout_s)
+        _await(group, "fired", watchers, timeout_s, f"{way}: deliver")
         writer.join(timeout_s)
-        if group.fired < watchers:
-            raise RuntimeError(f"{way}: deliver: {group.fired} of {watchers} events "
-                               f"within {timeout_s:.0f} s")
         c2, t2 = cpu_s(), time.monotonic()
         result["deliver_s"] = round(t2 - t1, 3)
         result["deliver_us_per_watcher"] = round((c2 - c1) / watchers * 1e6, 1)
@@ -267,18 +256,30 @@ def _round(group: GatewayWatchers | NativeWatchers, result: dict[str, Any],
     return result
 
 
+def _await(group: GatewayWatchers | NativeWatchers, counter: str, watchers: int,
+           timeout_s: float, phase: str) -> None:
+    """Until ``counter`` (``created``, ``fired``) reaches ``watchers``; RuntimeError past
+    ``timeout_s`` naming the phase and how many were done."""
+    group.pump(lambda: getattr(group, counter) >= watchers, time.monotonic() + timeout_s)
+    if getattr(group, counter) < watchers:
+        raise RuntimeError(f"{phase}: {getattr(group, counter)} of {watchers} {counter} "
+                           f"within {timeout_s:.0f} s")
+
+
+def _cpu_s(member: Any) -> float:
+    times = member.cpu_times()
+    return float(times.user + times.system)
+
+
 def writes_alone(endpoint: str, watchers: int, tag: str) -> float:
     """µs of member CPU per key for the same writes with no watcher."""
     member = member_process(endpoint)
-    session = requests.Session()
     keys = [f"/bench/{tag}/alone/{i}".encode() for i in range(watchers)]
-    times = member.cpu_times()
-    c0 = times.user + times.system
-    with session:
+    c0 = _cpu_s(member)
+    with requests.Session() as session:
         _write(session, f"http://{endpoint}/v3", keys)
     time.sleep(0.5)
-    times = member.cpu_times()
-    return round((times.user + times.system - c0) / watchers * 1e6, 1)
+    return round((_cpu_s(member) - c0) / watchers * 1e6, 1)
 
 
 def _write(session: requests.Session, base: str, keys: list[bytes]) -> None:
@@ -300,7 +301,10 @@ def main() -> None:
     if args.watchers < 1 or args.rounds < 1:
         parser.error("--watchers and --rounds must be at least 1")
     if args.etcd_binary:
-        os.environ[ETCD_BINARY_ENV] = str(Path(args.etcd_binary).resolve())
+        try:
+            use_etcd_binary(args.etcd_binary)
+        except ValueError as error:
+            parser.error(f"--etcd-binary: {error}")
     if reason := etcd_missing_reason():
         parser.error(reason)
     import resource

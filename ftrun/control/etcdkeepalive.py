@@ -222,9 +222,9 @@ class KeepAliveStream:
             channel = grpc.insecure_channel(target, options=options)
         outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         answers: queue.SimpleQueue[bytes | BaseException] = queue.SimpleQueue()
-        method = channel.stream_stream(LEASE_KEEPALIVE, request_serializer=_same,
-                                       response_deserializer=_same)
-        call = method(_drained(outbox))
+        method = channel.stream_stream(LEASE_KEEPALIVE, request_serializer=as_is,
+                                       response_deserializer=as_is)
+        call = method(drained(outbox))
         threading.Thread(target=_relay, args=(call, answers), daemon=True,
                          name="ftrun-etcd-keepalive").start()
         self._endpoint, self._channel, self._call = endpoint, channel, call
@@ -270,11 +270,13 @@ _FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 _IMPORTING = threading.Lock()
 
 
-def _same(message: bytes) -> bytes:
+def as_is(message: bytes) -> bytes:
+    """grpcio's (de)serializer for messages encoded by hand: the bytes as they are."""
     return message
 
 
-def _drained(outbox: queue.SimpleQueue[bytes | None]) -> Iterator[bytes]:
+def drained(outbox: queue.SimpleQueue[bytes | None]) -> Iterator[bytes]:
+    """A request stream for grpcio: what is put in ``outbox``, until a None ends it."""
     while (message := outbox.get()) is not None:
         yield message
 

@@ -36,7 +36,7 @@ import psutil
 from tests.infra.netns import NetnsHost
 
 __all__ = ["ETCD_BINARY_ENV", "EtcdCluster", "ServerTls", "etcd_binary", "etcd_missing_reason",
-           "etcd_version", "loopback_etcd", "member_process", "suspend"]
+           "etcd_version", "loopback_etcd", "member_process", "suspend", "use_etcd_binary"]
 
 _seq = itertools.count()
 
@@ -52,12 +52,25 @@ def etcd_binary() -> str:
     return os.environ.get(ETCD_BINARY_ENV) or shutil.which("etcd") or "/usr/bin/etcd"
 
 
+def use_etcd_binary(path: str) -> None:
+    """Members started from now on (in this process and its children) run ``path``: the
+    benchmarks' ``--etcd-binary``. ValueError when it is no executable file."""
+    binary = Path(path).resolve()
+    if not _executable(str(binary)):
+        raise ValueError(f"{binary} is not an executable file")
+    os.environ[ETCD_BINARY_ENV] = str(binary)
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
 def etcd_missing_reason() -> str | None:
     """Why no etcd member can be started here (for a skip), or None. RuntimeError when
     ``$FTRUN_TEST_ETCD`` names no executable file: a run asked for that etcd, and skipping
     every etcd test would pass it without testing it."""
     binary = etcd_binary()
-    if os.path.isfile(binary) and os.access(binary, os.X_OK):
+    if _executable(binary):
         return None
     if os.environ.get(ETCD_BINARY_ENV):
         raise RuntimeError(f"{ETCD_BINARY_ENV}={binary} is not an executable file")
