@@ -146,6 +146,12 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "Regroup: seconds without a worker heartbeat before it is declared hung."),
     ("--stall-floor", "stall_floor", "FTRUN_STALL_FLOOR", "5.0",
      "Regroup: least seconds without a step before a lagging worker is declared stalled."),
+    ("--recovery-deadline", "recovery_deadline", "FTRUN_RECOVERY_DEADLINE", "auto",
+     "Regroup: seconds an in-process recovery may take to commit a step before ftrun "
+     "restarts the job instead (auto: at least 30 s, longer with slow steps and starts)."),
+    ("--max-repeats", "max_repeats", "FTRUN_MAX_REPEATS", "2",
+     "The same rank failing with the same error this many times in a row is the script's "
+     "own bug: the job stops (exit code 4) instead of recovering again."),
     ("--hang-timeout", "hang_timeout", "FTRUN_HANG_TIMEOUT", "auto",
      "Restart: seconds every worker may sit idle before their stacks are read for a hang "
      "(auto: at least 2 s, more after slow steps; 0: off)."),
@@ -386,6 +392,9 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         min_workers=min_workers,
         liveness_timeout_s=parse_seconds(ns.liveness_timeout, "--liveness-timeout"),
         stall_floor_s=parse_seconds(ns.stall_floor, "--stall-floor"),
+        recovery_deadline_s=None if ns.recovery_deadline.strip().lower() == "auto"
+        else parse_seconds(ns.recovery_deadline, "--recovery-deadline"),
+        max_repeats=_count(ns.max_repeats, "--max-repeats", minimum=1),
         hang_timeout_s=None if ns.hang_timeout == "auto" else parse_seconds(
             ns.hang_timeout, "--hang-timeout", allow_zero=True),
         preload=parse_preload(ns.preload),

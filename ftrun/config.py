@@ -110,6 +110,12 @@ class LaunchConfig:
     min_workers: int = 1  # regroup: below this many workers the job stops
     liveness_timeout_s: float = 5.0  # regroup: silence of a worker's heartbeat
     stall_floor_s: float = 5.0  # regroup: least time without a step before a stall
+    # regroup: a recovery that commits no step by then escalates to a restart
+    # (ftrun.decide.deadline); None: auto, from the step time and the timeouts in play
+    recovery_deadline_s: float | None = None
+    # the same rank failing with the same error this many times in a row stops the job
+    # (ftrun.decide.crashloop)
+    max_repeats: int = 2
     hang_timeout_s: float | None = None  # restart: all workers idle this long; None: auto
     preload: tuple[str, ...] = ()  # modules a per-node fork server imports once (--preload)
     abort_timeout_s: float = 5.0  # the shim's deadline to abort a worker's communicators

@@ -7,6 +7,8 @@ Shell scripts and Slurm requeue logic read these, so they never change meaning:
 1     a worker failed and no restart was left (the summary names the first failure)
 2     bad usage: an invalid flag or value; nothing was started
 3     the rendezvous or the store failed (join timeout, store host lost)
+4     a crash loop: the same rank failed with the same error --max-repeats times in a
+      row (or every rank at once), the script's own bug; ftrun stopped absorbing it
 70    an internal error in ftrun itself (the traceback is saved to a file it names)
 128+N ftrun was stopped by signal N, which it forwarded to the workers first
 ====  =========================================================================
@@ -27,6 +29,7 @@ class ExitCode(IntEnum):
     WORKER_FAILED = 1
     USAGE = 2
     RENDEZVOUS_FAILED = 3
+    CRASH_LOOP = 4
     INTERNAL_ERROR = 70  # EX_SOFTWARE
 
 

@@ -81,6 +81,12 @@ SURVIVOR_TORCH_ENV: dict[str, str] = {
 }
 
 
+def regroup_prefix(run_id: str, generation: int) -> str:
+    """The key space of job generation ``generation``'s regroup records (the member
+    epochs, the votes, the snapshot records) in the control store."""
+    return f"ftrun/{run_id}/rg{generation}"
+
+
 @dataclass(frozen=True)
 class MemberEnv:
     """What makes a worker a regroup member (absent under ``--recovery restart``)."""
@@ -181,23 +187,39 @@ def status_key(member: str) -> str:
 @dataclass(frozen=True)
 class Status:
     """What a member's heartbeat thread reports: one record, so that the agent reads every
-    member's state with a single ``multi_get`` per tick."""
+    member's state with a single ``multi_get`` per tick.
+
+    ``epoch`` is the member epoch the member is inside now (it built that epoch's group and
+    has not left it), -1 while it is between member epochs (it left an ended one and waits
+    for the next) or before its first. The leader compares the progress of members inside
+    the same epoch only, and takes a member still inside an epoch that ended long ago for
+    the culprit (:mod:`ftrun.agent.verdicts`): before this field it compared members that
+    waited for the next epoch with one stuck in the ended one, and killed the waiting ones.
+    """
 
     beats: int  # goes up while the process runs: liveness
     steps: int  # committed steps
     collectives: int  # collectives issued in the current step: tells a stalled rank apart
     synced: bool  # holds the job's state (not a joiner waiting for it)
     finished: bool  # left its training loop
+    epoch: int = -1  # the member epoch it is inside, -1 between epochs
+    epoch_steps: int = 0  # steps committed inside ``epoch``
 
     def to_json(self) -> dict[str, Any]:
         return {"beats": self.beats, "steps": self.steps, "collectives": self.collectives,
-                "synced": self.synced, "finished": self.finished}
+                "synced": self.synced, "finished": self.finished, "epoch": self.epoch,
+                "epoch_steps": self.epoch_steps}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Status:
+        epoch = data.get("epoch", -1)
+        epoch_steps = data.get("epoch_steps", 0)
+        for name, value in (("epoch", epoch), ("epoch_steps", epoch_steps)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise StoreValueError(f"status: {name!r} is not a count")
         return cls(require(data, "beats", int), require(data, "steps", int),
                    require(data, "collectives", int), require(data, "synced", bool),
-                   require(data, "finished", bool))
+                   require(data, "finished", bool), epoch, epoch_steps)
 
 
 LATEST = "rgen/latest"

@@ -20,6 +20,8 @@ backward of step S, once per job (a marker file in ``--kill-dir`` says it happen
 R ``backward`` of step S, while the snapshot of step S is being ``capture``d (inside the
 registered loader's ``state_dict``: before that rank's file exists), or while the snapshot
 of step S is being ``restore``d (inside its ``load_state_dict``: during a recovery);
+``--hang R:S:WHERE`` (repeatable, once per job, marker ``hung-<i>``) makes rank R sleep
+forever there instead (alive, its heartbeat beating: a member that never commits);
 ``--bad-state-step S`` makes a registered object's state hold a ``set`` at step S (a leaf a
 snapshot cannot keep). ``--ckpt-dir D --ckpt-every N`` writes torch.distributed.checkpoint
 to disk instead (the benchmark's torchrun baseline), resuming from the newest one.
@@ -61,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-dir", type=Path, default=None)
     parser.add_argument("--kill", action="append", default=[], metavar="R:S:WHERE",
                         help="WHERE: backward, capture or restore")
+    parser.add_argument("--hang", action="append", default=[], metavar="R:S:WHERE",
+                        help="as --kill, but the rank sleeps forever")
     parser.add_argument("--bad-state-step", type=int, default=-1)
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
@@ -118,15 +122,27 @@ def die(marker: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hang(marker: Path) -> None:
+    """Leave a marker (pid, time), say so, and never return (the process stays alive)."""
+    marker.write_text(f"{os.getpid()} {time.time()}\n")
+    print(f"hanging pid={os.getpid()}", flush=True)
+    while True:
+        time.sleep(1)
+
+
 def due_kill(args: argparse.Namespace, rank: int, step: int, where: str) -> Path | None:
-    """The marker of a ``--kill`` due here that has not happened yet, or None."""
+    """The marker of a ``--kill`` due here that has not happened yet, or None; a ``--hang``
+    due here hangs at once."""
     if args.kill_dir is None:
         return None
-    for index, spec in enumerate(args.kill):
-        r, s, w = spec.split(":")
-        marker = args.kill_dir / f"killed-{index}"
-        if (int(r), int(s), w) == (rank, step, where) and not marker.exists():
-            return marker
+    for option, name in (("hang", "hung"), ("kill", "killed")):
+        for index, spec in enumerate(getattr(args, option)):
+            r, s, w = spec.split(":")
+            marker = args.kill_dir / f"{name}-{index}"
+            if (int(r), int(s), w) == (rank, step, where) and not marker.exists():
+                if option == "hang":
+                    hang(marker)
+                return marker
     return None
 
 

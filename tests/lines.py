@@ -183,9 +183,19 @@ class Restored(Line):
     taken_in: int
 
 
+@dataclass(frozen=True)
+class RestoredAfterRestart(Restored):
+    """The same, in a restarted job generation: the snapshot was taken in member epoch
+    ``taken_in`` of the earlier job generation ``generation`` (the escalation ladder's
+    restart restores it)."""
+
+    FORMAT: ClassVar[str] = Restored.FORMAT + " from_generation={generation}"
+    generation: int
+
+
 KINDS: tuple[type[Line], ...] = (
     Step, ElasticStep, Regroup, Done, Resumed, Start, Finished, Victim, Blocking, Released,
-    Decision, Restored)
+    Decision, Restored, RestoredAfterRestart)
 _VALUE = {"int": r"-?\d+", "float": r"\S+", "str": r"\S+"}  # by the field's annotation
 _CONVERT: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str": str}
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")

@@ -364,7 +364,7 @@ def test_snapshot_age_is_read_from_the_nodes_snapshot_memory_at_each_scrape(
 
     assert age() != age()  # NaN: no snapshot yet
     (tmp_path / "notes.txt").write_text("not a snapshot")
-    old, new = tmp_path / "e0-s3-r0.snap", tmp_path / "e0-s4-r1.snap"
+    old, new = tmp_path / "g0-e0-s3-r0.snap", tmp_path / "g0-e0-s4-r1.snap"
     for path, seconds_ago in ((old, 60.0), (new, 5.0)):
         path.write_bytes(b"x")
         then = time.time() - seconds_ago

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from tests.launch import PRELOADED, REPO, Launch
-from tests.lines import Done, Restored, Step, Victim, find, parse
+from tests.lines import Done, Restored, RestoredAfterRestart, Step, Victim, find, parse
 
 SCRIPT = REPO / "scripts" / "train_fsdp.py"
 STEPS = 8
@@ -41,13 +41,15 @@ _reference: dict[tuple[str, ...], str] = {}
 
 
 def _run(job_dir: Path, args: list[str], name: str,
-         env: dict[str, str] | None = None) -> tuple[int, Launch]:
+         env: dict[str, str] | None = None, flags: list[str] | None = None
+         ) -> tuple[int, Launch]:
     script = job_dir / "train_fsdp.py"
     if not script.exists():
         shutil.copy(SCRIPT, script)
     work = job_dir / name
     work.mkdir()
-    launch = Launch(["--nproc-per-node", "4", "--recovery", "regroup", *PRELOAD, str(script),
+    launch = Launch(["--nproc-per-node", "4", "--recovery", "regroup", *PRELOAD, *(flags or []),
+                     str(script),
                      "--steps", str(STEPS), "--kill-dir", str(work), *args], env=env)
     code = launch.wait(JOB_TIMEOUT_S)
     return code, launch
@@ -190,3 +192,45 @@ def test_bad_state_then_faults_while_snapshotting_twice_and_during_recovery(
     assert _digest(launch) == reference
     assert _snapshot_dirs_of(launch.proc.pid) == []
 
+
+
+def test_a_member_that_never_leaves_the_ended_epoch_is_replaced_not_those_waiting(
+        job_dir: Path) -> None:
+    """The convergence issue's case, made deterministic. On a 2x2 mesh, rank 0 dies in the
+    backward of step index 4 and its tensor-parallel peer, rank 1, never leaves member epoch
+    0 (it sleeps before its next step, as it sat in a collective nothing released under
+    load). Ranks 2 and 3 leave and wait for the next epoch. Before the fix the stall rule
+    compared the waiting ranks with the stuck one, killed 2 and 3, and the job waited
+    forever; now rank 1 is taken out as stuck once the limit after the end passed, replaced,
+    and the job ends with the fault-free parameters."""
+    reference = _reference_digest(job_dir, ["--tp", "2"])
+    code, launch = _run(job_dir, ["--tp", "2", "--kill-rank", "0", "--kill-step", "4",
+                                  "--hang", "1:5:backward"], "fault")
+    assert code == 0, launch.output[-3000:]
+    stuck = [line for line in launch.lines if "stuck in member epoch 0" in line]
+    assert stuck and all("rank 1 " in line for line in stuck), launch.output[-3000:]
+    assert not any("stalled" in line for line in launch.lines), launch.output[-3000:]
+    assert _digest(launch) == reference
+    assert _snapshot_dirs_of(launch.proc.pid) == []
+
+
+def test_a_recovery_that_never_commits_escalates_to_a_restart_that_restores_memory(
+        job_dir: Path) -> None:
+    """The escalation ladder, end to end: rank 1 dies at step index 3; in the member epoch
+    that recovers it rank 2 hangs while it restores (alive and beating, inside the new
+    epoch, so no rule takes it out: every member waits at the same point). No step commits
+    by the recovery deadline, so ftrun restarts the job generation; the restarted workers
+    restore the newest complete snapshot the first generation left in memory (not step 0)
+    and the job ends with the fault-free parameters."""
+    reference = _reference_digest(job_dir, [])
+    code, launch = _run(job_dir, ["--kill", "1:3:backward", "--hang", "2:3:restore"], "fault",
+                        flags=["--recovery-deadline", "6", "--max-restarts", "1"])
+    assert code == 0, launch.output[-3000:]
+    escalated = [line for line in launch.lines if "recovery deadline passed" in line]
+    assert len(escalated) == 1, launch.output[-3000:]
+    assert any("restarting (1/1)" in line for line in launch.lines), launch.output[-3000:]
+    after = find(launch.lines, RestoredAfterRestart)
+    assert sorted(r.rank for r in after) == [0, 1, 2, 3], launch.output[-3000:]
+    assert {(r.generation, r.step) for r in after} == {(0, 3)}, [r.where() for r in after]
+    assert _digest(launch) == reference
+    assert _snapshot_dirs_of(launch.proc.pid) == []

@@ -65,7 +65,7 @@ def _address(server: replica.ReplicaServer) -> tuple[str, int]:
 def _replicate(source: replica.ReplicaServer, buddy: replica.ReplicaServer, step: int,
                crc: int, keep: list[int] | None = None,
                signer: Signer | None = None) -> dict[str, object]:
-    body = {"epoch": 0, "step": step, "rank": 0, "to": f"127.0.0.1:{buddy.port}",
+    body = {"generation": 0, "epoch": 0, "step": step, "rank": 0, "to": f"127.0.0.1:{buddy.port}",
             "crc32": crc, "keep": keep, "timeout_s": int(TIMEOUT_S)}
     answer, _ = replica.request(_address(source), signer or Signer(TOKEN), RUN, "replicate",
                                 body, timeout_s=TIMEOUT_S)
@@ -78,36 +78,38 @@ def test_buddy_stores_only_verified_copies_bounded_and_refuses_bad_requests(
     blobs = {}
     for step in (1, 2, 3):
         blob, crc = _file({"w": torch.full((256,), float(step))})
-        (node0.directory / memory.file_name(0, step, 0)).write_bytes(blob)
+        (node0.directory / memory.file_name(0, 0, step, 0)).write_bytes(blob)
         blobs[step] = (blob, crc)
     # Relayed agent to agent, verified, acknowledged with the CRC32 the buddy checked.
     answer = _replicate(node0, node1, 1, blobs[1][1])
     assert answer["crc32"] == blobs[1][1] and answer["bytes"] == len(blobs[1][0])
-    stored = node1.replicas / memory.file_name(0, 1, 0)
+    stored = node1.replicas / memory.file_name(0, 0, 1, 0)
     assert stored.read_bytes() == blobs[1][0]
     # Bounded: per rank the one received and the one its sender keeps, never more.
-    _replicate(node0, node1, 2, blobs[2][1], keep=[0, 1])
-    _replicate(node0, node1, 3, blobs[3][1], keep=[0, 2])
-    assert _leftovers(node1.replicas) == ["e0-s2-r0.snap", "e0-s3-r0.snap"]
+    _replicate(node0, node1, 2, blobs[2][1], keep=[0, 0, 1])
+    _replicate(node0, node1, 3, blobs[3][1], keep=[0, 0, 2])
+    assert _leftovers(node1.replicas) == ["g0-e0-s2-r0.snap", "g0-e0-s3-r0.snap"]
     # Served back to a restoring worker of any node, byte for byte.
-    got = replica.fetch(_address(node1), Signer(TOKEN), RUN, 0, 3, 0, timeout_s=TIMEOUT_S)
+    got = replica.fetch(_address(node1), Signer(TOKEN), RUN, (0, 0, 3), 0, timeout_s=TIMEOUT_S)
     assert got == blobs[3][0]
-    with pytest.raises(replica.ReplicaError, match=r"no snapshot e0-s9-r0\.snap"):
-        replica.fetch(_address(node1), Signer(TOKEN), RUN, 0, 9, 0, timeout_s=TIMEOUT_S)
+    with pytest.raises(replica.ReplicaError, match=r"no snapshot g0-e0-s9-r0\.snap"):
+        replica.fetch(_address(node1), Signer(TOKEN), RUN, (0, 0, 9), 0, timeout_s=TIMEOUT_S)
     before = _leftovers(node1.directory)
     # Not the job's token, or no token: refused, in one line, before anything is read.
     with pytest.raises(replica.ReplicaError, match="bad MAC"):
         _replicate(node0, node1, 1, blobs[1][1], signer=Signer(b"guess"))
     with pytest.raises(replica.ReplicaError, match="unsigned record"):
         replica.request(_address(node1), Signer(None), RUN, "put",
-                        {"epoch": 0, "step": 5, "rank": 0, "crc32": 1, "keep": None},
+                        {"generation": 0, "epoch": 0, "step": 5, "rank": 0, "crc32": 1,
+                         "keep": None},
                         blobs[1][0], timeout_s=TIMEOUT_S)
     # A MAC bound to another run's key does not verify here.
     with pytest.raises(replica.ReplicaError, match="bad MAC"):
-        replica.fetch(_address(node1), Signer(TOKEN), "other-run", 0, 3, 0,
+        replica.fetch(_address(node1), Signer(TOKEN), "other-run", (0, 0, 3), 0,
                       timeout_s=TIMEOUT_S)
     # A copy whose CRC32 is not the published one, or whose bytes are damaged.
-    put = {"epoch": 0, "step": 5, "rank": 0, "crc32": blobs[1][1] ^ 1, "keep": None}
+    put = {"generation": 0, "epoch": 0, "step": 5, "rank": 0, "crc32": blobs[1][1] ^ 1,
+           "keep": None}
     with pytest.raises(replica.ReplicaError, match="is not the published"):
         replica.request(_address(node1), Signer(TOKEN), RUN, "put", put, blobs[1][0],
                         timeout_s=TIMEOUT_S)
@@ -127,7 +129,7 @@ def test_buddy_stores_only_verified_copies_bounded_and_refuses_bad_requests(
         sock.sendall(struct.pack(">I", 10) + b"not json!!")
         assert sock.recv(4096), "no answer to a malformed header"
     # The server is still there, and the refused requests left nothing.
-    assert replica.fetch(_address(node1), Signer(TOKEN), RUN, 0, 3, 0,
+    assert replica.fetch(_address(node1), Signer(TOKEN), RUN, (0, 0, 3), 0,
                          timeout_s=TIMEOUT_S) == blobs[3][0]
     assert _leftovers(node1.directory) == before
     # The buddy's agent gone: the relay fails in one line naming the buddy's address.
@@ -144,7 +146,8 @@ def test_cap_refuses_a_replica_that_does_not_fit(tmp_path: Path) -> None:
         with pytest.raises(replica.ReplicaError,
                            match=r"rank 0 step 1 \(\d+ bytes\).*more than the cap 1000 bytes"):
             replica.request(_address(server), Signer(TOKEN), RUN, "put",
-                            {"epoch": 0, "step": 1, "rank": 0, "crc32": crc, "keep": None},
+                            {"generation": 0, "epoch": 0, "step": 1, "rank": 0, "crc32": crc,
+                             "keep": None},
                             blob, timeout_s=TIMEOUT_S)
         assert _leftovers(tmp_path) == []
     finally:
@@ -162,10 +165,11 @@ def test_a_failed_replication_keeps_the_previous_complete_snapshot_and_mixes_not
     writers = []
     for rank, (own, buddy) in enumerate([(nodes[0], nodes[1]), (nodes[1], nodes[0])]):
 
-        def replicate(step: int, crc: int, keep: tuple[int, int] | None, rank: int = rank,
+        def replicate(step: int, crc: int, keep: tuple[int, int, int] | None, rank: int = rank,
                       own: replica.ReplicaServer = own,
                       buddy: replica.ReplicaServer = buddy) -> records.Written:
-            body = {"epoch": 0, "step": step, "rank": rank, "to": f"127.0.0.1:{buddy.port}",
+            body = {"generation": 0, "epoch": 0, "step": step, "rank": rank,
+                    "to": f"127.0.0.1:{buddy.port}",
                     "crc32": crc, "keep": list(keep) if keep else None,
                     "timeout_s": int(TIMEOUT_S)}
             answer, _ = replica.request(_address(own), Signer(TOKEN), RUN, "replicate", body,
@@ -188,22 +192,22 @@ def test_a_failed_replication_keeps_the_previous_complete_snapshot_and_mixes_not
 
     try:
         capture(1)
-        assert complete(store, 0, 1, None)
+        assert complete(store, (0, 0, 1), None)
         nodes[0].close()  # node 0's agent gone: rank 1's buddy (and rank 0's relay) too
         capture(2)
-        assert not complete(store, 0, 2, None)
+        assert not complete(store, (0, 0, 2), None)
         assert store.get_record(records.failed_key(0, 2)) is not None
         assert all(isinstance(w.error, replica.ReplicaError) for w in writers), \
             [w.error for w in writers]
         # No writer waits on step 2: step 3's capture goes through at once, and each rank
         # still keeps step 1 (the newest complete) for a recovery.
         capture(3)
-        assert [w.kept for w in writers] == [(0, 1), (0, 1)]
+        assert [w.kept for w in writers] == [(0, 0, 1), (0, 0, 1)]
         # What a recovery finds: step 1, every rank's bytes exactly as captured, from the
         # node that wrote them and from the buddy's replica alike.
-        assert max(s for s in (1, 2, 3) if complete(store, 0, s, None)) == 1
+        assert max(s for s in (1, 2, 3) if complete(store, (0, 0, s), None)) == 1
         for rank, (own, buddy) in enumerate([(nodes[0], nodes[1]), (nodes[1], nodes[0])]):
-            name = memory.file_name(0, 1, rank)
+            name = memory.file_name(0, 0, 1, rank)
             for path in (own.directory / name, buddy.replicas / name):
                 snapshot = fmt.parse(path.read_bytes())
                 assert torch.equal(snapshot.tensors[0], torch.full((64,), 10.0 + rank)), path

@@ -80,14 +80,14 @@ def test_the_writer_publishes_what_it_copied_and_holds_two_files(tmp_path: Path)
             if step == 4:  # the replication failed: marked, never counts, nothing added
                 assert isinstance(writer.error, RuntimeError), writer.error
                 assert store.get_record(records.failed_key(0, 4)) is not None
-                assert not complete(store, 0, 4, None)
-                assert writer.kept == (0, 3) and published == {"e0-s3-r0.snap"}, files
+                assert not complete(store, (0, 0, 4), None)
+                assert writer.kept == (0, 0, 3) and published == {"g0-e0-s3-r0.snap"}, files
                 assert len(spares) == 1 and len(files) == 2, files
                 writer.error = None
                 continue
-            name = memory.file_name(0, step, 0)
+            name = memory.file_name(0, 0, step, 0)
             assert published == {name}, files
-            assert writer.kept == (0, step) and complete(store, 0, step, None)
+            assert writer.kept == (0, 0, step) and complete(store, (0, 0, step), None)
             # Two files from the second snapshot on: the newest complete and the spare,
             # which is the previous one's file (its inode).
             if previous_inode is None:
@@ -114,5 +114,5 @@ def test_the_writer_publishes_what_it_copied_and_holds_two_files(tmp_path: Path)
     finally:
         writer.stop()
     assert not writer._thread.is_alive()
-    assert set(_files(directory)) == {"e0-s7-r0.snap"}  # the spare went, the snapshot stays
+    assert set(_files(directory)) == {"g0-e0-s7-r0.snap"}  # the spare went, the snapshot stays
     del host

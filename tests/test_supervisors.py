@@ -73,9 +73,12 @@ class Job:
         return self.leader.tick()
 
     def status(self, member: str, *, steps: int, collectives: int = 0, synced: bool = True,
-               finished: bool = False) -> None:
-        """What the member's heartbeat thread would report (and the supervisor read)."""
-        status = P.Status(1, steps, collectives, synced, finished)
+               finished: bool = False, epoch: int | None = None,
+               epoch_steps: int = 0) -> None:
+        """What the member's heartbeat thread would report (and the supervisor read):
+        inside the latest member epoch unless ``epoch`` says otherwise (-1: between)."""
+        inside = self.m.latest.number if epoch is None else epoch
+        status = P.Status(1, steps, collectives, synced, finished, inside, epoch_steps)
         self.store.set_record(P.status_key(member), status.to_json())
         self.m.statuses[member] = status
 
@@ -413,3 +416,88 @@ def test_member_states_move_only_along_the_documented_transitions() -> None:
             member.advance(state)  # REMOVED is final
     assert TRANSITIONS[MemberState.FINISHED] == frozenset()
     assert MemberState.READY not in TRANSITIONS[MemberState.READY]
+
+
+# --- convergence: the stuck member, the recovery deadline, refusals ------------------------
+
+def test_the_member_stuck_in_the_ended_epoch_is_taken_out_not_the_ones_waiting() -> None:
+    """The convergence issue's case through the leader and its records: rank 2 dies in
+    epoch 0, ranks 0 and 1 leave it and wait for the next epoch, rank 3 never leaves it.
+    Once the limit passes after the end, rank 3 is taken out and killed; 0 and 1 never are,
+    however long they wait."""
+    job = Job(stall_floor_s=5.0)
+    job.steps(ALL, upto=4, every_s=0.2)
+    job.remove("0.2", "killed by SIGKILL")
+    job.release(0)
+    assert job.tick() is None and job.world == ["0.0", "0.1", "0.3"]
+    for member in ("0.0", "0.1"):
+        job.status(member, steps=4, epoch=-1)  # left epoch 0, waiting for epoch 1
+    job.status("0.3", steps=4, collectives=2, epoch=0)  # still inside epoch 0
+    job.clock.now += 4.9
+    assert job.tick() is None and list(job.m.removed) == ["0.2"]
+    job.clock.now += 0.3
+    assert job.tick() is None
+    assert list(job.m.removed) == ["0.2", "0.3"], job.said
+    assert job.m.removed["0.3"].startswith("stuck in member epoch 0")
+    fault = P.Fault.from_json(job.store.first_record(P.fault_key(1)))
+    assert fault.member == "0.3" and fault.kill
+    assert job.store.first_record(P.end_key(1))["member"] == "0.3"
+    for _ in range(4):  # within the recovery deadline: they wait, nobody judges them
+        job.clock.now += 5.0
+        assert job.tick() is None
+    assert "0.0" not in job.m.removed and "0.1" not in job.m.removed
+
+
+def test_a_recovery_without_a_committed_step_by_its_deadline_escalates() -> None:
+    job = Job(recovery_deadline_s=12.0, on_failure="shrink")
+    job.steps(ALL, upto=3, every_s=0.2)
+    job.remove("0.1")
+    job.release(0)
+    assert job.tick() is None and job.m.latest.number == 1
+    for member in ("0.0", "0.2", "0.3"):  # inside epoch 1, but nothing committed there
+        job.status(member, steps=3, epoch=1)
+    job.clock.now += 11.9
+    assert job.tick() is None
+    job.clock.now += 0.2
+    verdict = job.tick()
+    assert isinstance(verdict, StopJob) and verdict.cause == {"kind": "escalate"}
+    assert "no step committed 12.1s after member epoch 0 ended" in verdict.reason
+    escalations = job.emitted(Event.ESCALATE)
+    assert len(escalations) == 1 and escalations[0]["deadline_s"] == 12.0
+
+
+def test_a_committed_step_inside_the_new_epoch_ends_the_recovery_in_time() -> None:
+    job = Job(recovery_deadline_s=12.0, on_failure="shrink")
+    job.steps(ALL, upto=3, every_s=0.2)
+    job.remove("0.1")
+    job.release(0)
+    job.tick()
+    job.clock.now += 11.0
+    for member in ("0.0", "0.2", "0.3"):
+        job.status(member, steps=4, epoch=1, epoch_steps=1)
+    assert job.tick() is None
+    job.clock.now += 100.0
+    assert job.tick() is None and not job.emitted(Event.ESCALATE)
+
+
+def test_the_auto_deadline_grows_from_what_the_leader_observed() -> None:
+    job = Job(abort_timeout_s=5.0, heartbeat_timeout_s=2.0)
+    job.steps(ALL, upto=3, every_s=0.1)  # its first tick saw every member 0.1 s in
+    assert job.leader.start_s == pytest.approx(0.1)
+    assert job.leader.auto_deadline_s() == 30.0  # 2 x 7 + 2 x 5 + 2 x 0.1 + 10 x 0.1: floor
+    job = Job(abort_timeout_s=5.0, heartbeat_timeout_s=5.0, stall_floor_s=5.0)
+    job.steps(ALL, upto=3, every_s=2.0)  # limit 40 s
+    assert job.leader.auto_deadline_s() == pytest.approx(2 * 10 + 2 * 40 + 2 * 2.0 + 10 * 2.0)
+
+
+def test_shrink_with_a_sharded_job_is_refused_once_its_workers_are_ready() -> None:
+    from ftrun.snapshot import records as snapshot_records
+
+    job = Job(on_failure="shrink")
+    job.store.set_record(snapshot_records.WHOLE_WORLD_KEY, {"world_size": 4})
+    verdict = job.tick()
+    assert isinstance(verdict, StopJob) and verdict.cause == {"kind": "refused"}
+    assert verdict.reason.startswith("--on-failure shrink cannot be used with a sharded job")
+    job = Job(on_failure="replace")  # the default: accepted
+    job.store.set_record(snapshot_records.WHOLE_WORLD_KEY, {"world_size": 4})
+    assert job.tick() is None

@@ -56,6 +56,8 @@ class Event(str, Enum):
     ERROR = "error"  # a failed worker's own last error, once read (rank, pid, message)
     STRAGGLER = "straggler"  # regroup leader: a rank keeps the others waiting (flagged, rank)
     REFUSED = "refused"  # leader: a node failed its health gate and is not in the job (detail)
+    ESCALATE = "escalate"  # leader: a recovery passed its deadline: the job restarts (reason)
+    CRASH_LOOP = "crash_loop"  # the same error repeated: the job stops (rank, signature)
 
 
 def describe_returncode(code: int) -> str:

@@ -64,7 +64,9 @@ class FaultRecord:
     pid: int | None = None
     generation: int = 0
     injected: str | None = None  # the injected fault's spec, when it was injected
-    path: str | None = None  # regroup | replace (a ready spare at once) | restart | none
+    # regroup | replace (a ready spare at once) | restart | escalate (a recovery past its
+    # deadline: the restart that followed) | none
+    path: str | None = None
     ranks: list[int] = field(default_factory=list)  # ranks involved (failed ones)
     world: int | None = None  # world size training resumed with
     step: int | None = None  # committed steps when training resumed
@@ -112,7 +114,7 @@ class FaultRecord:
             how = "a ready member took its place" if self.path == "replace" \
                 else "survivors regrouped"
             text = f"{head}: {how} in {self.recovery_s:.2f} s, world {self.world}"
-        elif self.path == "restart" and self.recovery_s is not None:
+        elif self.path in ("restart", "escalate") and self.recovery_s is not None:
             text = (f"{head}: every worker restarted in {self.recovery_s:.2f} s "
                     f"(generation {self.generation + 1})")
         else:
@@ -256,6 +258,7 @@ class FaultBook:
             "inject": self._inject,
             Event.ERROR.value: self._error,
             Event.RESTART.value: self._restart,
+            Event.ESCALATE.value: self._escalate,
             Event.GENERATION.value: self._generation,
             Event.STOP.value: self._stop,
             Event.DONE.value: self._done,
@@ -423,7 +426,9 @@ class FaultBook:
     def _restart(self, ts: float, ev: dict[str, Any]) -> None:
         generation = _int(ev.get("generation")) or 0
         pending = [f for f in self.faults if f.path is None and f.generation == generation]
-        if not pending:  # another node's failure: this agent knows its cause only
+        escalated = any(f.path == "escalate" and f.recovered is None
+                        and f.generation == generation for f in self.faults)
+        if not pending and not escalated:  # another node's failure: its cause only
             cause = _str(ev.get("cause")) or "generation ended on another node"
             pending = [self._open(ts, cause, detected=ts, generation=generation,
                                   node=_str(ev.get("node")))]
@@ -445,12 +450,25 @@ class FaultBook:
             record.cause = describe_returncode(code) + (
                 f": {message.splitlines()[0][:300]}" if message else "")
 
+    def _escalate(self, ts: float, ev: dict[str, Any]) -> None:
+        """A recovery passed its deadline: a record of its own (path ``escalate``), and
+        the faults it left unrecovered are recovered by the restart that follows."""
+        generation = _int(ev.get("generation")) or 0
+        for record in self.faults:
+            if record.recovered is None and record.generation == generation \
+                    and record.path not in ("none", "escalate"):
+                record.path = "restart"
+        record = self._open(ts, _str(ev.get("reason")) or "recovery deadline passed",
+                            detected=ts, happened=ev.get("happened"), generation=generation,
+                            node=_str(ev.get("node")))
+        record.path, record.epoch = "escalate", _int(ev.get("epoch"))
+
     def _generation(self, ts: float, ev: dict[str, Any]) -> None:
         number = _int(ev.get("generation"))
         if number is None:
             return
         for record in self.faults:
-            if record.path == "restart" and record.recovered is None and \
+            if record.path in ("restart", "escalate") and record.recovered is None and \
                     record.generation < number:
                 record.recovered, record.recovered_how = ts, "restarted"
                 record.world = _int(ev.get("world_size"))

@@ -22,9 +22,7 @@ never called ``ftrun.init()``.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +37,8 @@ from ftrun.agent.stragglers import StragglerWatch
 from ftrun.config import LaunchConfig
 from ftrun.control.errors import StoreValueError
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
+from ftrun.decide.deadline import RecoveryDeadline, auto_deadline_s
+from ftrun.decide.progress import Observation, ProgressWatch
 from ftrun.snapshot import records as snapshot_records
 
 #: How long the leader waits, after a member epoch ended, for a standby node's health-gate
@@ -54,15 +54,6 @@ class StopJob:
 
     reason: str
     cause: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Progress:
-    """The leader's view of one member's progress."""
-
-    changed_at: float  # when ``value`` last changed
-    step_at: float  # when the committed step count last changed
-    value: tuple[int, int] = (-1, -1)  # (committed steps, collectives issued)
 
 
 class RegroupLeader:
@@ -93,8 +84,14 @@ class RegroupLeader:
         # A sharded job (ftrun.restartable) cannot shrink: a lost node's ranks are filled
         # with spares of the other nodes (read at the first regroup).
         self.whole_world = False
-        self.progress: dict[str, Progress] = {}
-        self.step_intervals: deque[float] = deque(maxlen=64)
+        # Who keeps the others waiting (ftrun.decide.progress), when each member epoch
+        # ended as this leader saw it, and the recovery in progress with its deadline.
+        self.watch = ProgressWatch(config.stall_floor_s)
+        self.ended_at: dict[int, float] = {}
+        self.deadline = RecoveryDeadline(config.recovery_deadline_s)
+        self.created_at = clock()
+        self.start_s: float | None = None  # the first member epoch's workers' start
+        self.whole_world_checked = False
         self.waiting_since: float | None = None
         self.ready_checked: set[str] = set()  # failed members whose readiness was looked up
         # Standby nodes' health gates (--standby-nodes): the ended member epoch whose gate
@@ -142,9 +139,7 @@ class RegroupLeader:
         epoch = P.MemberEpoch(number, tuple(members))
         self.m.publish(epoch)
         self.waiting_since = None
-        now = self.clock()
-        for progress in self.progress.values():  # a regroup is not a stall: count from here
-            progress.changed_at = now
+        self.watch.restart_clocks(self.clock())  # a regroup is not a stall: count from here
         self.stragglers.reset()
         self.events.emit(
             Event.EPOCH, epoch=number, generation=self.generation.number,
@@ -168,13 +163,53 @@ class RegroupLeader:
 
     def tick(self) -> StopJob | None:
         self._read_pools()
+        self._note_ends()
+        verdict = self._escalate()
+        if verdict is not None:
+            return verdict
         gone = [m for m in self.latest.members if self.m.gone(m.id)]
         if gone:
-            return self._regroup(gone)
+            verdict = self._regroup(gone)
+            self._note_ends()
+            return verdict
         self._admit_ready_joiners()
-        self._watch_progress()
-        self._check_done()
-        return None
+        verdict = self._watch_progress()
+        self._note_ends()
+        if verdict is None:
+            self._check_done()
+        return verdict
+
+    # --- the recovery deadline (ftrun.decide.deadline) -------------------------------------
+
+    def _note_ends(self) -> None:
+        """Member epochs this leader ended since the last look (every end of a fault passes
+        through it: its regroup ends the latest epoch again): when, and the recovery's
+        start."""
+        new = [n for n in self.m.ended_here if n not in self.ended_at]
+        if not new:
+            return
+        now = self.clock()
+        for number in new:
+            self.ended_at[number] = now
+        self.deadline.fault(now, max(new), self.auto_deadline_s())
+
+    def auto_deadline_s(self) -> float:
+        return auto_deadline_s(peer_write_s=self._peer_write_s, limit_s=self.watch.limit_s(),
+                               start_s=self.start_s, step_s=self.watch.median_step_s)
+
+    def _escalate(self) -> StopJob | None:
+        """A recovery past its deadline: the job generation restarts (the ladder's next
+        rung), said in one line and an ``escalate`` event (its own fault record)."""
+        late = self.deadline.overdue(self.clock())
+        if late is None:
+            return None
+        reason = f"recovery deadline passed: {late.describe()}; escalating: " + \
+            restart_all_words(self.generation.restart_count, self.config.max_restarts)
+        self.events.emit(Event.ESCALATE, generation=self.generation.number,
+                         epoch=self.latest.number, ended_epoch=late.ended_epoch,
+                         deadline_s=round(late.deadline_s, 3), waited_s=round(late.waited_s, 3),
+                         happened=time.time() - late.waited_s, reason=reason)
+        return StopJob(reason, {"kind": "escalate"})
 
     @property
     def _peer_write_s(self) -> float:
@@ -408,9 +443,14 @@ class RegroupLeader:
                                    node=node.node_rank))
         return rdzv.end(self.generation.number, join) if join is not None else None
 
-    def _watch_progress(self) -> None:
+    def _watch_progress(self) -> StopJob | None:
+        """Every member's progress this tick: the progress report, the recovery's end, the
+        stuck and stalled verdicts (ftrun.decide.progress: each member taken out like a
+        failed one, its agent kills it), stragglers; and, once every first member is ready,
+        what a sharded job cannot do (refused in one line)."""
         m, now = self.m, self.clock()
-        active: list[tuple[str, Progress]] = []
+        seen: list[Observation] = []
+        steps: dict[int, int] = {}
         for member in self.latest.members:
             status = m.statuses.get(member.id)
             if status is None:
@@ -418,35 +458,42 @@ class RegroupLeader:
             if status.finished:
                 self.finishing = True  # a member left its loop: the job ends, admit no one
                 continue
-            if member.joiner and not status.synced:
+            if (member.joiner and not status.synced) or member.id in m.removed:
                 continue
-            progress = self.progress.setdefault(member.id, Progress(now, now))
-            reported = (status.steps, status.collectives)
-            if reported != progress.value:
-                if progress.value[0] >= 0 and reported[0] != progress.value[0]:
-                    self.step_intervals.append(now - progress.step_at)
-                    progress.step_at = now
-                progress.value, progress.changed_at = reported, now
-            active.append((member.id, progress))
-        self.report.observe({rank: p.value[0] for mid, p in active
-                             if (rank := self.latest.rank_of(mid)) is not None})
+            seen.append(Observation(member.id, status.epoch, status.steps,
+                                    status.collectives, status.epoch_steps))
+            steps[member.rank] = status.steps
+        self.report.observe(steps)
+        if self.start_s is None and all(x.id in m.statuses for x in self.latest.members):
+            self.start_s = now - self.created_at
+            refused = self._refuse_what_cannot_progress()
+            if refused is not None:
+                return refused
+        self.deadline.observe(seen)
         self._watch_stragglers(now)
-        if len(active) < 2 or not self.step_intervals or self.finishing:
-            return
-        limit = max(self.config.stall_floor_s, 20 * statistics.median(self.step_intervals))
-        if now - max(p.changed_at for _, p in active) < limit:
-            return
-        lowest = min(p.value for _, p in active)
-        if lowest == max(p.value for _, p in active):
-            return  # everyone waits at the same step: not attributable to one rank
-        for member, progress in active:
-            if progress.value != lowest:
-                continue
-            cause = (f"stalled: no progress for {now - progress.changed_at:.1f}s "
-                     f"(limit {limit:.1f}s) while the others issued more collectives")
-            m.end(self.latest.number, {"member": member, "cause": cause})
-            m.append_fault(P.Fault(cause, member=member, kill=True))
-            m.removed[member] = cause
+        for verdict in self.watch.observe(now, seen, self.ended_at,
+                                          judge_stalls=not self.finishing):
+            m.end(self.latest.number, {"member": verdict.member, "cause": verdict.cause})
+            m.append_fault(P.Fault(verdict.cause, member=verdict.member, kill=True))
+            m.removed[verdict.member] = verdict.cause
+        return None
+
+    def _refuse_what_cannot_progress(self) -> StopJob | None:
+        """A sharded job (``ftrun.restartable``: its workers write the whole-world record
+        before they say they are ready) needs every rank back after a fault; with
+        ``--on-failure shrink`` no replacement would ever come and the survivors would wait
+        for one. Refused once its workers are ready, before any fault."""
+        if self.whole_world_checked:
+            return None
+        self.whole_world_checked = True
+        self.whole_world = self.whole_world or \
+            self.m.store.get_record(snapshot_records.WHOLE_WORLD_KEY) is not None
+        if self.whole_world and self.config.on_failure == "shrink":
+            reason = ("--on-failure shrink cannot be used with a sharded job "
+                      "(ftrun.restartable): its state is sharded over every rank, so it never "
+                      "goes on with fewer; use --on-failure replace (the default)")
+            return StopJob(reason, {"kind": "refused"})
+        return None
 
     def _watch_stragglers(self, now: float) -> None:
         """Straggler verdicts (ftrun.agent.stragglers); policy fault: out like a stall."""
@@ -454,8 +501,7 @@ class RegroupLeader:
         beats = {x.id: (x.rank, s.beats, s.collectives) for x in self.latest.members
                  if (s := m.statuses.get(x.id)) is not None and not s.finished
                  and (s.synced or not x.joiner) and x.id not in m.removed}
-        step_s = statistics.median(self.step_intervals) if self.step_intervals else None
-        for verdict in self.stragglers.observe(now, beats, step_s):
+        for verdict in self.stragglers.observe(now, beats, self.watch.median_step_s):
             cause = f"straggler on node {verdict.node}: {verdict.figures()}"
             m.end(self.latest.number, {"member": verdict.member, "cause": cause})
             m.append_fault(P.Fault(cause, member=verdict.member, kill=True))

@@ -67,6 +67,8 @@ from ftrun.control.rendezvous import (
 )
 from ftrun.control.store import JsonStore
 from ftrun.control.tcpstore import connect_store, serve_store
+from ftrun.decide.crashloop import CrashLoop
+from ftrun.decide.deadline import describe_setting
 from ftrun.exitcodes import ExitCode, exit_at_once, for_signal
 from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
 from ftrun.jobref import register, register_etcd, unregister
@@ -180,6 +182,11 @@ class Agent:
                 self.events.emit(Event.STOP, reason="store lost", detail=str(lost or error))
                 self.store_lost = True
                 return ExitCode.RENDEZVOUS_FAILED
+            final = self._shut_down_for()
+            if final is not None:  # another node stopped the job for good (a crash loop)
+                self.say(f"the job stopped: {error}", style="red")
+                self.events.emit(Event.STOP, reason="failed", detail=str(error))
+                return final
             self.say(f"rendezvous failed: {error}", style="red")
             self.events.emit(Event.STOP, reason="rendezvous", detail=str(error))
             return ExitCode.RENDEZVOUS_FAILED
@@ -214,6 +221,9 @@ class Agent:
             return for_signal(self._signal())
         self._rdzv = rdzv
         supervisor = self._supervisor(rdzv)
+        if self.config.recovery is not Recovery.RESTART and rdzv.is_leader:
+            self.say(describe_setting(self.config.recovery_deadline_s,
+                                      self.config.max_restarts))
         etcdwriter.watch_writer(self, rdzv)
         dynamic = isinstance(rdzv, DynamicRendezvous)
         number = 0 if self.config.is_single_node else rdzv.first_number()
@@ -277,6 +287,9 @@ class Agent:
                 self.events.emit(Event.STOP, reason="signal", signal=sig.name)
                 return for_signal(sig)
             why = result.cause or {}
+            final = self._final_code(why)
+            if final is not None:  # the job cannot go on by any restart
+                return self._give_up(rdzv, result, final)
             # A join, or this node left out while alive: membership changed, nothing failed.
             joining = (result.outcome is Outcome.REMOTE_FAILED
                        and why.get("kind") in ("join", "dropped"))
@@ -299,7 +312,7 @@ class Agent:
             first = next((e for e in result.exits if e.first), None)
             cause = (
                 f"rank {first.rank} ({first.reason})"
-                if first is not None
+                if first is not None and why.get("kind") != "escalate"
                 else describe_cause(result.cause)
             )
             self.say(
@@ -317,7 +330,7 @@ class Agent:
             config=self.config, hostname=self.hostname, node_id=self.node_id, say=self.say,
             events=self.events, inbox=self.inbox, launcher=self.launcher, rdzv=rdzv,
             nodes=self.nodes, store_lost=self._lost_reason, open_client=self._open_client,
-            op_timeout_s=self._op_timeout,
+            op_timeout_s=self._op_timeout, crash_loop=CrashLoop(self.config.max_repeats),
         )
         if self.config.rdzv_backend == "etcd-v3" and not self.config.is_single_node:
             services.generation_store_of = functools.partial(etcdwriter.generation_store, self)
@@ -455,6 +468,17 @@ class Agent:
             self._registration = register(self.run_id, host, port)
         self.injector.start(open_store, job, self.board.snapshot, job_in_run=connect is not None)
 
+    def _shut_down_for(self) -> ExitCode | None:
+        """The exit code another agent's shutdown of the job carries for good (see
+        :meth:`_final_code`), or None."""
+        if self._rdzv is None:
+            return None
+        try:
+            reason = self._rdzv.shutdown_reason()
+        except (StoreError, RendezvousError):
+            return None
+        return self._final_code(reason) if reason else None
+
     def _lost_reason(self) -> str | None:
         """Why the store host counts as lost (this agent's heartbeats fail; etcd-v3: this
         writer's lease was not renewed, so another agent may write now), or None."""
@@ -559,12 +583,23 @@ class Agent:
                 time.sleep(max(self.config.monitor_interval_s, 0.2))
         return ExitCode.SUCCESS
 
-    def _give_up(self, rdzv: Rendezvous, result: GenerationResult) -> int:
+    @staticmethod
+    def _final_code(cause: dict[str, Any]) -> ExitCode | None:
+        """The exit code of a generation end that no restart can cure: a combination of
+        flags refused once the script showed what it is (usage), or the script's own error
+        repeating (ftrun.decide.crashloop); None for the others."""
+        return {"refused": ExitCode.USAGE, "crash loop": ExitCode.CRASH_LOOP}.get(
+            cause.get("kind"))
+
+    def _give_up(self, rdzv: Rendezvous, result: GenerationResult,
+                 code: ExitCode = ExitCode.WORKER_FAILED) -> int:
         failures = [e for e in result.exits if not e.ok]
         restarts = self.config.max_restarts
+        kind = (result.cause or {}).get("kind")
+        reason = kind if code is not ExitCode.WORKER_FAILED else "max restarts exhausted"
         with contextlib.suppress(StoreError):
-            rdzv.shut_down({"reason": "max restarts exhausted", "node_rank": self.node_rank})
-        self.events.emit(Event.STOP, reason="failed", restarts=restarts,
+            rdzv.shut_down({"reason": reason, "kind": kind, "node_rank": self.node_rank})
+        self.events.emit(Event.STOP, reason="failed", restarts=restarts, code=int(code),
                          **root_fields(next((e for e in result.exits if e.first), None)))
         print_failure_summary(
             self.console,
@@ -573,7 +608,7 @@ class Agent:
             max_restarts=restarts,
         )
         print_job_summary(self.console, self.faults.summary())
-        return ExitCode.WORKER_FAILED
+        return code
 
 
 def _reaches_loopback(host: str) -> bool:

@@ -52,6 +52,11 @@ class Membership:
         # of a read are the last read's bytes, not verified and decoded again
         self._status_bytes: dict[str, tuple[bytes, dict[str, Any] | None]] = {}
 
+    @property
+    def ended_here(self) -> frozenset[int]:
+        """The member epochs whose end this agent wrote."""
+        return frozenset(self._ended_here)
+
     def gone(self, member: str) -> bool:
         """Taken out, or on a lost node."""
         return member in self.removed or P.node_of(member) in self.lost_nodes

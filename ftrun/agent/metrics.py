@@ -14,6 +14,8 @@ reads them. What a scrape shows:
                                     finished, failed
 ``ftrun_restarts_total``            restarts of every worker
 ``ftrun_regroups_total``            member epochs published after a fault (leader)
+``ftrun_escalations_total``         recoveries past their deadline, escalated to a restart
+                                    (leader)
 ``ftrun_faults_total``              faults with a completed recovery
 ``ftrun_recovery_seconds_last``     the last fault's happening to progress again
 ``ftrun_recovery_seconds_total``    the same, summed over the job
@@ -70,6 +72,9 @@ class Metrics:
         self.restarts = Counter("ftrun_restarts", "Restarts of every worker.", registry=r)
         self.regroups = Counter("ftrun_regroups", "Member epochs published after a fault.",
                                 registry=r)
+        self.escalations = Counter("ftrun_escalations",
+                                   "Recoveries past their deadline, escalated to a restart.",
+                                   registry=r)
         self.faults = Counter("ftrun_faults", "Faults with a completed recovery.", registry=r)
         self.recovery_last = Gauge("ftrun_recovery_seconds_last",
                                    "The last fault's happening to progress again.", registry=r)
@@ -147,6 +152,8 @@ class Metrics:
                     self.regroups.inc()
             elif kind == Event.RESTART.value:
                 self.restarts.inc()
+            elif kind == Event.ESCALATE.value:
+                self.escalations.inc()
             elif kind == Event.SPAWN.value:
                 self._state(ev.get("pid"), "starting")
                 if isinstance(ev.get("member"), str) and isinstance(ev.get("pid"), int):

@@ -36,7 +36,7 @@ def describe_cause(cause: dict[str, Any] | None) -> str:
         return f"node {cause.get('node')} ({cause.get('addr')}) joins"
     if cause.get("kind") in ("hang", "frozen"):
         return str(cause.get("detail", "a worker hung"))
-    if cause.get("kind") in ("regroup", "dropped"):
+    if cause.get("kind") in ("regroup", "dropped", "escalate", "refused", "crash loop"):
         return str(cause.get("reason", "the job could not regroup"))
     code = cause.get("returncode")  # from the store: checked before use
     what = describe_returncode(code) if isinstance(code, int) else f"exit code {code}"

@@ -68,6 +68,7 @@ from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError
 from ftrun.control.rendezvous import Generation, StoreLostError
+from ftrun.decide.crashloop import Failure, signature
 from ftrun.shim import ShimError, ShimTimeoutError
 
 Step = Outcome | GenerationResult | None  # what one look at the job decided
@@ -115,7 +116,7 @@ class _RegroupRun:
         self.end_watcher = end_watcher  # the job generation's end
         self.multi = services.multi_node
         self.node_rank = services.node_rank
-        self.prefix = f"ftrun/{self.config.rdzv_id}/rg{generation.number}"
+        self.prefix = P.regroup_prefix(self.config.rdzv_id, generation.number)
         self.m = Membership(services.generation_store(generation, self.prefix), services.say)
         self.members: dict[str, LocalMember] = {}
         self.released: set[int] = set()  # ended epochs whose communicators we aborted
@@ -201,7 +202,7 @@ class _RegroupRun:
         if self.leader is not None:
             verdict = self.leader.tick()
             if verdict is not None:
-                return self._result(self._stop_job(verdict))
+                return self._stop_job(verdict)
         if self.m.done:
             active = [x for x in self.members.values()
                       if self._is_active(x) and not self._waiting(x)]
@@ -245,12 +246,14 @@ class _RegroupRun:
             **cause, "node_rank": self.node_rank, "node_id": services.node_id,
             "node": services.hostname, "by": self.node_rank, "time": time.time()})
 
-    def _stop_job(self, verdict: StopJob) -> Outcome:
-        """The job cannot go on in-process: every agent restarts (or gives up)."""
+    def _stop_job(self, verdict: StopJob) -> GenerationResult:
+        """The job cannot go on in-process: every agent restarts, or gives up (the cause's
+        ``kind`` says which: ``refused`` and ``crash loop`` end the job, see agent/loop.py)."""
         self.services.say(verdict.reason, style="red")
-        self._end_job_generation({"kind": "regroup", "reason": verdict.reason, **verdict.cause})
+        cause = {"kind": "regroup", "reason": verdict.reason, **verdict.cause}
+        self._end_job_generation(cause)
         self._stop_all(signal.SIGTERM, verdict.reason)
-        return Outcome.FAILED
+        return GenerationResult(Outcome.FAILED, self._exits(), cause)
 
     def _follow_moved_store(self) -> bool:
         """etcd-v3: the job's writer died with this generation's member-epoch store. Wait
@@ -412,13 +415,40 @@ class _RegroupRun:
             if not said_finished:  # a script that never called close(): say it for it
                 self.m.say_finished(member.id)
             return None
-        return self._fault(member, describe_returncode(code))
+        cause = describe_returncode(code)
+        loop = self._crash_loop(member, cause)
+        outcome = self._fault(member, cause, replace=loop is None)
+        if outcome is None and loop is not None:
+            return self._stop_job(loop)
+        return outcome
+
+    def _crash_loop(self, member: LocalMember, cause: str) -> StopJob | None:
+        """A member that failed on its own: the same error again is the script's bug
+        (ftrun.decide.crashloop), said in one line and a ``crash_loop`` event."""
+        latest = self.m.latest
+        rank = latest.rank_of(member.id) if latest is not None else None
+        message = self.services.launcher.worker_exit(member.process, 0, first=False).message
+        status = self.m.statuses.get(member.id)
+        verdict = self.services.crash_loop.observe(Failure(
+            rank, signature(cause, message), step=status.steps if status else None,
+            world=latest.world_size if latest else None,
+            epoch=latest.number if latest else None))
+        if verdict is None:
+            return None
+        self.services.events.emit(Event.CRASH_LOOP, rank=verdict.rank, member=member.id,
+                                  signature=verdict.signature, count=verdict.count,
+                                  everyone=verdict.everyone)
+        return StopJob(f"stopping: {verdict.describe()}", {
+            "kind": "crash loop", "rank": verdict.rank, "signature": verdict.signature})
 
     def _fault(self, member: LocalMember, cause: str, *, kill: bool = False,
-               reported: bool = False, happened: float | None = None) -> Step:
+               reported: bool = False, happened: float | None = None,
+               replace: bool = True) -> Step:
         """Take a member of this node out: end its epoch, kill it, tell the leader.
         ``happened``: when the fault began, where the verdict came later (a hang: when the
-        last worker went quiet); by default the process's exit, else the verdict."""
+        last worker went quiet); by default the process's exit, else the verdict.
+        ``replace``: start its replacement, as ``--on-failure`` says (not when the job is
+        about to stop)."""
         services, latest = self.services, self.m.latest
         detected = time.time()
         active = self._is_active(member)
@@ -461,7 +491,8 @@ class _RegroupRun:
             self.m.append_fault(P.Fault(cause, member=member.id))
         if not active:
             self.replacement_failures += 1
-        self._replace()
+        if replace:
+            self._replace()
         return None
 
     def _replace(self) -> None:

@@ -21,9 +21,10 @@ import contextlib
 import signal
 import time
 from dataclasses import replace
+from typing import Any
 
 from ftrun.agent import processes as local
-from ftrun.agent.events import Event, WorkerExit
+from ftrun.agent.events import Event, WorkerExit, describe_returncode
 from ftrun.agent.hangs import (
     Hang,
     HangWatch,
@@ -40,6 +41,7 @@ from ftrun.agent.services import AgentServices
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError, StoreValueError
 from ftrun.control.rendezvous import Generation, StoreLostError
+from ftrun.decide.crashloop import Failure, signature
 
 
 class RestartSupervisor:
@@ -165,6 +167,9 @@ class RestartSupervisor:
             "returncode": failed.returncode,
             "time": failed.ended,
         }
+        loop = self._crash_loop(generation, [failed])
+        if loop is not None:
+            cause.update(loop)
         cause = self._end(generation, group, cause)
         services.events.emit(
             Event.FAILURE,
@@ -177,7 +182,35 @@ class RestartSupervisor:
         )
         self._stop(group, signal.SIGTERM, f"rank {failed.rank} failed")
         exits = mark_root_cause(self._exits(generation, group, failed))
+        if loop is None:  # every rank failing alike is seen once they all ended
+            others = [w for w in group if w is not failed and w.returncode not in (0, None)
+                      and not w.stopped_by_agent]
+            loop = self._crash_loop(generation, others)
+            if loop is not None:
+                cause = {**cause, **loop}
         return GenerationResult(Outcome.FAILED, exits, cause)
+
+    def _crash_loop(self, generation: Generation,
+                    failed: list[local.WorkerProcess]) -> dict[str, Any] | None:
+        """Workers that failed on their own: the same error again is the script's bug
+        (ftrun.decide.crashloop). Returns the end cause's fields that say so, once said in
+        one line and a ``crash_loop`` event."""
+        services = self.services
+        for worker in failed:
+            assert worker.returncode is not None
+            message = services.launcher.worker_exit(worker, generation.number,
+                                                    first=False).message
+            verdict = services.crash_loop.observe(Failure(
+                worker.rank, signature(describe_returncode(worker.returncode), message),
+                world=generation.world_size, epoch=generation.number))
+            if verdict is not None:
+                services.events.emit(Event.CRASH_LOOP, rank=verdict.rank, pid=worker.pid,
+                                     signature=verdict.signature, count=verdict.count,
+                                     everyone=verdict.everyone)
+                services.say(f"stopping: {verdict.describe()}", style="red")
+                return {"kind": "crash loop", "rank": verdict.rank,
+                        "signature": verdict.signature}
+        return None
 
     def _hung(self, generation: Generation, group: list[local.WorkerProcess],
               hang: Hang) -> GenerationResult:

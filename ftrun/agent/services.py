@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ftrun.agent.events import EventLog
@@ -23,6 +23,7 @@ from ftrun.config import LaunchConfig
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.rendezvous import Generation, Rendezvous
 from ftrun.control.store import JsonStore
+from ftrun.decide.crashloop import CrashLoop
 
 
 @dataclass
@@ -49,6 +50,8 @@ class AgentServices:
     # etcd-v3: (generation, key prefix) -> the store that replaces a dead writer's member-
     # epoch store (agent/etcdwriter.py MovedStore), or None while nothing replaces it
     moved_store: Callable[[Generation, str], Any] = lambda generation, prefix: None
+    # the failures seen in this job, every generation (ftrun.decide.crashloop)
+    crash_loop: CrashLoop = field(default_factory=CrashLoop)
 
     @property
     def node_rank(self) -> int:

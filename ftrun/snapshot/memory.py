@@ -7,7 +7,9 @@ directories of agents whose pid is dead (an agent killed with SIGKILL cannot cle
 POSIX shared memory *is* tmpfs files, so a snapshot written here is in RAM, readable by a
 replacement worker after the writer died, and gone with the node's agent.
 
-Files: ``e<member epoch>-s<step>-r<rank>.snap`` (see :mod:`ftrun.snapshot.format`),
+Files: ``g<job generation>-e<member epoch>-s<step>-r<rank>.snap`` (see
+:mod:`ftrun.snapshot.format`; the job generation keeps the files of a restarted generation
+apart from the one before, whose newest complete snapshot the restart restores),
 written as ``.tmp`` and published by ``rename`` (atomic within one file system), so a
 reader never sees half a snapshot. Memory is bounded: each rank keeps at most two (the
 newest complete snapshot and the one being written); :func:`check_capacity` says at start,
@@ -29,7 +31,7 @@ ENV = "FTRUN_SNAPSHOT_DIR"  # the directory, set by the agent for its workers
 CAP_ENV = "FTRUN_SNAPSHOT_CAP_BYTES"  # optional cap on this node's snapshot memory
 ROOT = Path("/dev/shm")
 PREFIX = "ftrun-snap-"
-_NAME = re.compile(r"^e(\d+)-s(\d+)-r(\d+)\.snap$")
+_NAME = re.compile(r"^g(\d+)-e(\d+)-s(\d+)-r(\d+)\.snap$")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -63,14 +65,14 @@ def create(run_id: str, host: str, root: Path = ROOT) -> Path:
     return path
 
 
-def file_name(epoch: int, step: int, rank: int) -> str:
-    return f"e{epoch}-s{step}-r{rank}.snap"
+def file_name(generation: int, epoch: int, step: int, rank: int) -> str:
+    return f"g{generation}-e{epoch}-s{step}-r{rank}.snap"
 
 
-def parse_name(name: str) -> tuple[int, int, int] | None:
-    """(member epoch, step, rank) of a snapshot file name, or None."""
+def parse_name(name: str) -> tuple[int, int, int, int] | None:
+    """(job generation, member epoch, step, rank) of a snapshot file name, or None."""
     match = _NAME.match(name)
-    return (int(match[1]), int(match[2]), int(match[3])) if match else None
+    return (int(match[1]), int(match[2]), int(match[3]), int(match[4])) if match else None
 
 
 def newest_age_s(path: Path) -> float | None:

@@ -102,21 +102,29 @@ def server_key(epoch: int, node: int) -> str:
 
 @dataclass(frozen=True)
 class Restore:
-    """The snapshot every member of a member epoch restores; ``epoch`` -1: none (start
-    from the script's own initial state)."""
+    """The snapshot every member of a member epoch restores: taken in member epoch
+    ``epoch`` of job generation ``generation`` (an earlier one after a restart: its records
+    are under that generation's prefix); ``epoch`` -1: none (start from the script's own
+    initial state)."""
 
+    generation: int
     epoch: int
     step: int
 
+    @property
+    def held(self) -> tuple[int, int, int]:
+        return (self.generation, self.epoch, self.step)
+
     def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step": self.step}
+        return {"generation": self.generation, "epoch": self.epoch, "step": self.step}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Restore:
+        generation = require(data, "generation", int)
         epoch, step = require(data, "epoch", int), require(data, "step", int)
-        if epoch < -1 or step < 0:
-            raise StoreValueError("restore names a negative epoch or step")
-        return cls(epoch, step)
+        if generation < -1 or epoch < -1 or step < 0:
+            raise StoreValueError("restore names a negative generation, epoch or step")
+        return cls(generation, epoch, step)
 
 
-NONE = Restore(-1, 0)
+NONE = Restore(-1, -1, 0)

@@ -139,8 +139,10 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-def _ident(body: dict[str, Any]) -> tuple[int, int, int]:
-    return _field(body, "epoch", int), _field(body, "step", int), _field(body, "rank", int)
+def _ident(body: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(job generation, member epoch, step, rank) of the snapshot a request names."""
+    return (_field(body, "generation", int), _field(body, "epoch", int),
+            _field(body, "step", int), _field(body, "rank", int))
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -227,13 +229,13 @@ class ReplicaServer:
             send_frame(sock, self.signer, self.run_id, "answer", answer, payload)
 
     def _put(self, sock: socket.socket, body: dict[str, Any]) -> dict[str, Any]:
-        epoch, step, rank = _ident(body)
+        generation, epoch, step, rank = _ident(body)
         crc = _field(body, "crc32", int)
         size = body["size"]
         keep = body.get("keep")
-        if keep is not None and not (isinstance(keep, list) and len(keep) == 2 and all(
+        if keep is not None and not (isinstance(keep, list) and len(keep) == 3 and all(
                 isinstance(v, int) and not isinstance(v, bool) for v in keep)):
-            raise ReplicaError("field 'keep' is not [epoch, step] or null")
+            raise ReplicaError("field 'keep' is not [generation, epoch, step] or null")
         free = memory.free_bytes(self.directory)
         if size > free:
             raise ReplicaError(f"replica of rank {rank} step {step} ({size} bytes) does not "
@@ -250,16 +252,17 @@ class ReplicaServer:
         if snapshot.crc32 != crc:
             raise ReplicaError(f"replica of rank {rank} step {step}: CRC32 {snapshot.crc32:#x}"
                                f" is not the published {crc:#x}")
-        name = memory.file_name(epoch, step, rank)
+        name = memory.file_name(generation, epoch, step, rank)
         tmp = self.replicas / f".{name}.{threading.get_ident()}.tmp"
         try:
             with self._lock:
                 tmp.write_bytes(blob)
                 os.rename(tmp, self.replicas / name)
-                kept = {(epoch, step)} | ({tuple(keep)} if keep is not None else set())
+                kept = {(generation, epoch, step)} | (
+                    {tuple(keep)} if keep is not None else set())
                 for entry in self.replicas.iterdir():
                     parsed = memory.parse_name(entry.name)
-                    if parsed is not None and parsed[2] == rank and parsed[:2] not in kept:
+                    if parsed is not None and parsed[3] == rank and parsed[:3] not in kept:
                         with contextlib.suppress(OSError):
                             entry.unlink()
         finally:
@@ -275,11 +278,11 @@ class ReplicaServer:
         raise ReplicaError(f"no snapshot {name} on this node")
 
     def _replicate(self, body: dict[str, Any]) -> dict[str, Any]:
-        epoch, step, rank = _ident(body)
+        generation, epoch, step, rank = _ident(body)
         to = parse_address(_field(body, "to", str))
         timeout_s = float(_field(body, "timeout_s", int) or SERVER_TIMEOUT_S)
-        blob = (self.directory / memory.file_name(epoch, step, rank)).read_bytes()
-        put = {"epoch": epoch, "step": step, "rank": rank,
+        blob = (self.directory / memory.file_name(generation, epoch, step, rank)).read_bytes()
+        put = {"generation": generation, "epoch": epoch, "step": step, "rank": rank,
                "crc32": _field(body, "crc32", int), "keep": body.get("keep")}
         answer, _ = request(to, self.signer, self.run_id, "put", put, blob,
                             timeout_s=timeout_s)
@@ -289,11 +292,14 @@ class ReplicaServer:
         return {"ok": True, "crc32": crc, "bytes": len(blob)}
 
 
-def fetch(address: tuple[str, int], signer: Signer, run_id: str, epoch: int, step: int,
+def fetch(address: tuple[str, int], signer: Signer, run_id: str, held: tuple[int, int, int],
           rank: int, *, timeout_s: float) -> bytes:
-    """The bytes of snapshot (epoch, step, rank) held by the node at ``address``."""
+    """The bytes of snapshot ``held`` (generation, epoch, step) of ``rank``, held by the
+    node at ``address``."""
+    generation, epoch, step = held
     _, data = request(address, signer, run_id, "get",
-                      {"epoch": epoch, "step": step, "rank": rank}, timeout_s=timeout_s)
+                      {"generation": generation, "epoch": epoch, "step": step, "rank": rank},
+                      timeout_s=timeout_s)
     return bytes(data)
 
 

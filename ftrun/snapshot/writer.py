@@ -60,10 +60,12 @@ _SPARES = itertools.count()  # spare file names unique within the process
 _SLACK = 1024  # room beyond the last manifest's for this one's values to grow into
 WRITER_NICE = 10  # the background thread's nice value (Linux: per thread)
 
-#: Sends this rank's published snapshot (step, CRC32, the (epoch, step) it keeps) to the
-#: buddy node and returns the replica's record, once the buddy verified it; raises
+#: A snapshot as this rank holds it: (job generation, member epoch, step).
+Held = tuple[int, int, int]
+#: Sends this rank's published snapshot (step, CRC32, the snapshot it keeps) to the buddy
+#: node and returns the replica's record, once the buddy verified it; raises
 #: :class:`~ftrun.snapshot.replica.ReplicaError` (a RuntimeError) when it could not.
-Replicate = Callable[[int, int, "tuple[int, int] | None"], records.Written]
+Replicate = Callable[[int, int, "Held | None"], records.Written]
 
 
 class SnapshotBusyError(RuntimeError):
@@ -72,13 +74,15 @@ class SnapshotBusyError(RuntimeError):
 
 @dataclass(frozen=True)
 class Where:
-    """Who writes: the rank in its member epoch and the node."""
+    """Who writes: the rank in its member epoch (of job generation ``generation``) and the
+    node."""
 
     epoch: int
     rank: int
     world_size: int
     node: int
     host: str
+    generation: int = 0
 
 
 class _Target:
@@ -124,10 +128,12 @@ class _Job:
     ready: Any  # a CUDA event, or None
 
 
-def complete(store: JsonStore, epoch: int, step: int, directory: Path | None) -> bool:
-    """Whether snapshot (``epoch``, ``step``) holds every rank's phase 1, and phase 2 when
-    it was taken on several nodes (its records say so); with ``directory`` and one node,
-    also that each rank's file is there."""
+def complete(store: JsonStore, held: Held, directory: Path | None) -> bool:
+    """Whether snapshot ``held`` (generation, epoch, step; ``store`` scoped to that
+    generation's prefix) holds every rank's phase 1, and phase 2 when it was taken on
+    several nodes (its records say so); with ``directory`` and one node, also that each
+    rank's file is there."""
+    generation, epoch, step = held
     first = store.get_record(records.local_key(epoch, step, 0))
     if first is None:
         return False
@@ -142,7 +148,7 @@ def complete(store: JsonStore, epoch: int, step: int, directory: Path | None) ->
     if not store.all_valid(keys):
         return False
     if directory is not None and not replicas:
-        return all((directory / memory.file_name(epoch, step, r)).exists()
+        return all((directory / memory.file_name(generation, epoch, step, r)).exists()
                    for r in range(world))
     return True
 
@@ -151,14 +157,14 @@ class SnapshotWriter:
     """One rank's snapshots of one member epoch (see the module)."""
 
     def __init__(self, directory: Path, store: JsonStore, where: Where, *,
-                 kept: tuple[int, int] | None, local_ranks: int,
+                 kept: Held | None, local_ranks: int,
                  cap: int | None, timeout_s: float,
                  say: Callable[[str], None],
                  replicate: Replicate | None = None, server: str = "") -> None:
         self.directory = directory
         self.store = store
         self.where = where
-        self.kept = kept  # (epoch, step) of the newest complete snapshot this rank holds
+        self.kept = kept  # the newest complete snapshot this rank holds
         self.replicate = replicate  # None: one node, the local copy alone counts
         self.replicas = replicate is not None
         self.server = server
@@ -166,7 +172,7 @@ class SnapshotWriter:
         self.cap = cap
         self.timeout_s = timeout_s
         self.say = say
-        self.published: list[tuple[int, int]] = []  # (epoch, step), oldest first
+        self.published: list[Held] = []  # oldest first
         self.error: BaseException | None = None
         self._infos: fmt.InfoCache = {}
         self._entries: list[fmt.TensorEntry] | None = None
@@ -323,7 +329,8 @@ class SnapshotWriter:
         with memoryview(target.map) as whole:
             crc = fmt.crc32(whole[job.start:job.start + job.size])
             whole[:job.start] = fmt.finish_header(prefix, crc, job.start)
-        final = self.directory / memory.file_name(where.epoch, job.step, where.rank)
+        final = self.directory / memory.file_name(where.generation, where.epoch, job.step,
+                                                  where.rank)
         os.rename(target.path, final)
         target.path = final
         self._maps[final] = target
@@ -335,7 +342,7 @@ class SnapshotWriter:
             copy = self.replicate(job.step, crc, self.kept)
             self.store.set_record(records.replica_key(where.epoch, job.step, where.rank),
                                   copy.to_json())
-        self.published.append((where.epoch, job.step))
+        self.published.append((where.generation, where.epoch, job.step))
         del self.published[:-2]
 
     def _move(self, job: _Job, start: int) -> None:
@@ -376,19 +383,19 @@ class SnapshotWriter:
         retire this rank's other files: the first becomes the spare, the rest go."""
         if not self.published:
             return
-        epoch, step = self.published[-1]
-        done = self._await_complete(epoch, step)
+        held = self.published[-1]
+        done = self._await_complete(held[1], held[2])
         if done is None:  # stopped
             return
         if done:
-            self.kept = (epoch, step)
+            self.kept = held
         else:
             self.published.pop()
         rank = self.where.rank
         with contextlib.suppress(OSError):
             for entry in list(self.directory.iterdir()):
                 parsed = memory.parse_name(entry.name)
-                if parsed is not None and parsed[2] == rank and parsed[:2] != self.kept:
+                if parsed is not None and parsed[3] == rank and parsed[:3] != self.kept:
                     self._retire(entry)
 
     def _await_complete(self, epoch: int, step: int) -> bool | None:

@@ -218,6 +218,7 @@ class FaultTolerance:
             return None
         apply()
         self._step += 1
+        membership.committed()
         if decision == P.COMMIT_REGROUP:
             self._regroup(after=epoch)
         return result
@@ -320,6 +321,7 @@ class FaultTolerance:
         if after >= 0:
             self._retire_backend()
         while True:
+            self._membership.left()
             epoch = self._membership.await_epoch(after)
             if self._enter(epoch):
                 self._pending_join = False
@@ -369,6 +371,7 @@ class FaultTolerance:
             backend = group.make_backend(store, rank, size, self._timeout)
             self.process_group.swap(backend)
             membership.epoch = number
+            membership.entered(number)
             self._renew_reducers()
             if membership.store.exists(P.resync_key(number)):
                 self._resync_steps(epoch, rank)

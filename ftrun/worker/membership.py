@@ -22,11 +22,8 @@ a worker without the job's state waits to be admitted for as long as the job run
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -41,39 +38,11 @@ from ftrun.control.auth import Signer, load_secret
 from ftrun.control.store import JsonStore, StoreError, StoreValueError
 from ftrun.control.tcpstore import connect_store, reconnect_store
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
+from ftrun.worker.sockets import shutdown_connections_to
 
 POLL_S = 0.005  # between two looks at a record that a peer or the leader writes
 #: etcd-v3: between two looks at the agent's store file (an ``os.stat``) for a moved store
 FOLLOW_S = 0.1
-
-
-def shutdown_connections_to(host: str, port: int | None = None) -> int:
-    """Shut down this process's TCP connections to ``host`` (to its ``port`` only, when
-    given); returns how many.
-
-    Each socket is reached through a duplicate of its descriptor: ``shutdown`` acts on the
-    connection itself (its owner's blocked reads see end-of-file), while closing the
-    duplicate leaves the owner's descriptor as it was.
-    """
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return 0
-    addresses |= {f"::ffff:{a}" for a in addresses if ":" not in a}  # v4-mapped peers
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError, ValueError):
-            if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
-                continue
-            with socket.socket(fileno=os.dup(int(name))) as sock:
-                if sock.type != socket.SOCK_STREAM or sock.family not in (
-                        socket.AF_INET, socket.AF_INET6):
-                    continue
-                peer = sock.getpeername()
-                if peer[0] in addresses and (port is None or peer[1] == port):
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
-    return count
 
 
 def store_file_address(path: str, signer: Signer, key: str, generation: int
@@ -202,6 +171,11 @@ class Membership:
         self.synced = member.initial  # holds the job's state (a joiner once it received it)
         self.finished = False
         self.computing = -1  # the member epoch whose step is being computed, or -1
+        # The member epoch this member is inside (built its group, has not left it), -1
+        # between epochs, and the steps it committed inside it: the leader's stuck and
+        # stall rules and the recovery deadline read them (protocol.Status).
+        self.inside = -1
+        self.epoch_steps = 0
         self._cut_off = -1  # the last member epoch whose connections to a lost node were cut
         self._beats = 0
         self._progress = progress  # (committed steps, collectives issued in this step)
@@ -235,7 +209,8 @@ class Membership:
     def report(self, store: JsonStore | None = None) -> None:
         self._beats += 1
         steps, collectives = self._progress()
-        status = P.Status(self._beats, steps, collectives, self.synced, self.finished)
+        status = P.Status(self._beats, steps, collectives, self.synced, self.finished,
+                          self.inside, self.epoch_steps)
         (store or self.store).set_record(P.status_key(self.member_id), status.to_json())
 
     def heartbeat(self, stop: threading.Event) -> None:
@@ -277,6 +252,18 @@ class Membership:
             return
         self._cut_off = epoch
         shutdown_connections_to(addr)
+
+    def entered(self, number: int) -> None:
+        """This member is now inside member epoch ``number`` (its group is built)."""
+        self.inside, self.epoch_steps = number, 0
+
+    def left(self) -> None:
+        """This member left its member epoch: it waits for the next one."""
+        self.inside = -1
+
+    def committed(self) -> None:
+        """A step was committed inside the current member epoch."""
+        self.epoch_steps += 1
 
     # --- faults and the vote --------------------------------------------------------------
 

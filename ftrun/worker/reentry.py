@@ -1,39 +1,19 @@
 """What leaving a training function and entering it again needs of the process itself:
-the connections to dead peers cut, torch's DTensor caches of old meshes dropped, and a
-spare's one-time warm-up (used by :mod:`ftrun.worker.restartable`).
+torch's DTensor caches of old meshes dropped, and a spare's one-time warm-up (used by
+:mod:`ftrun.worker.restartable`; the connections to peers are cut by
+:mod:`ftrun.worker.sockets`).
 
-Errors: :func:`shutdown_peer_connections` and :func:`forget_meshes` swallow what they
-cannot do (a closed fd, a cache this torch lacks); :func:`warm_up` raises what torch
-raises, and its caller says it in one line.
+Errors: :func:`forget_meshes` swallows what it cannot do (a cache this torch lacks);
+:func:`warm_up` raises what torch raises, and its caller says it in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import socket
 
 import torch
 import torch.distributed as dist
-
-
-def shutdown_peer_connections(keep_port: int) -> int:
-    """Shut down every TCP connection of this process except those to port ``keep_port``
-    (the control store): a collective blocked on a dead peer fails at once. Returns how
-    many were shut down."""
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError, ValueError):
-            fd = int(name)
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.type != socket.SOCK_STREAM or sock.family not in (
-                        socket.AF_INET, socket.AF_INET6):
-                    continue
-                if sock.getpeername()[1] != keep_port:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
-    return count
 
 
 def forget_meshes() -> None:

@@ -86,11 +86,12 @@ from ftrun.control.auth import Signer, TokenError, load_secret
 from ftrun.control.store import JsonStore, StoreError
 from ftrun.snapshot import format as fmt
 from ftrun.snapshot import memory, records, replica
-from ftrun.snapshot.writer import SnapshotBusyError, SnapshotWriter, Where, complete
+from ftrun.snapshot.writer import Held, SnapshotBusyError, SnapshotWriter, Where, complete
 from ftrun.worker import group, settings
 from ftrun.worker.errors import RegroupError
 from ftrun.worker.membership import POLL_S, Membership
-from ftrun.worker.reentry import forget_meshes, shutdown_peer_connections, warm_up
+from ftrun.worker.reentry import forget_meshes, warm_up
+from ftrun.worker.sockets import shutdown_peer_connections
 
 T = TypeVar("T")
 
@@ -151,6 +152,8 @@ class Session:
         self.step += 1
         runner = self._runner
         runner.progress = self.step
+        if runner.membership is not None:
+            runner.membership.committed()
         runner.check_ended()
         every = runner.snapshot_every
         if every and self.step % every == 0:
@@ -215,7 +218,8 @@ class _Runner:
         self.last_error = ""  # the last snapshot error said (said once)
         self.rank = int(os.environ.get("RANK", "-1"))  # in the current member epoch
         self.writer: SnapshotWriter | None = None
-        self.history: list[tuple[int, int]] = []  # snapshots held: published or restored
+        # snapshots held, (job generation, member epoch, step): published or restored
+        self.history: list[Held] = []
         self.host = socket.gethostname()
         self._ended = threading.Event()
         self._stop = threading.Event()
@@ -265,17 +269,37 @@ class _Runner:
         if self._ended.is_set():
             raise EpochEnded(f"member epoch {self._epoch} ended")
 
-    def _watch(self, membership: Membership, store: JsonStore, port: int) -> None:
-        """A thread: see the current member epoch's end and cut the peers' connections."""
+    def _watch(self, membership: Membership, open_store: Callable[[], JsonStore],
+               port: int) -> None:
+        """A thread: see the current member epoch's end and cut the peers' connections.
+
+        A failed look (the store slow past its 10 s bound on a loaded node) is retried, not
+        the end of the watch: a watcher that returned left its process to learn of later
+        ends only from a collective that fails, and one that waits on a peer that never
+        fails it (a mesh subgroup's collective has gloo's 30-minute default) stays inside
+        the ended epoch. A failed client is never used again (its late answer would be read
+        as the next request's): the next look opens a new one. If the agent is gone, its
+        death signal ends this process."""
         seen = -1
-        while not self._stop.wait(WATCH_S):
+        failures = 0
+        store: JsonStore | None = None
+        with contextlib.suppress(StoreError, RuntimeError):
+            store = open_store()  # now, before the first member epoch needs it
+        while not self._stop.wait(WATCH_S if not failures else min(1.0, WATCH_S * 2 ** failures)):
             epoch = self._epoch
             if epoch < 0 or epoch == seen:
                 continue
             try:
+                store = store or open_store()
                 ended = membership.ended(epoch, store)
-            except (StoreError, RuntimeError):
-                return
+            except (StoreError, RuntimeError) as error:
+                store = None
+                failures += 1
+                if failures == 1:
+                    self.warn(f"the watch on member epoch {epoch}'s end failed a look "
+                              f"({error}); looking again")
+                continue
+            failures = 0
             if ended is not None and epoch == self._epoch:
                 seen = epoch
                 self._ended.set()
@@ -297,7 +321,7 @@ class _Runner:
             threading.Thread(target=membership.heartbeat, args=(self._stop,),
                              name="ftrun-heartbeat", daemon=True),
             threading.Thread(target=self._watch, args=(
-                membership, self._own_store(membership, host, port), port),
+                membership, functools.partial(self._own_store, membership, host, port), port),
                 name="ftrun-epoch-watch", daemon=True),
         ]
         # Everything alive now (torch's modules, the script's imports) lives as long as
@@ -364,6 +388,7 @@ class _Runner:
             # groups finished it), and the leader would take the one behind for stalled
             # while they all wait for the replacement.
             self.progress = -1
+            membership.left()
             with contextlib.suppress(StoreError, RuntimeError):
                 membership.report()
             self._leave()
@@ -385,6 +410,7 @@ class _Runner:
                                  membership.store.raw)
         dist.init_process_group(group.backend_name(), store=store, rank=rank,
                                 world_size=epoch.world_size, timeout=self.timeout)
+        membership.entered(epoch.number)
         if self.server:  # where this node's copies are, for the buddies and the restorers
             membership.store.set_record(records.server_key(epoch.number, self.env.node_rank),
                                         {"address": self.server})
@@ -392,22 +418,25 @@ class _Runner:
         snapshot = None
         if choice.epoch >= 0:
             snapshot = self._read(choice, rank)
-            self.history = [(choice.epoch, choice.step)]
+            self.history = [choice.held]
         membership.synced = True
         self.progress = choice.step
         membership.report()
         writer_store = self._own_store(membership, *self.env.control_endpoint)
         self.writer = SnapshotWriter(
             self.directory, writer_store,
-            Where(epoch.number, rank, epoch.world_size, self.env.node_rank, self.host),
+            Where(epoch.number, rank, epoch.world_size, self.env.node_rank, self.host,
+                  self.env.generation),
             kept=self.history[-1] if self.history else None,
             local_ranks=self.local_ranks, cap=self.cap,
             timeout_s=self.timeout.total_seconds(), say=self.warn,
             replicate=self._replicator(epoch, rank, writer_store), server=self.server)
         session = Session(self, rank, epoch.world_size, epoch.number, snapshot)
         if snapshot is not None:
+            restart = f" from_generation={choice.generation}" \
+                if choice.generation != self.env.generation else ""
             print(f"restored step={session.step} rank={rank} epoch={epoch.number} "
-                  f"from={choice.epoch}", flush=True)
+                  f"from={choice.epoch}{restart}", flush=True)
         result = train(session, *args, **kwargs)
         self.writer.idle(self.timeout.total_seconds())
         return result
@@ -427,16 +456,18 @@ class _Runner:
 
     def _restore_choice(self, epoch: P.MemberEpoch, rank: int) -> records.Restore:
         """One choice per member epoch: the lowest-ranked member that held state before
-        names the newest snapshot it holds that is complete; every member reads it."""
+        names the newest snapshot it holds that is complete; every member reads it. In a
+        restarted job generation nobody held state yet: it names the newest complete
+        snapshot an earlier generation left in this node's snapshot memory (the escalation
+        ladder's restart: README), if any."""
         assert self.membership is not None
         membership = self.membership
         key = records.restore_key(epoch.number)
         if rank == epoch.source_rank:
-            choice = records.NONE
-            for held in reversed(self.history):
-                if complete(membership.store, *held, self.directory):
-                    choice = records.Restore(*held)
-                    break
+            candidates = list(reversed(self.history)) or self._earlier_snapshots()
+            choice = next((records.Restore(*held) for held in candidates
+                           if complete(self._store_of(held[0]), held, self.directory)),
+                          records.NONE)
             membership.store.put_record(key, choice.to_json())
         deadline = time.monotonic() + self.regroup_timeout_s
         while True:
@@ -451,6 +482,27 @@ class _Runner:
             if time.monotonic() > deadline:
                 raise membership._timed_out("the choice of the snapshot to restore")
             time.sleep(POLL_S)
+
+    def _earlier_snapshots(self) -> list[Held]:
+        """Snapshots of earlier job generations in this node's snapshot memory (its own
+        files and the buddy's replicas), newest first."""
+        assert self.directory is not None and self.env is not None
+        found: set[Held] = set()
+        for folder in (self.directory, self.directory / replica.REPLICAS):
+            with contextlib.suppress(OSError):
+                for entry in folder.iterdir():
+                    parsed = memory.parse_name(entry.name)
+                    if parsed is not None and parsed[0] < self.env.generation:
+                        found.add(parsed[:3])
+        return sorted(found, reverse=True)
+
+    def _store_of(self, generation: int) -> JsonStore:
+        """The control-store records of ``generation``'s member epochs (this one's, or an
+        earlier one's, kept beside it under its own prefix)."""
+        assert self.membership is not None and self.env is not None
+        if generation == self.env.generation:
+            return self.membership.store
+        return self.membership.store.scoped(P.regroup_prefix(self.env.run_id, generation))
 
     def _replicator(self, epoch: P.MemberEpoch, rank: int,
                     store: JsonStore) -> Any:
@@ -471,7 +523,7 @@ class _Runner:
         timeout_s = self.timeout.total_seconds()
         found: list[str] = []
 
-        def replicate(step: int, crc: int, keep: tuple[int, int] | None) -> records.Written:
+        def replicate(step: int, crc: int, keep: Held | None) -> records.Written:
             if not found:  # the buddy's workers publish its address as they enter
                 deadline = time.monotonic() + timeout_s
                 while (record := store.get_record(
@@ -488,7 +540,8 @@ class _Runner:
                 found.append(address)
             answer, _ = replica.request(
                 own, self.signer, self.run_id, "replicate",
-                {"epoch": epoch.number, "step": step, "rank": rank, "to": found[0],
+                {"generation": self.env.generation, "epoch": epoch.number, "step": step,
+                 "rank": rank, "to": found[0],
                  "crc32": crc, "keep": list(keep) if keep else None,
                  "timeout_s": int(timeout_s)}, timeout_s=timeout_s * 2)
             if answer.get("crc32") != crc:
@@ -506,11 +559,11 @@ class _Runner:
         here, else fetched from the node holding the replica, else from the node that
         wrote it (each fetch is checked against the record by :meth:`_read`)."""
         assert self.directory is not None and self.membership is not None
-        name = memory.file_name(choice.epoch, choice.step, rank)
+        name = memory.file_name(*choice.held, rank)
         for path in (self.directory / name, self.directory / replica.REPLICAS / name):
             with contextlib.suppress(FileNotFoundError):
                 return path.read_bytes()
-        copy = self.membership.store.get_record(
+        copy = self._store_of(choice.generation).get_record(
             records.replica_key(choice.epoch, choice.step, rank))
         servers = []
         with contextlib.suppress(ValueError):
@@ -522,7 +575,7 @@ class _Runner:
         for server in filter(None, servers):
             try:
                 return replica.fetch(replica.parse_address(server), self.signer, self.run_id,
-                                     choice.epoch, choice.step, rank,
+                                     choice.held, rank,
                                      timeout_s=self.timeout.total_seconds())
             except replica.ReplicaError as error:
                 errors.append(str(error))
@@ -531,8 +584,8 @@ class _Runner:
 
     def _read(self, choice: records.Restore, rank: int) -> fmt.Snapshot:
         assert self.directory is not None and self.membership is not None
-        name = memory.file_name(choice.epoch, choice.step, rank)
-        record = self.membership.store.get_record(
+        name = memory.file_name(*choice.held, rank)
+        record = self._store_of(choice.generation).get_record(
             records.local_key(choice.epoch, choice.step, rank))
         written = records.Written.from_json(record) if record else None
         blob = self._blob(choice, rank, written)
