@@ -14,7 +14,9 @@ Output, one line each, parsed by tests and benchmarks:
     resumed step=S rank=R
     done rank=R steps=N param_sum=C
 Fault injection for tests: --raise-at-step, --sleep-at-step (the main thread stops making
-progress while the process stays alive), each on --fault-rank, once per job. For
+progress while the process stays alive), each on --fault-rank, once per job
+(--raise-every-time: the raise on whichever process holds --fault-rank at that step, every
+time: a script's own bug, which ftrun must not absorb forever). For
 ``ftrun --inject`` / ``ftrun inject``: SIGUSR1 makes the process hang at its next step (the
 main thread sleeps, the heartbeat goes on), SIGUSR2 makes it raise at its next step.
 
@@ -53,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--raise-at-step", type=int, default=-1)
     parser.add_argument("--sleep-at-step", type=int, default=-1)
     parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--raise-every-time", action="store_true",
+                        help="--raise-at-step raises on every process at --fault-rank, every "
+                        "time it reaches that step")
     parser.add_argument("--slow-rank", type=int, default=-1,
                         help="this rank sleeps --slow-sleep before each backward, so the "
                         "others wait inside the gradient allreduce (for fault tests)")
@@ -127,10 +132,13 @@ def main() -> None:
     def compute() -> float:
         step, rank, world = ft.step, ft.rank, ft.world_size
         if "raise" in injected:
-            raise ValueError(f"injected by ftrun: raise at step {step} on rank {rank}")
+            raise ValueError(f"injected by ftrun: raise at step {step} on rank {rank} "
+                             f"(pid {os.getpid()})")
         while "hang" in injected:  # alive, beating, but no progress
             time.sleep(1)
-        if faulty and ft.generation <= 0 and step == args.raise_at_step:
+        if step == args.raise_at_step and (
+                (faulty and ft.generation <= 0)
+                or (args.raise_every_time and rank == args.fault_rank)):
             raise ValueError(f"injected error at step {step} on rank {rank}")
         if faulty and ft.generation <= 0 and step == args.sleep_at_step:
             while True:  # alive, beating, but no progress: a stalled main thread

@@ -226,8 +226,9 @@ def test_a_recovery_that_never_commits_escalates_to_a_restart_that_restores_memo
     code, launch = _run(job_dir, ["--kill", "1:3:backward", "--hang", "2:3:restore"], "fault",
                         flags=["--recovery-deadline", "6", "--max-restarts", "1"])
     assert code == 0, launch.output[-3000:]
-    escalated = [line for line in launch.lines if "recovery deadline passed" in line]
+    escalated = [line for line in launch.lines if "] recovery deadline passed" in line]
     assert len(escalated) == 1, launch.output[-3000:]
+    assert escalated[0].endswith("escalating: restarting all (1/1)"), escalated
     assert any("restarting (1/1)" in line for line in launch.lines), launch.output[-3000:]
     after = find(launch.lines, RestoredAfterRestart)
     assert sorted(r.rank for r in after) == [0, 1, 2, 3], launch.output[-3000:]

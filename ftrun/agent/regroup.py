@@ -127,6 +127,7 @@ class _RegroupRun:
         self.next_member = 0
         self.first_failure: local.WorkerProcess | None = None
         self.replacement_failures = 0
+        self.crash_seen: set[int] = set()  # pids whose failure the crash-loop rule saw
         # Scripts without the worker API fall back to a restart: they get its hang watch.
         self.hangs = None if self.config.hang_timeout_s == 0 else HangWatch(
             timeout_s=self.config.hang_timeout_s, multi_node=self.multi)
@@ -416,39 +417,48 @@ class _RegroupRun:
                 self.m.say_finished(member.id)
             return None
         cause = describe_returncode(code)
-        loop = self._crash_loop(member, cause)
-        outcome = self._fault(member, cause, replace=loop is None)
-        if outcome is None and loop is not None:
-            return self._stop_job(loop)
-        return outcome
+        return self._fault(member, cause, final=self._crash_loop(member, cause))
 
     def _crash_loop(self, member: LocalMember, cause: str) -> StopJob | None:
-        """A member that failed on its own: the same error again is the script's bug
-        (ftrun.decide.crashloop), said in one line and a ``crash_loop`` event."""
+        """A member that failed on its own, and the others of its epoch that did too before
+        it was seen (a script failing on every rank at once): the same error again is the
+        script's bug (ftrun.decide.crashloop), said in a ``crash_loop`` event and, when the
+        job stops, one line."""
         latest = self.m.latest
-        rank = latest.rank_of(member.id) if latest is not None else None
-        message = self.services.launcher.worker_exit(member.process, 0, first=False).message
-        status = self.m.statuses.get(member.id)
-        verdict = self.services.crash_loop.observe(Failure(
-            rank, signature(cause, message), step=status.steps if status else None,
-            world=latest.world_size if latest else None,
-            epoch=latest.number if latest else None))
-        if verdict is None:
-            return None
-        self.services.events.emit(Event.CRASH_LOOP, rank=verdict.rank, member=member.id,
-                                  signature=verdict.signature, count=verdict.count,
-                                  everyone=verdict.everyone)
-        return StopJob(f"stopping: {verdict.describe()}", {
-            "kind": "crash loop", "rank": verdict.rank, "signature": verdict.signature})
+        failed = [member] + [x for x in self.members.values() if x is not member
+                             and x.state is not MemberState.REMOVED
+                             and x.process.poll() not in (None, 0)
+                             and not x.process.stopped_by_agent]
+        for one in failed:
+            if one.process.pid in self.crash_seen:
+                continue
+            self.crash_seen.add(one.process.pid)
+            rank = latest.rank_of(one.id) if latest is not None else None
+            message = self.services.launcher.worker_exit(one.process, 0, first=False).message
+            status = self.m.statuses.get(one.id)
+            code = one.process.returncode
+            verdict = self.services.crash_loop.observe(Failure(
+                rank, signature(cause if one is member else describe_returncode(code or 0),
+                                message),
+                step=status.steps if status else None,
+                world=latest.world_size if latest else None,
+                epoch=latest.number if latest else None))
+            if verdict is not None:
+                self.services.events.emit(Event.CRASH_LOOP, rank=verdict.rank, member=one.id,
+                                          signature=verdict.signature, count=verdict.count,
+                                          everyone=verdict.everyone)
+                return StopJob(f"stopping: {verdict.describe()}", {
+                    "kind": "crash loop", "rank": verdict.rank,
+                    "signature": verdict.signature})
+        return None
 
     def _fault(self, member: LocalMember, cause: str, *, kill: bool = False,
                reported: bool = False, happened: float | None = None,
-               replace: bool = True) -> Step:
+               final: StopJob | None = None) -> Step:
         """Take a member of this node out: end its epoch, kill it, tell the leader.
         ``happened``: when the fault began, where the verdict came later (a hang: when the
         last worker went quiet); by default the process's exit, else the verdict.
-        ``replace``: start its replacement, as ``--on-failure`` says (not when the job is
-        about to stop)."""
+        ``final``: the job stops for good instead of recovering (a crash loop)."""
         services, latest = self.services, self.m.latest
         detected = time.time()
         active = self._is_active(member)
@@ -478,6 +488,8 @@ class _RegroupRun:
                          style="yellow")
         else:
             services.say(f"{label} (pid {member.process.pid}) failed: {cause}", style="yellow")
+        if final is not None:
+            return self._stop_job(final)
         if initial_without_api and active:
             services.say("the failed worker never called ftrun.init(): " + restart_all_words(
                 self.generation.restart_count, self.config.max_restarts))
@@ -491,8 +503,7 @@ class _RegroupRun:
             self.m.append_fault(P.Fault(cause, member=member.id))
         if not active:
             self.replacement_failures += 1
-        if replace:
-            self._replace()
+        self._replace()
         return None
 
     def _replace(self) -> None:
