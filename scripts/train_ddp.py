@@ -7,7 +7,9 @@ by ``--max-restarts`` continues where the last checkpoint left it.
     ftrun --nproc-per-node 4 scripts/train_ddp.py --steps 200
 
 Each step prints one line, ``step=N loss=L rank=R pid=P t=UNIX``, which tests and
-benchmarks parse. ``--fail-at-step`` makes one rank raise (to exercise error files).
+benchmarks parse. ``--fail-at-step`` makes one rank raise (to exercise error files). For
+``ftrun --inject`` / ``ftrun inject`` (plain signal handlers, still nothing ftrun-specific):
+SIGUSR1 makes the process hang at its next step, SIGUSR2 makes it raise there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import socket
 import threading
 import time
@@ -95,7 +98,15 @@ def main() -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     print(f"start rank={rank} world={world} restart={restart} pid={os.getpid()}", flush=True)
 
+    injected: list[str] = []
+    signal.signal(signal.SIGUSR1, lambda *_: injected.append("hang"))
+    signal.signal(signal.SIGUSR2, lambda *_: injected.append("raise"))
     for step in range(start, args.steps):
+        if "raise" in injected:
+            raise RuntimeError(f"injected by ftrun: raise at step {step} on rank {rank} "
+                               f"(pid {os.getpid()})")
+        while "hang" in injected:
+            time.sleep(1)
         if step == args.fail_at_step and rank == args.fail_rank:
             marker = args.fail_once_marker
             if marker is None or not marker.exists():

@@ -23,7 +23,9 @@ of step S is being ``restore``d (inside its ``load_state_dict``: during a recove
 ``--hang R:S:WHERE`` (repeatable, once per job, marker ``hung-<i>``) makes rank R sleep
 forever there instead (alive, its heartbeat beating: a member that never commits);
 ``--bad-state-step S`` makes a registered object's state hold a ``set`` at step S (a leaf a
-snapshot cannot keep). ``--ckpt-dir D --ckpt-every N`` writes torch.distributed.checkpoint
+snapshot cannot keep). For ``ftrun --inject`` / ``ftrun inject``: SIGUSR1 makes the process
+hang at its next step (it sleeps in its own code, its heartbeat beating), SIGUSR2 makes it
+raise at its next step. ``--ckpt-dir D --ckpt-every N`` writes torch.distributed.checkpoint
 to disk instead (the benchmark's torchrun baseline), resuming from the newest one.
 """
 
@@ -260,6 +262,17 @@ def disk_checkpoint(args: argparse.Namespace, model: torch.nn.Module, optimizer:
     return newest
 
 
+INJECTED: list[str] = []  # ftrun's injected hang (SIGUSR1) or raise (SIGUSR2)
+
+
+def injected_fault(step: int, rank: int) -> None:
+    if "raise" in INJECTED:
+        raise ValueError(f"injected by ftrun: raise at step {step} on rank {rank} "
+                         f"(pid {os.getpid()})")
+    while "hang" in INJECTED:  # alive, beating, in its own code: no progress
+        time.sleep(1)
+
+
 def train(ft: Any, args: argparse.Namespace) -> None:
     world, rank = ft.world_size, ft.rank
     model, _mesh = build(args, world)
@@ -276,6 +289,7 @@ def train(ft: Any, args: argparse.Namespace) -> None:
     while ft.step < args.steps:
         meter.at(ft.step)
         step = ft.step
+        injected_fault(step, rank)
         optimizer.zero_grad()
         kill_in_backward(args, step, rank, model)
         loss = model(batch(args, step, dp_rank_of(args, rank))).pow(2).mean()
@@ -295,6 +309,8 @@ def train(ft: Any, args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGUSR1, lambda *_: INJECTED.append("hang"))
+    signal.signal(signal.SIGUSR2, lambda *_: INJECTED.append("raise"))
     ftrun.restartable(train, snapshot_every=args.snapshot_every)(args)
 
 

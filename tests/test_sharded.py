@@ -235,3 +235,19 @@ def test_a_recovery_that_never_commits_escalates_to_a_restart_that_restores_memo
     assert {(r.generation, r.step) for r in after} == {(0, 3)}, [r.where() for r in after]
     assert _digest(launch) == reference
     assert _snapshot_dirs_of(launch.proc.pid) == []
+
+
+def test_a_rank_that_hangs_in_its_own_code_is_named_and_replaced_in_process(
+        job_dir: Path) -> None:
+    """Rank 2 sleeps in the training loop (alive, beating) while the others wait for it in
+    a collective. A sharded job's process groups report no collective counts, so the stall
+    rule cannot name it; the hang watch does (every member idle, the stacks: rank 2 in its
+    own code, the others in torch's communication), within seconds, and the job recovers
+    in process with the fault-free parameters."""
+    reference = _reference_digest(job_dir, [])
+    code, launch = _run(job_dir, ["--hang", "2:5:backward"], "fault")
+    assert code == 0, launch.output[-3000:]
+    named = [line for line in launch.lines if "failed: hung in train_fsdp.py" in line]
+    assert len(named) == 1 and "rank 2 " in named[0], launch.output[-3000:]
+    assert "ranks 0,1,3 waited for it in a collective" in named[0]
+    assert _digest(launch) == reference

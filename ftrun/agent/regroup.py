@@ -381,9 +381,12 @@ class _RegroupRun:
 
     def _watch_hangs(self) -> Step:
         """A script without the worker API (no member ever became ready) that hangs: the
-        restart path's verdict (see ftrun.agent.hangs), then the restart fallback."""
-        if self.hangs is None or any(x.has_status for x in self.members.values()):
+        restart path's verdict (see ftrun.agent.hangs), then the restart fallback. Members
+        of the worker API: :meth:`_watch_member_hangs`."""
+        if self.hangs is None:
             return None
+        if any(x.has_status for x in self.members.values()):
+            return self._watch_member_hangs()
         initial = {x.process.pid: x for x in self.members.values() if x.live and x.initial}
         hang = self.hangs.sample([x.process for x in initial.values()])
         if hang is None:
@@ -397,6 +400,39 @@ class _RegroupRun:
             return self._fault(initial[hang.culprits[0].pid], f"hung: {hang.describe()}",
                                kill=True, happened=detected - hang.idle_s)
         return self._stop_job(StopJob(f"hung: {hang.describe()}"))
+
+    def _watch_member_hangs(self) -> Step:
+        """A member that hangs in its own code while the others of its member epoch wait
+        for it in a collective (every one idle for the hang timeout; ftrun.agent.hangs reads
+        the stacks): taken out and replaced in process. The stall rule needs collective
+        counts, which a sharded job's process groups (torch's own, ftrun.restartable) do not
+        report; this rule needs none. Only members inside the latest member epoch are
+        watched, and ftrun's own waits count as waiting (agent/stacks.py), so a member
+        waiting for the next epoch is never named; a hang nobody on this node can be named
+        for is left to the stall rule, the recovery deadline and the collective timeout."""
+        latest = self.m.latest
+        if latest is None:
+            return None
+        watched = {x.process.pid: x for x in self.members.values()
+                   if x.live and self._is_active(x) and not self._waiting(x)
+                   and (status := self.m.statuses.get(x.id)) is not None
+                   and status.epoch == latest.number and not status.finished}
+        if not watched:
+            return None
+        hang = self.hangs.sample([x.process for x in watched.values()]) if self.hangs else None
+        if hang is None or hang.kind != "hung" or not hang.culprits:
+            return None
+        culprit = watched.get(hang.culprits[0].pid)
+        if culprit is None:
+            return None
+        stack = hang.stacks.get(culprit.process.pid)
+        where = stack.where if stack is not None else "in its own code"
+        waiting = [str(latest.rank_of(watched[w.pid].id)) for w in hang.waiting
+                   if w.pid in watched]
+        ranks = f"rank{'s' if len(waiting) > 1 else ''} {','.join(waiting) or '?'}"
+        return self._fault(culprit, f"hung {where} for {hang.idle_s:.1f}s while {ranks} "
+                                    "waited for it in a collective",
+                           kill=True, happened=time.time() - hang.idle_s)
 
     def _said_finished(self, member: LocalMember) -> bool:
         """The member left its training loop (``close()``): its process is only exiting."""

@@ -46,6 +46,9 @@ _CAP_SYS_PTRACE = 1 << 19
 
 # Frames in these parts of torch mean "waiting for a peer" when the process is idle.
 _WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "torch/cuda/")
+# ... and in the worker API's protocol waits (the next member epoch, the other members'
+# arrival, a step's decision): a member there waits for its peers, it does not hang.
+_PROTOCOL_WAIT = "/ftrun/worker/"
 # Python's network I/O: an idle frame here waits for a reply from another host (C-level
 # reads such as ``socket.recv`` show the caller's frame instead: they count as its own code).
 _NETWORK_IO = ("/socket.py", "/ssl.py", "/selectors.py", "/http/client.py")
@@ -65,7 +68,8 @@ class Frame:
 
     @property
     def in_torch_wait(self) -> bool:
-        return "/torch/" in self.filename and any(p in self.filename for p in _WAITING_IN)
+        return ("/torch/" in self.filename and any(p in self.filename for p in _WAITING_IN)) \
+            or _PROTOCOL_WAIT in self.filename
 
     @property
     def in_network_io(self) -> bool:
