@@ -298,7 +298,9 @@ class FaultBook:
         code = _int(ev.get("returncode"))
         if cause is None:
             cause = describe_returncode(code) if code is not None else "failed"
-        if member is not None and any(f.member == member for f in self.faults):
+        generation = _int(ev.get("generation")) or 0
+        if member is not None and any(f.member == member and f.generation == generation
+                                      for f in self.faults):
             return  # the same member's second report (a verdict on a dead process)
         record = self._open(ts, cause, detected=ev.get("detected"), happened=ev.get("happened"),
                             rank=rank, member=member, node=_str(ev.get("node")),
@@ -331,7 +333,12 @@ class FaultBook:
         self.injections.append({**ev, "ts": ts})
 
     def _epoch(self, ts: float, ev: dict[str, Any]) -> None:
+        """A member epoch published: the members it left out (``gone``) get their records'
+        path (one record each, or the lost node's), or a replacement was admitted. Member
+        ids and epoch numbers start again in each job generation: a record is matched in
+        the event's own generation only."""
         epoch, world = _int(ev.get("epoch")), _int(ev.get("world_size"))
+        generation = _int(ev.get("generation")) or 0
         gone = ev.get("gone")
         joiners = ev.get("joiners")
         joiners = joiners if isinstance(joiners, list) else []
@@ -340,11 +347,12 @@ class FaultBook:
                 if not isinstance(item, dict):
                     continue
                 member = _str(item.get("member"))
-                record = next((f for f in self.faults if f.member == member
-                               and f.path is None), None)
+                mine = [f for f in self.faults if f.generation == generation]
+                record = next((f for f in mine if f.member == member and f.path is None),
+                              None)
                 if record is None and member is not None and \
-                        not any(f.member == member for f in self.faults):
-                    record = self._lost_node_of(member, epoch)
+                        not any(f.member == member for f in mine):
+                    record = self._lost_node_of(member, epoch, generation)
                     if record is not None:  # one record per lost node, naming its ranks
                         rank = _int(item.get("rank"))
                         if rank is not None and rank not in record.ranks:
@@ -352,12 +360,13 @@ class FaultBook:
                         record.path, record.epoch, record.world = "regroup", epoch, world
                         continue
                 if record is None and member is not None and \
-                        not any(f.member == member for f in self.faults):
+                        not any(f.member == member for f in mine):
                     cause = _str(item.get("cause")) or "failed"
                     record = self._open(ts, cause, detected=ts, member=member,
                                         rank=_int(item.get("rank")),
                                         node=str(P.node_of(member))
-                                        if _valid_member(member) else None)
+                                        if _valid_member(member) else None,
+                                        generation=generation)
                 if record is None:
                     continue
                 if record.rank is None:
@@ -368,17 +377,20 @@ class FaultBook:
             return
         if joiners:  # a replacement admitted: the oldest fault still missing one
             for record in self.faults:
-                if record.path == "regroup" and record.join_epoch is None:
+                if record.path == "regroup" and record.join_epoch is None \
+                        and record.generation == generation:
                     record.join_epoch = epoch
                     break
 
-    def _lost_node_of(self, member: str, epoch: int | None) -> FaultRecord | None:
+    def _lost_node_of(self, member: str, epoch: int | None,
+                      generation: int) -> FaultRecord | None:
         """The lost-node record of ``member``'s node still waiting for its regroup (or
-        being regrouped by this same epoch), if any."""
+        being regrouped by this same epoch of this job generation), if any."""
         if not _valid_member(member):
             return None
         node = str(P.node_of(member))
         return next((f for f in self.faults if f.node == node and f.rank is None
+                     and f.generation == generation
                      and f.member is None and f.cause.startswith("lost:")
                      and (f.path is None or (f.path == "regroup" and f.epoch == epoch))),
                     None)
@@ -386,7 +398,10 @@ class FaultBook:
     def _formed(self, ts: float, ev: dict[str, Any]) -> None:
         epoch, step = _int(ev.get("epoch")), _int(ev.get("step"))
         world = _int(ev.get("world_size"))
+        generation = _int(ev.get("generation")) or 0
         for record in self.faults:
+            if record.generation != generation:  # epoch numbers start again in each
+                continue
             # The replacement's epoch may be the one that recovers the fault too: its
             # joiner was ready before the survivors' own epoch formed. The record then
             # carries both, and both lines are said, the recovery's first.

@@ -295,8 +295,11 @@ class Agent:
                        and why.get("kind") in ("join", "dropped"))
             lost = why.get("node_id") if why.get("kind") == "node lost" else None
             # only the leader waits for the survivors (a non-leader's generation reads its
-            # membership from the store when asked: control/rendezvous.py, LazyNodes)
-            expected = tuple(n.node_id for n in generation.nodes if n.node_id != lost) \
+            # membership from the store when asked: control/rendezvous.py, LazyNodes); not
+            # for a node a regroup dropped as lost (waiting for it cost a restart 30 s)
+            dropped = self.nodes.dropped if self.nodes is not None else set()
+            expected = tuple(n.node_id for n in generation.nodes
+                             if n.node_id != lost and n.node_id not in dropped) \
                 if rdzv.is_leader else ()
             number = generation.number + 1
             self._drop_old_worker_stores()

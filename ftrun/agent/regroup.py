@@ -128,6 +128,9 @@ class _RegroupRun:
         self.first_failure: local.WorkerProcess | None = None
         self.replacement_failures = 0
         self.crash_seen: set[int] = set()  # pids whose failure the crash-loop rule saw
+        # members' hangs: a watch per member epoch (see _watch_member_hangs)
+        self.member_hangs: HangWatch | None = None
+        self.member_hangs_epoch = -1
         # Scripts without the worker API fall back to a restart: they get its hang watch.
         self.hangs = None if self.config.hang_timeout_s == 0 else HangWatch(
             timeout_s=self.config.hang_timeout_s, multi_node=self.multi)
@@ -383,10 +386,10 @@ class _RegroupRun:
         """A script without the worker API (no member ever became ready) that hangs: the
         restart path's verdict (see ftrun.agent.hangs), then the restart fallback. Members
         of the worker API: :meth:`_watch_member_hangs`."""
-        if self.hangs is None:
-            return None
         if any(x.has_status for x in self.members.values()):
             return self._watch_member_hangs()
+        if self.hangs is None:
+            return None
         initial = {x.process.pid: x for x in self.members.values() if x.live and x.initial}
         hang = self.hangs.sample([x.process for x in initial.values()])
         if hang is None:
@@ -406,20 +409,27 @@ class _RegroupRun:
         for it in a collective (every one idle for the hang timeout; ftrun.agent.hangs reads
         the stacks): taken out and replaced in process. The stall rule needs collective
         counts, which a sharded job's process groups (torch's own, ftrun.restartable) do not
-        report; this rule needs none. Only members inside the latest member epoch are
-        watched, and ftrun's own waits count as waiting (agent/stacks.py), so a member
-        waiting for the next epoch is never named; a hang nobody on this node can be named
-        for is left to the stall rule, the recovery deadline and the collective timeout."""
+        report; this rule needs none. Only members inside the latest member epoch (it
+        formed: they built its group) are watched, each epoch afresh: the waits of a
+        recovery are not spells that make the hang timeout grow (carried over, it doubled at
+        every recovery of a soak). ftrun's own waits count as waiting (agent/stacks.py), so
+        a member waiting for its peers is never named; a hang nobody on this node can be
+        named for is left to the stall rule, the recovery deadline and the collective
+        timeout."""
         latest = self.m.latest
-        if latest is None:
+        if latest is None or self.config.hang_timeout_s == 0:
             return None
+        if self.member_hangs_epoch != latest.number:
+            self.member_hangs_epoch = latest.number
+            self.member_hangs = HangWatch(timeout_s=self.config.hang_timeout_s,
+                                          multi_node=self.multi)
         watched = {x.process.pid: x for x in self.members.values()
                    if x.live and self._is_active(x) and not self._waiting(x)
                    and (status := self.m.statuses.get(x.id)) is not None
                    and status.epoch == latest.number and not status.finished}
-        if not watched:
+        if not watched or self.member_hangs is None:
             return None
-        hang = self.hangs.sample([x.process for x in watched.values()]) if self.hangs else None
+        hang = self.member_hangs.sample([x.process for x in watched.values()])
         if hang is None or hang.kind != "hung" or not hang.culprits:
             return None
         culprit = watched.get(hang.culprits[0].pid)

@@ -44,8 +44,12 @@ from pathlib import Path
 STACKS_ENV = "FTRUN_STACKS"
 _CAP_SYS_PTRACE = 1 << 19
 
-# Frames in these parts of torch mean "waiting for a peer" when the process is idle.
-_WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "torch/cuda/")
+# Frames in these parts of torch mean "waiting for a peer" when the process is idle. An idle
+# process whose innermost frame is a C++ operator's call (torch/_ops.py) blocks inside it: a
+# functional collective's wait (DTensor's redistributions: tensor parallelism), not its own
+# code (it would use CPU).
+_WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "torch/cuda/",
+               "torch/_ops.py")
 # ... and in the worker API's protocol waits (the next member epoch, the other members'
 # arrival, a step's decision): a member there waits for its peers, it does not hang.
 _PROTOCOL_WAIT = "/ftrun/worker/"

@@ -1,0 +1,78 @@
+"""Fault records from events (ftrun.agent.faults) where member ids and epoch numbers start
+again in each job generation, and the escalation's record: values, not presence."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.agent.faults import FaultBook
+
+
+def test_a_member_id_used_again_after_a_restart_is_a_new_fault() -> None:
+    """Generation 1 numbers its members 0.0, 0.1, ... again: its 0.1's failure is a fault of
+    its own, not 'the same member's second report' of generation 0's 0.1 (the soak found
+    the later one without a record)."""
+    book = FaultBook().replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 2.0, "event": "failure", "member": "0.1", "rank": 1, "generation": 0,
+         "cause": "killed by SIGKILL", "detected": 2.0},
+        {"ts": 2.1, "event": "epoch", "generation": 0, "epoch": 1, "world_size": 1,
+         "joiners": [], "gone": [{"member": "0.1", "rank": 1}]},
+        {"ts": 2.5, "event": "formed", "generation": 0, "epoch": 1, "world_size": 1,
+         "step": 7},
+        {"ts": 5.0, "event": "generation", "generation": 1, "world_size": 2},
+        {"ts": 9.0, "event": "failure", "member": "0.1", "rank": 1, "generation": 1,
+         "cause": "exit code 1", "detected": 9.0},
+        {"ts": 9.1, "event": "epoch", "generation": 1, "epoch": 1, "world_size": 1,
+         "joiners": [], "gone": [{"member": "0.1", "rank": 1}]},
+        {"ts": 9.4, "event": "formed", "generation": 1, "epoch": 1, "world_size": 1,
+         "step": 3},
+    ])
+    first, second = book.faults
+    assert (first.generation, first.recovery_s, first.step) == (0, 0.5, 7)
+    assert (second.generation, second.cause, second.path) == (1, "exit code 1", "regroup")
+    assert second.recovery_s == pytest.approx(0.4) and second.step == 3
+
+
+def test_a_lost_node_of_an_earlier_generation_does_not_take_a_later_member_s_fault() -> None:
+    """Generation 0 lost node 1 (its record regrouped in epoch 1); in generation 1, member
+    1.0 fails and epoch 1 of generation 1 leaves it out: a record of its own."""
+    book = FaultBook().replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 3.0, "event": "node_lost", "node_rank": 1, "silent_s": 2.0, "generation": 0},
+        {"ts": 3.1, "event": "epoch", "generation": 0, "epoch": 1, "world_size": 2,
+         "joiners": [], "gone": [{"member": "1.0", "rank": 2}, {"member": "1.1", "rank": 3}]},
+        {"ts": 3.5, "event": "formed", "generation": 0, "epoch": 1, "world_size": 2,
+         "step": 20},
+        {"ts": 8.0, "event": "generation", "generation": 1, "world_size": 4},
+        {"ts": 9.1, "event": "epoch", "generation": 1, "epoch": 1, "world_size": 3,
+         "joiners": [], "gone": [{"member": "1.0", "rank": 2, "cause": "killed by SIGKILL"}]},
+        {"ts": 9.3, "event": "formed", "generation": 1, "epoch": 1, "world_size": 3,
+         "step": 2},
+    ])
+    lost, worker = book.faults
+    assert lost.ranks == [2, 3] and lost.recovery_s == 2.5
+    assert (worker.generation, worker.member, worker.rank) == (1, "1.0", 2)
+    assert worker.cause == "killed by SIGKILL" and worker.recovery_s == pytest.approx(0.2)
+
+
+def test_an_escalation_is_a_record_of_its_own_and_the_restart_recovers_both() -> None:
+    lines: list[str] = []
+    book = FaultBook(on_line=lines.append).replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 2.0, "event": "progress", "step": 1, "steps": {"0": 1}},
+        {"ts": 10.0, "event": "failure", "member": "0.1", "rank": 1, "generation": 0,
+         "cause": "killed by SIGKILL", "detected": 10.0},
+        {"ts": 40.0, "event": "escalate", "generation": 0, "epoch": 2, "happened": 10.0,
+         "reason": "recovery deadline passed: no step committed 30.0s after member epoch 0 "
+                   "ended (recovery deadline 30s); escalating: restarting all (1/1)"},
+        {"ts": 40.5, "event": "restart", "generation": 0, "restart_count": 1},
+        {"ts": 41.0, "event": "generation", "generation": 1, "world_size": 2},
+    ])
+    kill, escalate = book.faults
+    assert (kill.path, kill.recovery_s, kill.recovered_how) == ("restart", 31.0, "restarted")
+    assert (escalate.path, escalate.happened, escalate.detected) == ("escalate", 10.0, 40.0)
+    assert escalate.recovery_s == 31.0 and escalate.detection_s == 30.0
+    assert len(book.faults) == 2  # the restart event opened no third record
+    assert lines[-1].endswith("every worker restarted in 31.00 s (generation 1) "
+                              "(detected in 30.00 s)")
