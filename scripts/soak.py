@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -108,6 +109,7 @@ class JobKind:
     bitwise: bool
     in_process: bool  # faults may come a moment after the previous one (during recovery)
     nodes: int = 1
+    most: int = 6  # faults a run of it takes at most (a node fault costs a rejoin)
 
 
 JOBS: dict[str, JobKind] = {
@@ -134,9 +136,9 @@ JOBS: dict[str, JobKind] = {
     "two_node": JobKind("two_node", "train_elastic.py",
                         ("--nproc-per-node", "2", "--recovery", "regroup", "--max-restarts",
                          "3", "--preload", PRELOAD),
-                        ("--hidden", "128", "--step-sleep", "0.05"), 150,
+                        ("--hidden", "128", "--step-sleep", "0.05"), 250,
                         ("kill", "kill", *NODE_FAULTS), bitwise=False, in_process=True,
-                        nodes=2),
+                        nodes=2, most=4),
 }
 
 
@@ -187,11 +189,14 @@ class Output:
         thread.start()
         return thread
 
-    def steps(self, since: float = 0.0) -> list[tuple[int, int, int, float, float]]:
-        """(step, rank, pid, t, seen) of every step line seen at or after ``since``."""
+    def steps(self, since: float = 0.0,
+              node: str | None = None) -> list[tuple[int, int, int, float, float]]:
+        """(step, rank, pid, t, seen) of every step line seen at or after ``since`` (of
+        ``node``'s launcher only, when given)."""
         with self.cond:
             found = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]), seen)
-                     for seen, _, line in self.lines if seen >= since
+                     for seen, where, line in self.lines
+                     if seen >= since and (node is None or where == node)
                      for m in [STEP.search(line)] if m]
         return found
 
@@ -273,6 +278,7 @@ class Job:
         self.pumps: list[threading.Thread] = []
         self.injected: list[tuple[float, str]] = []
         self.victims: set[int] = set()
+        self._started: list[float] = []  # when each launcher started
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -303,6 +309,7 @@ class Job:
         proc = host.popen(list(argv), **kwargs) if host is not None else \
             subprocess.Popen(list(argv), start_new_session=True, **kwargs)
         self.procs.append(proc)
+        self._started.append(time.time())
         self.pumps.append(self.out.pump(proc, node))
         return proc
 
@@ -354,14 +361,23 @@ class Job:
             return None
         self.victims.add(pid)
         what = f"{fault.kind} rank {rank} (pid {pid})"
-        self.injected.append((time.time(), what))
+        self.note(what)
         return what
+
+    def note(self, what: str) -> None:
+        """An injected fault, in the list and in the output (where it happened)."""
+        now = time.time()
+        self.injected.append((now, what))
+        with self.out.cond:
+            self.out.lines.append((now, "soak", f"injected: {what} at {now:.3f}"))
 
     def node_fault(self, kind: str) -> str | None:
         raise NotImplementedError(f"{kind} needs the namespace hosts")
 
     def ended(self) -> bool:
-        return all(p.poll() is not None for p in self.procs[:1])
+        """The job ended, or is ending (a rank finished its steps: a fault now would hit a
+        process that left the job, which is no fault of the job)."""
+        return all(p.poll() is not None for p in self.procs[:1]) or bool(self.digests())
 
     # --- the end ---------------------------------------------------------------------------
 
@@ -429,6 +445,7 @@ class TwoNodeJob(Job):
         super().__init__(kind, workdir, tag, faulty)
         self.net = net
         self.h2_expected: list[set[int]] = []
+        self.h2_since = 0.0  # when h2's current agent started
 
     def _args(self, host: Any) -> list[str]:
         leader = self.net["h1"]
@@ -455,13 +472,19 @@ class TwoNodeJob(Job):
         for name in ("h1", "h2"):
             host = self.net[name]
             self._spawn(self._args(host), name, cwd=self.workdir, host=host)
+        self.h2_since = time.time()
         self.h2_expected.append({0})
 
     def node_fault(self, kind: str) -> str | None:
         """Kill h2's agent, or cut its link for CUT_S; then, once h2's agent is gone and the
         survivors stepped again, a new agent joins from h2."""
         h2, proc = self.net["h2"], self.procs[-1]
-        if proc.poll() is not None:
+        # only an agent that is in the job (its workers stepped): one still joining is not
+        # a fault of the job, and gets no record
+        if not self.out.wait(lambda: bool(self.out.steps(self.h2_since, "h2")) or
+                             self.ended() or proc.poll() is not None, 120):
+            return None
+        if proc.poll() is not None or self.ended():
             return None
         when = time.time()
         if kind == "kill-agent":
@@ -472,7 +495,7 @@ class TwoNodeJob(Job):
             self.net.cut_link(h2)
             self.h2_expected[-1] = {3}
         what = f"{kind} node 1 (h2)"
-        self.injected.append((when, what))
+        self.note(what)
         if kind == "cut-link":
             time.sleep(CUT_S)
             self.net.restore_link(h2)
@@ -480,10 +503,36 @@ class TwoNodeJob(Job):
             proc.wait(60)
         self.out.wait(lambda: any(s[4] > when + 0.5 for s in self.out.steps(when)) or
                       self.ended(), 60)
-        if not self.ended() and self.committed() < self.kind.steps * 0.8:
+        if not self.ended() and self.committed() < self.kind.steps * 0.6:
             self._spawn(self._args(h2), "h2", cwd=self.workdir, host=h2)
+            self.h2_since = time.time()
             self.h2_expected.append({0})
         return what
+
+    def finish(self, timeout_s: float) -> list[int | None]:
+        """The leader first; then an h2 agent still trying to join a job that ended (it
+        started after the last node fault, the job finished meanwhile) is stopped after a
+        short grace: it may exit 3 (the store is gone) or by the stop."""
+        codes = super().finish(timeout_s) if len(self.procs) == 1 else []
+        if codes:
+            return codes
+        leader = self.procs[0]
+        try:
+            first = leader.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            first = None
+        codes = [first]
+        for index, proc in enumerate(self.procs[1:], start=1):
+            try:
+                codes.append(proc.wait(20.0))
+            except subprocess.TimeoutExpired:
+                joined = bool(self.out.steps(self._started[index], "h2"))
+                proc.terminate()
+                codes.append(proc.wait(30))
+                if not joined:  # it never got into the job: the stop is expected
+                    self.h2_expected[index - 1] = self.h2_expected[index - 1] | {
+                        -signal.SIGTERM, 128 + signal.SIGTERM, 3}
+        return codes
 
     def expected_codes(self) -> list[set[int]]:
         return [{0}, *self.h2_expected]
@@ -574,17 +623,24 @@ class Soak:
 
     def reference(self, kind: JobKind) -> Job | None:
         """The fault-free run of ``kind`` (its digest), started beside the first faulty
-        run; two_node compares with ddp's (the same script, steps and world size)."""
-        name = "ddp" if kind.name == "two_node" else kind.name
+        run; a job on several nodes is compared with the same script, steps and world
+        size on one node (ddp's launcher flags with the job's world)."""
+        name = kind.name
         if name in self.references or name in self.pending:
             return None
-        job = self._job(JOBS[name], faulty=False, net=None)
+        ref = kind
+        if kind.nodes > 1:
+            world = kind.nodes * int(kind.flags[kind.flags.index("--nproc-per-node") + 1])
+            flags = list(JOBS["ddp"].flags)
+            flags[flags.index("--nproc-per-node") + 1] = str(world)
+            ref = dataclasses.replace(kind, flags=tuple(flags), nodes=1)
+        job = self._job(ref, faulty=False, net=None)
         job.start()
         self.pending[name] = job
         return job
 
     def collect_reference(self, kind: JobKind) -> str | None:
-        name = "ddp" if kind.name == "two_node" else kind.name
+        name = kind.name
         job = self.pending.pop(name, None)
         if job is not None:
             codes = job.finish(self.args.timeout)
@@ -620,9 +676,9 @@ class Soak:
         if left:
             result.problems.append(f"{left} processes left behind")
         check(job, result, reference, self.args.deadline)
-        if len(result.faults) < len(faults):
-            result.problems.append(f"only {len(result.faults)} of {len(faults)} faults "
-                                   "injected (the job ended or no victim was left)")
+        if len(result.faults) < len(faults):  # the soak goes on with the next run
+            print(f"# {kind.name} seed={seed}: {len(result.faults)} of {len(faults)} faults "
+                  "injected before the job ended", file=sys.stderr)
         (job.workdir / "output.txt").write_text(job.out.text())
         if result.ok and not self.args.keep_logs:
             shutil.rmtree(job.workdir, ignore_errors=True)
@@ -733,7 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             kind = JOBS[kinds[index % len(kinds)]]
             index += 1
             left = args.faults - sum(len(r.faults) for r in soak.results)
-            result = soak.run(kind, rng.randrange(10**9), min(args.per_run, left), net)
+            result = soak.run(kind, rng.randrange(10**9), min(args.per_run, left, kind.most),
+                              net)
             if not result.faults:  # nothing could be injected: do not loop forever
                 break
     summary = summarize(soak.results, args, seed, time.time() - started)

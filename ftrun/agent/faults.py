@@ -310,6 +310,14 @@ class FaultBook:
             record.path, record.recovered, record.recovered_how = "none", record.detected, \
                 "not in the job"
             self._finish(record)
+        # A hang with several culprits (two ranks hung at once: one restart) is a fault of
+        # each: a record per culprit, the same cause and times.
+        culprits = ev.get("culprits")
+        for other in culprits[1:] if isinstance(culprits, list) else ():
+            if _int(other) is not None and other != rank:
+                self._open(ts, cause, detected=ev.get("detected"),
+                           happened=ev.get("happened"), rank=other,
+                           node=_str(ev.get("node")), generation=generation)
 
     def _node_lost(self, ts: float, ev: dict[str, Any]) -> None:
         silent = _num(ev.get("silent_s")) or 0.0

@@ -147,8 +147,19 @@ class WorkerProcess:
             return False
 
     def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        """``sig`` to the worker's session (it and anything it started). A fork server's
+        child is a group leader only once it ran ``setsid`` just after its fork: a signal in
+        that window goes to the process itself (a stop sent to the group alone was lost,
+        and the agent waited its whole stop grace, 30 s, for a replacement forked 2 ms
+        before). Only while the process is known alive: its pid cannot have been reused."""
+        try:
             os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            if self.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(self.pid, sig)
+        except PermissionError:
+            pass
 
     def _close_pidfd(self) -> None:
         if self.pidfd >= 0:

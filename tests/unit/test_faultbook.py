@@ -76,3 +76,16 @@ def test_an_escalation_is_a_record_of_its_own_and_the_restart_recovers_both() ->
     assert len(book.faults) == 2  # the restart event opened no third record
     assert lines[-1].endswith("every worker restarted in 31.00 s (generation 1) "
                               "(detected in 30.00 s)")
+
+
+def test_a_hang_with_two_culprits_is_two_faults_recovered_by_one_restart() -> None:
+    book = FaultBook().replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 5.0, "event": "failure", "generation": 0, "kind": "hung", "rank": 1, "pid": 11,
+         "culprits": [1, 3], "waiting": [0, 2], "cause": "rank 1 stuck; rank 3 stuck",
+         "detected": 5.0, "happened": 3.0},
+        {"ts": 5.2, "event": "restart", "generation": 0, "restart_count": 1},
+        {"ts": 5.3, "event": "generation", "generation": 1, "world_size": 4},
+    ])
+    assert [(f.rank, f.path, f.recovery_s) for f in book.faults] == [
+        (1, "restart", 2.3), (3, "restart", 2.3)]
