@@ -340,6 +340,13 @@ class _Runner:
             thread.start()
         try:
             return self._enter_until_done(train, args, kwargs)
+        except BaseException:
+            # The script's own error leaves the process: the snapshot thread and every
+            # process group go first, while the interpreter is whole (gloo's threads at
+            # its teardown turned a ValueError's exit 1 into a SIGABRT).
+            with contextlib.suppress(Exception):
+                self._leave()
+            raise
         finally:
             self._stop.set()
             with contextlib.suppress(StoreError, RuntimeError):
