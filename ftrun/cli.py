@@ -533,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # torch's modules and ftrun's live as long as the agent: out of the collector's way,
         # the first rendezvous does not pay for a full collection over them (the leader's
-        # CPU in a first join of 512 agents: 0.039 s with, 0.103 s without; README).
+        # CPU in a first join of 512 agents: 0.039 s with, 0.103 s without; docs/scale.md).
         gc.freeze()
         return run_agent(config, fork_server)
     except Exception as error:  # a bug in ftrun: one line for the user, the trace in a file

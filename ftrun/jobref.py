@@ -86,9 +86,11 @@ def registry_dir() -> Path:
 
 def register(run_id: str, host: str, port: int) -> Path | None:
     """Note that ``run_id`` is served at HOST:PORT; None when it cannot be written (the
-    job runs anyway: the registry is a convenience)."""
+    job runs anyway: the registry is a convenience). Entries of agents that are gone go
+    first (a killed job never unregisters)."""
     if not _RUN_ID.match(run_id):
         return None
+    prune()
     directory = registry_dir()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -106,6 +108,7 @@ def register_etcd(run_id: str, endpoint: str, conf: dict[str, str]) -> Path | No
     if not _RUN_ID.match(run_id):
         return None
     options = {k: v for k, v in conf.items() if k in ETCD_OPTIONS}
+    prune()
     try:
         directory = registry_dir()
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -115,6 +118,51 @@ def register_etcd(run_id: str, endpoint: str, conf: dict[str, str]) -> Path | No
     except OSError:
         return None
     return path
+
+
+@dataclass(frozen=True)
+class LiveJob:
+    """A job registered on this host whose agent runs."""
+
+    run_id: str
+    ref: JobRef
+    pid: int
+    started: float | None
+
+
+def _entries() -> list[tuple[Path, str]]:
+    """(entry, run id) of every registry entry on this host."""
+    try:
+        paths = sorted(registry_dir().glob("*.json"))
+    except OSError:
+        return []
+    return [(path, path.stem.split("@", 1)[0]) for path in paths
+            if _RUN_ID.match(path.stem.split("@", 1)[0])]
+
+
+def prune() -> list[Path]:
+    """Remove the entries whose agent is gone (a SIGKILLed agent cannot unregister);
+    returns them. Half-written entries of an agent starting now are left."""
+    removed = []
+    for path, run_id in _entries():
+        ref, pid, started = _registered(path, run_id)
+        if ref is not None and not _alive(pid, started):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def live_jobs() -> list[LiveJob]:
+    """The jobs registered on this host whose agent runs, one per run id, oldest first
+    (dead entries are pruned on the way)."""
+    prune()
+    found: dict[str, LiveJob] = {}
+    for path, run_id in _entries():
+        ref, pid, started = _registered(path, run_id)
+        if ref is not None and run_id not in found and _alive(pid, started):
+            found[run_id] = LiveJob(run_id, ref, pid, started)
+    return sorted(found.values(), key=lambda job: job.started or 0.0)
 
 
 def unregister(path: Path | None) -> None:

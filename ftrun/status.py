@@ -1,4 +1,8 @@
-"""``ftrun status [--json] ENDPOINT|RUN_ID``: one look at a running job.
+"""``ftrun status [--json] [ENDPOINT|RUN_ID]``: one look at a running job.
+
+Without a name it looks at this host's registry (ftrun.jobref): the one live job is shown;
+several are listed (run id, where, agent pid, started), each to be named; none is an error.
+Every job says its run id and this command in its first line.
 
 Reads the job's record (``ftrun/job``) from its control store, where the leader agent
 refreshes it every second (ftrun.agent.statusboard): job generation, member epoch, world,
@@ -10,7 +14,8 @@ ftrun.jobref); a job that signs its records is read only
 with its token (``FTRUN_JOB_TOKEN``), the same rule as ``ftrun inject``.
 
 Exit codes: 0; 2 bad input (a bad name, no or a wrong token); 3 the store cannot be
-reached within ``--timeout`` (default 10 s) or holds no job record. Errors are one line.
+reached within ``--timeout`` (default 10 s) or holds no job record, or (no name given) no
+live job is registered on this host. Errors are one line.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from rich.text import Text
 
 from ftrun.exitcodes import ExitCode
 from ftrun.inject import InjectError, open_job, read_job
+from ftrun.jobref import LiveJob, live_jobs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,10 +110,32 @@ def render(console: Console, job: dict[str, Any]) -> None:
     console.print(table)
 
 
+def _list(jobs: list[LiveJob], as_json: bool) -> None:
+    """Several live jobs on this host: one line each, to be named."""
+    rows = [{"run_id": j.run_id, "where": j.ref.describe(), "agent_pid": j.pid,
+             "started": j.started} for j in jobs]
+    if as_json:
+        print(json.dumps({"jobs": rows}))
+        return
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    table = Table(title=f"{len(jobs)} live ftrun jobs on this host: ftrun status RUN_ID "
+                  "shows one", show_edge=False, pad_edge=False, box=None,
+                  header_style="bold")
+    for column in ("run id", "where", "agent pid", "started"):
+        table.add_column(column)
+    for row in rows:
+        started = row["started"]
+        since = datetime.fromtimestamp(started).strftime("%H:%M:%S") \
+            if isinstance(started, (int, float)) else "?"
+        table.add_row(str(row["run_id"]), str(row["where"]), str(row["agent_pid"]), since)
+    console.print(table)
+
+
 def main(args: Sequence[str]) -> int:
     parser = _Parser(prog="ftrun status", description="One look at a running job.")
-    parser.add_argument("job", help="HOST:PORT of its control store, "
-                        "etcd-v3://HOST:PORT,.../RUN_ID, or its run id")
+    parser.add_argument("job", nargs="?", help="HOST:PORT of its control store, "
+                        "etcd-v3://HOST:PORT,.../RUN_ID, or its run id (default: the one "
+                        "live job of this host; several are listed)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="seconds to reach the store")
@@ -115,7 +143,19 @@ def main(args: Sequence[str]) -> int:
         ns = parser.parse_args(list(args))
         if not 0 < ns.timeout <= 3600:
             raise InjectError("--timeout must be in (0, 3600] seconds")
-        job = fetch(ns.job, ns.timeout)
+        name = ns.job
+        if name is None:
+            jobs = live_jobs()
+            if not jobs:
+                raise InjectError("no live ftrun job is registered on this host (name one: "
+                                  "HOST:PORT of its control store, or "
+                                  "etcd-v3://HOST:PORT,.../RUN_ID)",
+                                  ExitCode.RENDEZVOUS_FAILED)
+            if len(jobs) > 1:
+                _list(jobs, ns.json)
+                return ExitCode.SUCCESS
+            name = jobs[0].run_id
+        job = fetch(name, ns.timeout)
     except InjectError as error:
         print(f"ftrun status: error: {error}", file=sys.stderr)
         return error.code

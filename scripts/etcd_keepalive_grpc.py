@@ -3,7 +3,7 @@ JSON gateway request (what ftrun's etcd-v3 heartbeat, ``LeaseBeat``, sent before
 renewed on the stream: ftrun/control/etcdkeepalive.py).
 
 Why: on one loopback member the gateway keepalives were what limited etcd-v3 store load
-(about 2,000 agents a second, README "Scale of the control plane"), and a request through
+(about 2,000 agents a second, docs/scale.md), and a request through
 the gateway costs etcd several times its gRPC work. This measures the member's CPU per
 keepalive both ways, side by side in one run: ``--leases`` leases (TTL 30 s) kept alive
 once a second each, for ``--seconds``, first each on a ``LeaseKeepAlive`` bidirectional

@@ -1,8 +1,8 @@
 """What a watch and its event cost an etcd member: through the JSON gateway, as ftrun's
 held waits watch today (ftrun/control/etcdheld.py), or on etcd's native gRPC ``Watch``.
 
-Why: in the 4,096-agent etcd-v3 join the member's profile put the JSON gateway first (README,
-"Scale of the control plane": in the second after the leader had every slot, 0.26 of 0.73 s
+Why: in the 4,096-agent etcd-v3 join the member's profile put the JSON gateway first (docs/scale.md:
+in the second after the leader had every slot, 0.26 of 0.73 s
 sampled on etcd 3.5.1, 0.39 of 1.26 s on 3.4.23). Most of it is the agents' watches: each
 waits for its assignment on a stream of its own, and each event is turned into JSON for its
 stream. Whether moving those waits to the native stream (as the keepalives moved,

@@ -1,7 +1,7 @@
 """Where an etcd member's CPU goes: its Go CPU profile, taken and summed by function.
 
 Why: the etcd-v3 rendezvous figures are set by the one member's CPU on this 2-core machine
-(README, "Scale of the control plane"), and which of its costs a change of ftrun's can
+(docs/scale.md), and which of its costs a change of ftrun's can
 remove (a request fewer, a smaller buffer, no JSON gateway) is read from where that CPU
 goes. etcd serves Go's ``/debug/pprof/profile`` when started with ``--enable-pprof``
 (tests/infra/etcd_cluster.py's ``loopback_etcd(profiling=True)``); the answer is a gzipped

@@ -1,9 +1,10 @@
 """A chaos soak: real jobs under a random fault schedule drawn from a seed, each checked for
 what a user relies on.
 
-    python scripts/soak.py --short --json            # CI: about 30 faults, a fixed seed
+    python scripts/soak.py --short --json            # CI: 28 faults, a fixed seed
     python scripts/soak.py --faults 1000 --burners 2  # the long run: a random seed, printed
-    python scripts/soak.py --seed 812 --jobs fsdp_tp --faults 40   # replay one failure
+    python scripts/soak.py --seed 812 --faults 40     # the same schedule as a run of seed 812
+    python scripts/soak.py --jobs fsdp_tp --run-seed 74806729   # one failed run's schedule
 
 Jobs (``--jobs``, all by default): ``ddp`` (the worker API, scripts/train_elastic.py, in-process
 regroup), ``fsdp`` and ``fsdp_tp`` (``ftrun.restartable``, scripts/train_fsdp.py, FSDP2 and
@@ -745,10 +746,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None,
                         help="the schedule's seed (default: random, printed)")
     parser.add_argument("--short", action="store_true",
-                        help=f"CI: 30 faults, seed {SHORT_SEED}, every job once")
+                        help=f"CI: 28 faults, seed {SHORT_SEED}, every job once")
     parser.add_argument("--jobs", default=",".join(JOBS),
                         help="comma-separated job kinds (default: all)")
     parser.add_argument("--per-run", type=int, default=6, help="faults per run")
+    parser.add_argument("--run-seed", type=int, default=None,
+                        help="run once, the first of --jobs with this run's seed (a failure "
+                        "names it), and --per-run faults")
     parser.add_argument("--burners", type=int, default=0, help="CPU burners while it runs")
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                         help="the longest allowed time without a committed step")
@@ -758,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args(argv)
     if args.short:
-        args.faults, args.per_run = 30, 6
+        args.faults, args.per_run = 28, 6
         args.seed = SHORT_SEED if args.seed is None else args.seed
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     kinds = [k.strip() for k in args.jobs.split(",") if k.strip()]
@@ -785,6 +789,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tests.infra.netns import netns_hosts
             net = stack.enter_context(netns_hosts(2))
         index = 0
+        if args.run_seed is not None:
+            kind = JOBS[kinds[0]]
+            soak.run(kind, args.run_seed, min(args.per_run, kind.most), net)
+            args.faults = 0
         while sum(len(r.faults) for r in soak.results) < args.faults:
             kind = JOBS[kinds[index % len(kinds)]]
             index += 1

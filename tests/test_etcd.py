@@ -383,7 +383,7 @@ def test_a_joining_agent_watches_for_its_assignment_before_it_offers_its_slot() 
     that same stream: once the last node has offered, etcd has only the leader's writes
     and their events to serve. Before, each node read and watched after its offer, and at
     512 light agents those reads and watches queued in etcd ahead of the leader's writes
-    (README, rendezvous on etcd-v3). The read comes after the confirmation: a watch made
+    (docs/scale.md, rendezvous on etcd-v3). The read comes after the confirmation: a watch made
     from the revision of an earlier read must first be caught up by etcd, 512 at a time
     every 100 ms, which at 4,096 agents delayed their events."""
     from ftrun.control.rendezvous import DynamicRendezvous, NodeSlot

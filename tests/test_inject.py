@@ -417,3 +417,34 @@ def test_a_registry_entry_whose_pid_was_reused_names_no_job(
     entry.write_text(json.dumps(stale))
     with pytest.raises(JobRefError, match="has ended"):
         resolve("reusedetcd")
+
+
+def test_the_registry_prunes_dead_agents_and_status_alone_finds_the_live_job(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A killed job never unregisters: the next agent to register, and ``ftrun status``
+    without a name, remove entries whose agent is gone. ``ftrun status`` alone shows the one
+    live job of the host, lists several, and says in one line (exit 3) when there is none."""
+    from ftrun.jobref import live_jobs, prune, register
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert cli.main(["status"]) == 3
+    assert "no live ftrun job is registered on this host" in capsys.readouterr().err
+    dead = register("dead-job", "10.0.0.9", 29400)
+    assert dead is not None
+    stale = json.loads(dead.read_text())
+    stale["pid"], stale["started"] = 2**22 + 7, 1.0  # no such process
+    dead.write_text(json.dumps(stale))
+    live = register("live-job", "127.0.0.1", 1)  # this process: alive; it pruned dead-job
+    assert live is not None and not dead.exists()
+    assert [j.run_id for j in live_jobs()] == ["live-job"]
+    dead.write_text(json.dumps(stale))
+    assert prune() == [dead] and not dead.exists()
+    # the one live job is named for the user: its store (port 1) refuses, exit 3 says where
+    assert cli.main(["status", "--timeout", "1"]) == 3
+    assert "127.0.0.1:1" in capsys.readouterr().err
+    register("second-job", "127.0.0.1", 2)
+    assert cli.main(["status", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["jobs"]
+    assert [j["run_id"] for j in listed] == ["live-job", "second-job"]
+    assert {j["agent_pid"] for j in listed} == {os.getpid()}

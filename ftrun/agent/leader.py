@@ -37,7 +37,7 @@ from ftrun.agent.stragglers import StragglerWatch
 from ftrun.config import LaunchConfig
 from ftrun.control.errors import StoreValueError
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
-from ftrun.decide.deadline import RecoveryDeadline, auto_deadline_s
+from ftrun.decide.deadline import RecoveryDeadline, auto_deadline_s, describe_setting
 from ftrun.decide.progress import Observation, ProgressWatch
 from ftrun.snapshot import records as snapshot_records
 
@@ -70,6 +70,7 @@ class RegroupLeader:
         rdzv: Rendezvous | None = None,
         nodes: NodeWatch | None = None,
         clock: Callable[[], float] = time.monotonic,
+        once: Callable[[str], bool] = lambda key: True,
     ) -> None:
         self.m = membership
         self.generation = generation  # the job generation these member epochs belong to
@@ -79,6 +80,7 @@ class RegroupLeader:
         self.rdzv = rdzv
         self.nodes = nodes  # several nodes only
         self.clock = clock  # monotonic seconds (a test drives its own)
+        self.once = once  # whether a line said once per agent is due (AgentServices.once)
         self.pools: dict[int, P.Pool] = {}
         self.pools_seen = -1
         # A sharded job (ftrun.restartable) cannot shrink: a lost node's ranks are filled
@@ -469,6 +471,10 @@ class RegroupLeader:
             refused = self._refuse_what_cannot_progress()
             if refused is not None:
                 return refused
+            if not any(m.statuses[x.id].finished for x in self.latest.members) \
+                    and self.once("deadline"):  # the workers use the API: recoveries ahead
+                self.say(describe_setting(self.config.recovery_deadline_s,
+                                          self.config.max_restarts))
         self.deadline.observe(seen)
         self._watch_stragglers(now)
         for verdict in self.watch.observe(now, seen, self.ended_at,

@@ -68,7 +68,6 @@ from ftrun.control.rendezvous import (
 from ftrun.control.store import JsonStore
 from ftrun.control.tcpstore import connect_store, serve_store
 from ftrun.decide.crashloop import CrashLoop
-from ftrun.decide.deadline import describe_setting
 from ftrun.exitcodes import ExitCode, exit_at_once, for_signal
 from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
 from ftrun.jobref import register, register_etcd, unregister
@@ -221,9 +220,6 @@ class Agent:
             return for_signal(self._signal())
         self._rdzv = rdzv
         supervisor = self._supervisor(rdzv)
-        if self.config.recovery is not Recovery.RESTART and rdzv.is_leader:
-            self.say(describe_setting(self.config.recovery_deadline_s,
-                                      self.config.max_restarts))
         etcdwriter.watch_writer(self, rdzv)
         dynamic = isinstance(rdzv, DynamicRendezvous)
         number = 0 if self.config.is_single_node else rdzv.first_number()
@@ -470,6 +466,8 @@ class Agent:
             job = {"run_id": self.run_id, "host": host, "port": port, "started": time.time()}
             self._registration = register(self.run_id, host, port)
         self.injector.start(open_store, job, self.board.snapshot, job_in_run=connect is not None)
+        if self._registration is not None:  # the job's first line: how to find it again
+            self.say(f"run id {self.run_id}: `ftrun status {self.run_id}` shows this job")
 
     def _shut_down_for(self) -> ExitCode | None:
         """The exit code another agent's shutdown of the job carries for good (see

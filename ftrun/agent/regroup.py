@@ -136,7 +136,7 @@ class _RegroupRun:
             timeout_s=self.config.hang_timeout_s, multi_node=self.multi)
         self.leader = RegroupLeader(
             self.m, generation, self.config, events=services.events, say=services.say,
-            rdzv=services.rdzv, nodes=services.nodes,
+            rdzv=services.rdzv, nodes=services.nodes, once=services.once,
         ) if services.rdzv.is_leader else None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -299,7 +299,8 @@ class _RegroupRun:
         if moved.took_over:
             self.leader = RegroupLeader(
                 self.m, self.generation, self.config, events=services.events,
-                say=services.say, rdzv=services.rdzv, nodes=services.nodes)
+                say=services.say, rdzv=services.rdzv, nodes=services.nodes,
+                once=services.once)
             self.leader.take_over(latest, moved.lost)
         elif self.leader is not None:
             self.leader.m = self.m

@@ -52,6 +52,15 @@ class AgentServices:
     moved_store: Callable[[Generation, str], Any] = lambda generation, prefix: None
     # the failures seen in this job, every generation (ftrun.decide.crashloop)
     crash_loop: CrashLoop = field(default_factory=CrashLoop)
+    said: set[str] = field(default_factory=set)  # lines said once per agent (see once)
+
+    def once(self, key: str) -> bool:
+        """True the first time ``key`` is asked for: a line said once per agent, not once
+        per job generation."""
+        if key in self.said:
+            return False
+        self.said.add(key)
+        return True
 
     @property
     def node_rank(self) -> int:

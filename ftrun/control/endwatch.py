@@ -31,7 +31,7 @@ read). Before, each slice (0.83 s at the 5 s default) watched again:
 ``scripts/bench_etcd.py`` measured 2.4 requests per second per agent and 4.9 ms of etcd
 CPU per second net of etcd's idle CPU
 (a lease keepalive beat costs 0.5 ms), and these renewals, not the leases, were what one
-member could not carry at 2,000 agents (README, "Scale of the control plane"). Such a
+member could not carry at 2,000 agents (docs/scale.md). Such a
 slice asks etcd nothing, so there :attr:`EndWatcher.healthy` says that the thread's waits
 come back, not that etcd answered: a silent member is noticed through the process's other
 requests (as above), and then the wait moves to the next endpoint, or, with one endpoint,

@@ -8,7 +8,7 @@ thread a wait, its cancel and a check. On etcd it cost a new watch (a gRPC strea
 the JSON gateway) and two reads (``gen/N`` and the shutdown record), and 4,095 agents
 waiting for a 4,096-node generation renewed 2,000 times a second, more than one member
 serves: the leader wrote the generation, and no agent held its assignment within 60 s
-(README, "Scale of the control plane"). Here a wait is one stream with a watch of each key
+(docs/scale.md). Here a wait is one stream with a watch of each key
 it waits for (``etcdwire.AnyStream``), read by a daemon thread; a slice is a wait on that
 thread, with no request to etcd. The end watch had the same cost, a new watch per 0.83 s
 slice, 2.4 requests a second per agent, and one member could not carry it at 2,000 agents.

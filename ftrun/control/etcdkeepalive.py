@@ -7,7 +7,7 @@ HTTP request that the member decodes, turns into a gRPC call to itself and encod
 about five times the member's work of one message on its native keepalive stream
 (``scripts/etcd_keepalive_grpc.py`` measures both). With thousands of agents on one
 cluster the renewals are most of what a member does, and they were what a loopback member
-ran out of CPU on (README, "Scale of the control plane"). A renewal is therefore one small
+ran out of CPU on (docs/scale.md). A renewal is therefore one small
 message on a stream that lasts as long as the heartbeat, to the endpoint the agent's
 client talks to.
 
@@ -25,7 +25,7 @@ renewal wait for its applied index to catch up, so under a burst of writes answe
 late from a member that is alive, and a new connection and stream for each late answer
 (the first version) is more work for a member already behind: etcd's own client keeps its
 stream too. (At 9,000 light agents on one member, an overload either way, single runs did
-not show which is better: README, store load.) An answer that comes after its renewal
+not show which is better: docs/scale.md, store load.) An answer that comes after its renewal
 gave up is dropped unread by the next one; a late answer for a lease the beat no longer
 holds is skipped. Nothing else is swallowed.
 """

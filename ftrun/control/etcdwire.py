@@ -4,7 +4,7 @@ rendezvous of thousands of agents cheap for etcd (split out of ``etcd.py``, whic
 client's operations).
 
 Why the two reads (measured with ``scripts/bench_multinode.py --only rendezvous-light-etcd
---light-harness events``, README "Scale of the control plane"):
+--light-harness events``, docs/scale.md):
 
 * :class:`AppendedReads`: the leader reads a generation's slots list (one appended key:
   its value and a part key per agent) every poll while agents offer. A full read returned

@@ -43,13 +43,12 @@ def auto_deadline_s(*, peer_write_s: float, limit_s: float, start_s: float | Non
 
 
 def describe_setting(setting_s: float | None, max_restarts: int) -> str:
-    """The line said at a job's start: the deadline and what passing it does."""
-    value = (f"auto, at least {FLOOR_S:.0f} s (longer with slow steps and starts)"
-             if setting_s is None else f"{setting_s:g} s")
+    """The line said once a job's workers use the worker API: the deadline and what
+    passing it does."""
+    value = f"auto (>= {FLOOR_S:.0f} s)" if setting_s is None else f"{setting_s:g} s"
     then = "restarts every worker" if max_restarts > 0 else \
-        "stops the job (no restart allowed: --max-restarts 0)"
-    return (f"recovery deadline {value}: an in-process recovery that commits no step by then "
-            f"{then} (--recovery-deadline)")
+        "stops the job (--max-restarts 0)"
+    return f"recovery deadline {value}: a recovery that commits no step by then {then}"
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ _seq = itertools.count()
 
 #: An etcd binary to run instead of the one on ``PATH`` (Debian's 3.4.23): the benchmarks'
 #: ``--etcd-binary`` sets it, so that a figure can be measured on another etcd release
-#: (README, "Scale of the control plane"), and the tests can be run against one.
+#: (docs/scale.md), and the tests can be run against one.
 ETCD_BINARY_ENV = "FTRUN_TEST_ETCD"
 
 
