@@ -433,7 +433,7 @@ def test_the_member_stuck_in_the_ended_epoch_is_taken_out_not_the_ones_waiting()
     for member in ("0.0", "0.1"):
         job.status(member, steps=4, epoch=-1)  # left epoch 0, waiting for epoch 1
     job.status("0.3", steps=4, collectives=2, epoch=0)  # still inside epoch 0
-    job.clock.now += 4.9
+    job.clock.now += 1.9  # the stuck limit: max(2 s, 3 x the 0.2 s step)
     assert job.tick() is None and list(job.m.removed) == ["0.2"]
     job.clock.now += 0.3
     assert job.tick() is None

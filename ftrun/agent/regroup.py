@@ -65,6 +65,7 @@ from ftrun.agent.outcome import (
     restart_all_words,
 )
 from ftrun.agent.services import AgentServices
+from ftrun.agent.stacks import Stack, read_stack, stack_source
 from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError
 from ftrun.control.rendezvous import Generation, StoreLostError
@@ -466,6 +467,15 @@ class _RegroupRun:
         cause = describe_returncode(code)
         return self._fault(member, cause, final=self._crash_loop(member, cause))
 
+    def _stack_before_kill(self, member: LocalMember, cause: str) -> Stack | None:
+        """Where a member the leader took out as stuck or stalled was (its Python stack,
+        read before the kill, where py-spy may attach): the line that says why it never
+        left, for the person reading and for the event."""
+        if not cause.startswith(("stuck", "stalled")) or member.process.poll() is not None \
+                or member.process.is_frozen() or stack_source() != "py-spy":
+            return None
+        return read_stack(member.process.pid, timeout_s=2.0)
+
     def _crash_loop(self, member: LocalMember, cause: str) -> StopJob | None:
         """A member that failed on its own, and the others of its epoch that did too before
         it was seen (a script failing on every rank at once): the same error again is the
@@ -517,6 +527,7 @@ class _RegroupRun:
         initial_without_api = member.state is MemberState.STARTING and member.initial
         member.advance(MemberState.REMOVED, cause)
         self.m.removed[member.id] = cause
+        stack = self._stack_before_kill(member, cause) if kill else None
         if kill:  # after the end is written: survivors that fail next find it explained
             member.process.signal_group(signal.SIGKILL)
         if self.first_failure is None:
@@ -528,6 +539,7 @@ class _RegroupRun:
             detected=detected, rank=rank, local_rank=member.process.local_rank,
             returncode=member.process.returncode,
             happened=happened or member.process.ended or detected,
+            **({"stack": stack.text()} if stack is not None else {}),
         )
         label = f"rank {rank}" if active else f"member {member.id}"
         if cause.startswith("frozen"):
@@ -535,6 +547,8 @@ class _RegroupRun:
                          style="yellow")
         else:
             services.say(f"{label} (pid {member.process.pid}) failed: {cause}", style="yellow")
+        if stack is not None:
+            services.say(f"{label} stack (most recent call last):\n{stack.text()}")
         if final is not None:
             return self._stop_job(final)
         if initial_without_api and active:

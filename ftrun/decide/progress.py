@@ -6,11 +6,11 @@ the current step) and hands them to :class:`ProgressWatch` with the member epoch
 ended; the watch returns the members to take out. Two rules:
 
 * **stuck**: a member still inside a member epoch that ended more than
-  :meth:`ProgressWatch.stuck_limit_s` ago (max(``--stall-floor``, 3 x the median step
+  :meth:`ProgressWatch.stuck_limit_s` ago (max(:data:`STUCK_FLOOR_S`, 3 x the median step
   interval): the end reaches a member within a beat and its next collective fails at once,
   so the step it was computing is all it may still finish) never left it: a wait with no
-  bound, a collective nothing released. It is the culprit, whatever the others do: they
-  wait for it in the next epoch.
+  bound, a collective nothing released, a hang that began as its epoch ended. It is the
+  culprit, whatever the others do: they wait for it in the next epoch.
 * **stalled**: among the members inside one live member epoch, when none of them has moved
   for :meth:`ProgressWatch.limit_s` (max(``--stall-floor``, 20 x the median step
   interval)) and their progress differs, the ones furthest behind are the culprits: the
@@ -37,6 +37,10 @@ STALL_STEPS = 20
 #: The stuck limit in step intervals: the step a member was computing when its epoch ended,
 #: and margin.
 STUCK_STEPS = 3
+#: The least stuck limit: a member leaves an ended epoch within a beat (0.2 s) of its
+#: collective failing; 2 s is ten beats, on a loaded node too. Apart from ``--stall-floor``
+#: (5 s), which bounds a rank that lags inside a live epoch, where waiting costs nothing.
+STUCK_FLOOR_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -81,16 +85,17 @@ class ProgressWatch:
 
     def limit_s(self) -> float:
         """How long the members inside one epoch may all stand still while one is behind
-        before it counts as stalled."""
+        before it counts as stalled: max(``--stall-floor``, 20 x the median step)."""
         return self._limit(STALL_STEPS)
 
     def stuck_limit_s(self) -> float:
         """How long a member may stay inside an epoch after it ended."""
-        return self._limit(STUCK_STEPS)
+        return self._limit(STUCK_STEPS, STUCK_FLOOR_S)
 
-    def _limit(self, steps: int) -> float:
+    def _limit(self, steps: int, floor: float | None = None) -> float:
+        floor = self.stall_floor_s if floor is None else floor
         step = self.median_step_s
-        return self.stall_floor_s if step is None else max(self.stall_floor_s, steps * step)
+        return floor if step is None else max(floor, steps * step)
 
     def restart_clocks(self, now: float) -> None:
         """A member epoch was published: nobody has been waiting since before it (a
