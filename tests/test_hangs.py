@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -653,3 +654,39 @@ def test_job_verdict_names_a_rank_behind_in_nccl_on_another_node() -> None:
     forged["workers"][0]["collectives"] = {"not-hex": 5}
     with pytest.raises(StoreValueError):
         NodeView.from_json(forged)
+
+
+def test_the_leader_judges_the_view_that_every_node_of_the_generation_published() -> None:
+    """The restart supervisor on node rank 0 reads ``hang/<generation>/<node rank>`` of every
+    node of the job generation and judges them together (the inputs of the cross-node
+    verdict): node 1's rank idle in its own code is the culprit node 0's rank waits for;
+    with one node's view missing, or only an older generation's, there is no verdict."""
+    import torch.distributed as dist
+
+    from ftrun.agent.restart import RestartSupervisor
+    from ftrun.control.rendezvous import Generation, NodeSlot
+    from ftrun.control.store import JsonStore
+
+    store = JsonStore(dist.HashStore(), "ftrun/test")
+    services = SimpleNamespace(rdzv=SimpleNamespace(is_leader=True, store=store))
+    supervisor = RestartSupervisor(services)  # type: ignore[arg-type]
+    generation = Generation(number=3, restart_count=1, nodes=tuple(
+        NodeSlot(node_rank=n, local_world_size=1, addr=f"10.0.0.{n}", hostname=f"n{n}",
+                 pid=10 + n, node_id=f"n{n}-id") for n in range(2)),
+        worker_store_host="127.0.0.1", worker_store_port=29500)
+    hangs = HangWatch(timeout_s=5.0, multi_node=True)
+    now = time.time()
+
+    def view(node_rank: int, state: str) -> dict:
+        return NodeView(node_rank, f"n{node_rank}", now - 10.0, now - 0.5, False, (
+            WorkerView(node_rank, 1000 + node_rank, state, f"where {node_rank}",
+                       "stack" if state == "own" else ""),)).to_json()
+
+    store.set_record("hang/3/0", view(0, "waiting"))
+    assert supervisor._judge_job(generation, hangs) is None  # node 1 has not published
+    store.set_record("hang/2/1", view(1, "own"))  # another generation's: not this one's
+    assert supervisor._judge_job(generation, hangs) is None
+    store.set_record("hang/3/1", view(1, "own"))
+    hang = supervisor._judge_job(generation, hangs)
+    assert hang is not None and [(w.rank, n) for w, n in hang.culprits] == [(1, "n1")]
+    assert [w.rank for w in hang.waiting] == [0]

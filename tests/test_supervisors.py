@@ -74,11 +74,11 @@ class Job:
 
     def status(self, member: str, *, steps: int, collectives: int = 0, synced: bool = True,
                finished: bool = False, epoch: int | None = None,
-               epoch_steps: int = 0) -> None:
+               epoch_steps: int = 0, beats: int = 1) -> None:
         """What the member's heartbeat thread would report (and the supervisor read):
         inside the latest member epoch unless ``epoch`` says otherwise (-1: between)."""
         inside = self.m.latest.number if epoch is None else epoch
-        status = P.Status(1, steps, collectives, synced, finished, inside, epoch_steps)
+        status = P.Status(beats, steps, collectives, synced, finished, inside, epoch_steps)
         self.store.set_record(P.status_key(member), status.to_json())
         self.m.statuses[member] = status
 
@@ -501,3 +501,19 @@ def test_shrink_with_a_sharded_job_is_refused_once_its_workers_are_ready() -> No
     job = Job(on_failure="replace")  # the default: accepted
     job.store.set_record(snapshot_records.WHOLE_WORLD_KEY, {"world_size": 4})
     assert job.tick() is None
+
+
+def test_the_straggler_verdict_reads_each_member_s_own_beats_and_collectives() -> None:
+    """The leader hands the straggler watch each member's rank, beat counter and
+    collectives: 0.3 beats with no collective issued (its own work) while the others wait
+    in theirs; after a whole window it is flagged, with its rank and the shares measured."""
+    job = Job(straggler_policy="warn", straggler_window_s=2.0, straggler_factor=2.0)
+    for beat in range(2, 40):
+        job.clock.now += 0.1
+        for member in ALL:
+            job.status(member, steps=5, beats=beat, collectives=0 if member == "0.3" else 2)
+        assert job.tick() is None
+    (flagged,) = [e for e in job.emitted(Event.STRAGGLER) if e["flagged"]]
+    assert (flagged["rank"], flagged["member"]) == (3, "0.3")
+    assert (flagged["share"], flagged["others_share"]) == (1.0, 0.0)
+    assert any("rank 3 (member 0.3) on node 0 (h0) is a straggler" in x for x in job.said)
