@@ -78,6 +78,9 @@ class FaultRecord:
     joined_world: int | None = None
     epoch: int | None = None  # the member epoch that recovery formed
     join_epoch: int | None = None
+    # ranks taken out during this recovery as its casualties: stuck in a collective of the
+    # epoch the fault ended, which nothing released (replaced; not faults of their own)
+    casualties: list[int] = field(default_factory=list)
 
     @property
     def detection_s(self) -> float:
@@ -120,6 +123,10 @@ class FaultRecord:
         else:
             text = f"{head}: {self.path or 'not recovered'}"
         lost = f", {self.steps_lost} steps lost" if self.steps_lost else ""
+        if self.casualties:
+            ranks = ", ".join(map(str, self.casualties))
+            lost += f"; rank{'s' if len(self.casualties) > 1 else ''} {ranks} replaced: " \
+                "stuck in a collective of the ended epoch"
         return f"{text} (detected in {self.detection_s:.2f} s{lost})"
 
     def join_line(self) -> str:
@@ -224,6 +231,7 @@ class FaultBook:
         self.last_step: int | None = None  # the highest committed step seen
         self.progress: list[dict[str, Any]] = []  # the progress events, for pictures
         self.injections: list[dict[str, Any]] = []  # inject events not yet matched
+        self._casualties: set[tuple[int, str]] = set()  # (generation, member) folded in
         self._lock = threading.RLock()  # events come from several threads; re-entered by
         # on_record, whose own event comes back here
 
@@ -299,9 +307,16 @@ class FaultBook:
         if cause is None:
             cause = describe_returncode(code) if code is not None else "failed"
         generation = _int(ev.get("generation")) or 0
-        if member is not None and any(f.member == member and f.generation == generation
-                                      for f in self.faults):
+        if member is not None and ((generation, member) in self._casualties or any(
+                f.member == member and f.generation == generation for f in self.faults)):
             return  # the same member's second report (a verdict on a dead process)
+        if ev.get("casualty") is True:  # part of the recovery in progress: its record's
+            recovering = next((f for f in self.faults if f.generation == generation
+                               and f.recovered is None and f.path != "none"), None)
+            if recovering is not None and rank is not None and member is not None:
+                recovering.casualties.append(rank)
+                self._casualties.add((generation, member))
+                return
         record = self._open(ts, cause, detected=ev.get("detected"), happened=ev.get("happened"),
                             rank=rank, member=member, node=_str(ev.get("node")),
                             pid=_int(ev.get("pid")),
@@ -355,6 +370,8 @@ class FaultBook:
                 if not isinstance(item, dict):
                     continue
                 member = _str(item.get("member"))
+                if member is not None and (generation, member) in self._casualties:
+                    continue  # named in the record of the fault it was a casualty of
                 mine = [f for f in self.faults if f.generation == generation]
                 record = next((f for f in mine if f.member == member and f.path is None),
                               None)

@@ -528,6 +528,9 @@ class _RegroupRun:
         member.advance(MemberState.REMOVED, cause)
         self.m.removed[member.id] = cause
         stack = self._stack_before_kill(member, cause) if kill else None
+        # stuck inside torch's communication: a casualty of the recovery in progress (a
+        # collective its ended epoch left it in, which nothing released), not a fault
+        casualty = cause.startswith("stuck") and stack is not None and stack.waiting
         if kill:  # after the end is written: survivors that fail next find it explained
             member.process.signal_group(signal.SIGKILL)
         if self.first_failure is None:
@@ -540,11 +543,16 @@ class _RegroupRun:
             returncode=member.process.returncode,
             happened=happened or member.process.ended or detected,
             **({"stack": stack.text()} if stack is not None else {}),
+            **({"casualty": True} if casualty else {}),
         )
         label = f"rank {rank}" if active else f"member {member.id}"
         if cause.startswith("frozen"):
             services.say(f"{label} (pid {member.process.pid}) was frozen; killed it at once",
                          style="yellow")
+        elif casualty:
+            assert stack is not None
+            services.say(f"{label} (pid {member.process.pid}) {cause}; {stack.where}: a "
+                         "casualty of the recovery in progress, replaced", style="yellow")
         else:
             services.say(f"{label} (pid {member.process.pid}) failed: {cause}", style="yellow")
         if stack is not None:

@@ -89,3 +89,28 @@ def test_a_hang_with_two_culprits_is_two_faults_recovered_by_one_restart() -> No
     ])
     assert [(f.rank, f.path, f.recovery_s) for f in book.faults] == [
         (1, "restart", 2.3), (3, "restart", 2.3)]
+
+
+def test_a_casualty_of_a_recovery_is_part_of_its_record_not_a_fault_of_its_own() -> None:
+    """Rank 1 dies; rank 2 never leaves the ended epoch (stuck in a collective nothing
+    released: its stack said so) and is replaced: one record, naming the casualty. A stuck
+    member in its own code is a fault of its own."""
+    lines: list[str] = []
+    book = FaultBook(on_line=lines.append).replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 2.0, "event": "failure", "member": "0.1", "rank": 1, "generation": 0,
+         "cause": "killed by SIGKILL", "detected": 2.0},
+        {"ts": 4.1, "event": "failure", "member": "0.2", "rank": 2, "generation": 0,
+         "cause": "stuck in member epoch 0", "detected": 4.1, "casualty": True},
+        {"ts": 4.2, "event": "epoch", "generation": 0, "epoch": 1, "world_size": 2,
+         "joiners": [], "gone": [{"member": "0.1", "rank": 1}, {"member": "0.2", "rank": 2}]},
+        {"ts": 5.0, "event": "formed", "generation": 0, "epoch": 1, "world_size": 2,
+         "step": 9},
+        {"ts": 8.0, "event": "failure", "member": "0.3", "rank": 1, "generation": 0,
+         "cause": "stuck in member epoch 1", "detected": 8.0},
+    ])
+    first, second = book.faults
+    assert (first.rank, first.casualties, first.recovery_s) == (1, [2], 3.0)
+    assert lines[0].endswith("(detected in 0.00 s; rank 2 replaced: stuck in a collective "
+                             "of the ended epoch)")
+    assert (second.rank, second.cause) == (1, "stuck in member epoch 1")
