@@ -393,6 +393,26 @@ def parse_preload(text: str) -> tuple[str, ...]:
     return names
 
 
+def _check_interpreter(program: Path) -> None:
+    """A script whose ``#!`` names a missing interpreter fails at exec (ENOENT) after the
+    job has started and announced itself; saying so before anything runs keeps it one line
+    of bad input. A ``#!`` that names a bare word (``#!python``) is left to exec."""
+    try:
+        with program.open("rb") as handle:
+            first = handle.readline(256)
+    except OSError:
+        return
+    if not first.startswith(b"#!"):
+        return
+    words = first[2:].split()
+    if not words:
+        return
+    interpreter = Path(os.fsdecode(words[0]))
+    if interpreter.is_absolute() and not os.access(interpreter, os.X_OK):
+        raise ConfigError(f"cannot run {program}: its #! interpreter {interpreter} is not "
+                          f"installed (or not executable)")
+
+
 def check_entrypoint(entrypoint: str, *, module: bool, no_python: bool) -> None:
     if module:
         if not entrypoint.replace(".", "").replace("_", "").isalnum():
@@ -405,6 +425,7 @@ def check_entrypoint(entrypoint: str, *, module: bool, no_python: bool) -> None:
                 raise ConfigError(f"{entrypoint}: no such file")
             if not os.access(path, os.X_OK):
                 raise ConfigError(f"{entrypoint}: not executable (--no-python runs it directly)")
+            _check_interpreter(path)
         elif shutil.which(entrypoint) is None:
             raise ConfigError(f"{entrypoint}: command not found on PATH")
         return

@@ -193,7 +193,7 @@ class Status:
     has not left it), -1 while it is between member epochs (it left an ended one and waits
     for the next) or before its first. The leader compares the progress of members inside
     the same epoch only, and takes a member still inside an epoch that ended long ago for
-    the culprit (:mod:`ftrun.agent.verdicts`): before this field it compared members that
+    the culprit (:mod:`ftrun.decide.progress`): before this field it compared members that
     waited for the next epoch with one stuck in the ended one, and killed the waiting ones.
     """
 

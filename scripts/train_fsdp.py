@@ -22,6 +22,8 @@ registered loader's ``state_dict``: before that rank's file exists), or while th
 of step S is being ``restore``d (inside its ``load_state_dict``: during a recovery);
 ``--hang R:S:WHERE`` (repeatable, once per job, marker ``hung-<i>``) makes rank R sleep
 forever there instead (alive, its heartbeat beating: a member that never commits);
+with ``--hang-until-restart`` every process that reaches a ``--hang`` (a replacement too)
+hangs there until the job generation restarts (a recovery that cannot commit in process);
 ``--bad-state-step S`` makes a registered object's state hold a ``set`` at step S (a leaf a
 snapshot cannot keep). For ``ftrun --inject`` / ``ftrun inject``: SIGUSR1 makes the process
 hang at its next step (it sleeps in its own code, its heartbeat beating), SIGUSR2 makes it
@@ -67,6 +69,9 @@ def parse_args() -> argparse.Namespace:
                         help="WHERE: backward, capture or restore")
     parser.add_argument("--hang", action="append", default=[], metavar="R:S:WHERE",
                         help="as --kill, but the rank sleeps forever")
+    parser.add_argument("--hang-until-restart", action="store_true",
+                        help="a --hang catches every process that reaches it (replacements "
+                             "too) until the job generation restarts")
     parser.add_argument("--bad-state-step", type=int, default=-1)
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
@@ -141,7 +146,9 @@ def due_kill(args: argparse.Namespace, rank: int, step: int, where: str) -> Path
         for index, spec in enumerate(getattr(args, option)):
             r, s, w = spec.split(":")
             marker = args.kill_dir / f"{name}-{index}"
-            if (int(r), int(s), w) == (rank, step, where) and not marker.exists():
+            again = option == "hang" and args.hang_until_restart and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if (int(r), int(s), w) == (rank, step, where) and (again or not marker.exists()):
                 if option == "hang":
                     hang(marker)
                 return marker

@@ -70,7 +70,7 @@ def test_a_recovery_past_its_deadline_with_no_restart_left_fails_with_the_verdic
     launch = Launch(["--nproc-per-node", "4", "--recovery", "regroup", "--recovery-deadline",
                      "5", *SHARDED_PRELOAD, _script(job_dir, FSDP), "--steps", "8",
                      "--kill-dir", str(job_dir), "--kill", "1:3:backward", "--hang",
-                     "2:3:restore"])
+                     "2:3:restore", "--hang-until-restart"])
     assert launch.wait(TIMEOUT_S) == ExitCode.WORKER_FAILED, launch.output[-3000:]
     said = _said(launch, "recovery deadline passed: no step committed")
     verdict = [line for line in said if "] recovery deadline passed" in line]

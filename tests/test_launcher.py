@@ -177,9 +177,12 @@ def test_many_consecutive_restarts_always_recover(job_dir: Path, port: list[str]
 
 
 def test_restarts_exhausted_prints_summary_with_root_cause(job_dir: Path) -> None:
+    """The same error twice would also be a crash loop (--max-repeats, default 2): this test
+    is about restarts running out, so the crash-loop rule is set to the third."""
     script = copy_train_script(job_dir)
     run = Launch(
-        ["--nproc-per-node", "3", "--max-restarts", "1", *PRELOAD, str(script), "--steps",
+        ["--nproc-per-node", "3", "--max-restarts", "1", "--max-repeats", "3", *PRELOAD,
+         str(script), "--steps",
          "50", "--fail-at-step", "3", "--fail-rank", "1"],
         cwd=job_dir,
     )

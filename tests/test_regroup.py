@@ -294,7 +294,9 @@ def test_frozen_worker_is_detected_killed_and_replaced(job_dir: Path) -> None:
 
 
 def test_stalled_rank_is_detected_from_step_progress(job_dir: Path) -> None:
-    run = _launch(job_dir, "--stall-floor", "2", steps=100000,
+    """The stall rule alone (--hang-timeout 0): the hang watch would name the sleeping rank
+    from its stack first (tests/test_hangs.py)."""
+    run = _launch(job_dir, "--stall-floor", "2", "--hang-timeout", "0", steps=100000,
                   extra=("--sleep-at-step", "30", "--fault-rank", "3", "--step-sleep", "0.01"))
     stalled = _pid_at_step(run, 1, rank=3)
     run.wait_for(lambda lines: "stalled" in "\n".join(lines), 120, "the stall verdict")

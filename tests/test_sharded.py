@@ -218,12 +218,14 @@ def test_a_recovery_that_never_commits_escalates_to_a_restart_that_restores_memo
         job_dir: Path) -> None:
     """The escalation ladder, end to end: rank 1 dies at step index 3; in the member epoch
     that recovers it rank 2 hangs while it restores (alive and beating, inside the new
-    epoch, so no rule takes it out: every member waits at the same point). No step commits
-    by the recovery deadline, so ftrun restarts the job generation; the restarted workers
+    epoch), and so does every replacement the hang watch gives it, until the job generation
+    restarts. No step commits by the recovery deadline (counted from the first fault: the
+    hangs fold into its recovery), so ftrun restarts the job generation; the restarted workers
     restore the newest complete snapshot the first generation left in memory (not step 0)
     and the job ends with the fault-free parameters."""
     reference = _reference_digest(job_dir, [])
-    code, launch = _run(job_dir, ["--kill", "1:3:backward", "--hang", "2:3:restore"], "fault",
+    code, launch = _run(job_dir, ["--kill", "1:3:backward", "--hang", "2:3:restore",
+                                  "--hang-until-restart"], "fault",
                         flags=["--recovery-deadline", "6", "--max-restarts", "1"])
     assert code == 0, launch.output[-3000:]
     escalated = [line for line in launch.lines if "] recovery deadline passed" in line]

@@ -517,3 +517,23 @@ def test_the_straggler_verdict_reads_each_member_s_own_beats_and_collectives() -
     assert (flagged["rank"], flagged["member"]) == (3, "0.3")
     assert (flagged["share"], flagged["others_share"]) == (1.0, 0.0)
     assert any("rank 3 (member 0.3) on node 0 (h0) is a straggler" in x for x in job.said)
+
+
+def test_a_member_stuck_in_an_ended_epoch_is_named_by_its_rank_there() -> None:
+    """Rank 0 dies; the next member epoch renumbers the survivors, so the member that was
+    rank 1 is rank 0 there. If it never left epoch 0 (its status says so), its verdict names
+    it rank 1, the rank the others knew it by, not the number epoch 1 gave it (CI showed
+    "rank 0 ... stuck in member epoch 0" for the process that had been rank 1)."""
+    store = JsonStore(dist.HashStore(), "ftrun/test/rg0", signer=Signer(SECRET))
+    m = Membership(store, lambda *a, **k: None)
+    m.publish(P.MemberEpoch(0, tuple(P.Member(f"0.{r}", r, False) for r in range(4))))
+    m.publish(P.MemberEpoch(1, (P.Member("0.1", 0, False), P.Member("0.2", 1, False),
+                                P.Member("0.3", 2, False), P.Member("0.4", 3, True))))
+    m.statuses["0.1"] = P.Status(beats=9, steps=4, collectives=2, synced=True,
+                                 finished=False, epoch=0)
+    m.statuses["0.2"] = P.Status(beats=9, steps=4, collectives=0, synced=True,
+                                 finished=False, epoch=-1)
+    assert m.rank_of("0.1") == 1  # stuck in epoch 0: its rank there
+    assert m.rank_of("0.2") == 1  # between epochs: the latest epoch's rank
+    assert m.rank_of("0.4") == 3  # no status yet: the latest epoch's rank
+    assert m.rank_of("9.9") is None

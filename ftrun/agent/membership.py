@@ -28,6 +28,8 @@ T = TypeVar("T")
 
 #: The longest health-gate answer kept (the checks' one-line failures, joined).
 MAX_GATE_TEXT = 2000
+#: Member epochs remembered for :meth:`Membership.rank_of`.
+EPOCHS_KEPT = 8
 
 
 class Membership:
@@ -37,6 +39,9 @@ class Membership:
         self.store = store  # scoped to this job generation's regroup prefix
         self.say = say
         self.latest: P.MemberEpoch | None = None
+        # the member epochs seen, newest last (a few: a member stuck in an ended one is
+        # named by its rank there, not by the rank the next one gave it)
+        self._seen_epochs: dict[int, P.MemberEpoch] = {}
         self.statuses: dict[str, P.Status] = {}
         self.removed: dict[str, str] = {}  # every member taken out, job-wide: id -> cause
         self.lost_nodes: set[int] = set()
@@ -51,6 +56,22 @@ class Membership:
         # member beats every 0.2 s and the leader reads every 0.1 s, so half the statuses
         # of a read are the last read's bytes, not verified and decoded again
         self._status_bytes: dict[str, tuple[bytes, dict[str, Any] | None]] = {}
+
+    def _remember(self, epoch: P.MemberEpoch) -> None:
+        self.latest = epoch
+        self._seen_epochs[epoch.number] = epoch
+        while len(self._seen_epochs) > EPOCHS_KEPT:
+            del self._seen_epochs[min(self._seen_epochs)]
+
+    def rank_of(self, member: str) -> int | None:
+        """The member's rank in the member epoch it is inside (its status says which; a
+        member stuck in an ended epoch holds that epoch's rank, while the next epoch may
+        have given the same number to another), else in the latest epoch."""
+        status = self.statuses.get(member)
+        inside = self._seen_epochs.get(status.epoch) if status is not None else None
+        if inside is not None and (rank := inside.rank_of(member)) is not None:
+            return rank
+        return self.latest.rank_of(member) if self.latest is not None else None
 
     @property
     def ended_here(self) -> frozenset[int]:
@@ -104,7 +125,7 @@ class Membership:
         """The leader's one write of a member epoch."""
         self.store.set_record(P.generation_key(epoch.number), epoch.to_json())
         self.store.set_record(P.LATEST, {"number": epoch.number})
-        self.latest = epoch
+        self._remember(epoch)
         self.changed()
 
     def announce_join(self, epoch: int, world_size: int) -> None:
@@ -175,7 +196,7 @@ class Membership:
         if isinstance(number, int) and (self.latest is None or number > self.latest.number):
             epoch = self.store.get_record(P.generation_key(number))
             if epoch is not None:
-                self.latest = P.MemberEpoch.from_json(epoch)
+                self._remember(P.MemberEpoch.from_json(epoch))
         if not self.done and self.store.first_record(P.DONE) is not None:
             self.done = True
         return None

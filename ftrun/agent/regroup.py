@@ -132,6 +132,9 @@ class _RegroupRun:
         # members' hangs: a watch per member epoch (see _watch_member_hangs)
         self.member_hangs: HangWatch | None = None
         self.member_hangs_epoch = -1
+        # member -> ((steps, collectives), when they last changed): a member whose counts
+        # moved within the hang timeout is slow, not hung, however little CPU it uses
+        self.member_moved: dict[str, tuple[tuple[int, int], float]] = {}
         # Scripts without the worker API fall back to a restart: they get its hang watch.
         self.hangs = None if self.config.hang_timeout_s == 0 else HangWatch(
             timeout_s=self.config.hang_timeout_s, multi_node=self.multi)
@@ -431,12 +434,20 @@ class _RegroupRun:
                    and status.epoch == latest.number and not status.finished}
         if not watched or self.member_hangs is None:
             return None
+        now = time.monotonic()
+        for member in watched.values():
+            status = self.m.statuses[member.id]
+            counts = (status.steps, status.collectives)
+            if self.member_moved.get(member.id, ((-1, -1), 0.0))[0] != counts:
+                self.member_moved[member.id] = (counts, now)
         hang = self.member_hangs.sample([x.process for x in watched.values()])
         if hang is None or hang.kind != "hung" or not hang.culprits:
             return None
         culprit = watched.get(hang.culprits[0].pid)
         if culprit is None:
             return None
+        if now - self.member_moved[culprit.id][1] < self.member_hangs.timeout_s:
+            return None  # it committed a step or issued a collective since: slow, not hung
         stack = hang.stacks.get(culprit.process.pid)
         where = stack.where if stack is not None else "in its own code"
         waiting = [str(latest.rank_of(watched[w.pid].id)) for w in hang.waiting
@@ -535,7 +546,7 @@ class _RegroupRun:
             member.process.signal_group(signal.SIGKILL)
         if self.first_failure is None:
             self.first_failure = member.process
-        rank = latest.rank_of(member.id) if latest else None
+        rank = self.m.rank_of(member.id)
         services.events.emit(
             Event.FAILURE, member=member.id, pid=member.process.pid, cause=cause,
             generation=self.generation.number, epoch=latest.number if latest else 0,
