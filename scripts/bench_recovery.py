@@ -127,8 +127,8 @@ from cpuload import Burners
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "scripts" / "train_elastic.py"
 # Lines of different torchrun workers can run together on one line: search, do not match.
-STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=([\d.]+) gen=(-?\d+) world=(\d+)")
-REGROUP = re.compile(r"regroup gen=(\d+) rank=(\d+) world=(\d+) step=(\d+)")
+STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=([\d.]+) epoch=(-?\d+) world=(\d+)")
+REGROUP = re.compile(r"regroup epoch=(\d+) rank=(\d+) world=(\d+) step=(\d+)")
 RESUMED = re.compile(r"resumed step=(\d+) rank=(\d+)")
 LAUNCHERS = ("torchrun", "ftrun_restart", "ftrun_regroup")
 #: ftrun regroup with the same disk checkpoints as torchrun and ftrun restart: fault-free
@@ -397,11 +397,11 @@ class Bench:
             fault_at = time.time()
             os.kill(victim.pid, sig)
             if sig == signal.SIGSTOP:
-                gen = victim.gen
-                first = run.wait_step(lambda s: s.gen > gen, args.timeout)
+                epoch = victim.epoch
+                first = run.wait_step(lambda s: s.epoch > epoch, args.timeout)
                 code = None if first is None else 0
                 if first is not None:
-                    run.wait_step(lambda s: s.gen > gen and s.step >= first.step + 10,
+                    run.wait_step(lambda s: s.epoch > epoch and s.step >= first.step + 10,
                                   args.timeout)
             else:
                 code = self.finish(run)
@@ -416,10 +416,10 @@ class Bench:
         steps = run.steps()
         text = run.text()
         if launcher == "ftrun_regroup":
-            old = [s for s in steps if s.gen <= victim.gen]
-            new = [s for s in steps if s.gen > victim.gen]
+            old = [s for s in steps if s.epoch <= victim.epoch]
+            new = [s for s in steps if s.epoch > victim.epoch]
             regroups = [(int(m[1]), int(m[4])) for m in REGROUP.finditer(text)
-                        if int(m[1]) > victim.gen]
+                        if int(m[1]) > victim.epoch]
             resumed = min(regroups)[1] if regroups else None
         else:
             before = {s.pid for s in steps if s.t < fault_at}

@@ -8,6 +8,10 @@ temporary directory, the row's ``find`` replaced by its ``replace`` there, then 
 run there (``python -m pytest -q -p no:cacheprovider --long -x <tests>``, cwd and
 ``PYTHONPATH`` the scratch copy: the tests find the repository from their own path,
 tests/launch.py's ``REPO``, so the agents and workers they start import the mutant too).
+The ``python`` is that of a virtual environment made in the copy (``.mutate-venv``: this
+interpreter's packages, the copy's ``ftrun`` before them, never the installed one, and
+this environment's scripts, ``ftrun`` among them, run by it), so a process a test starts
+with a ``PYTHONPATH`` of its own, or none, imports the mutant as well.
 The row is *caught* when a test failed, *MISSED* when they all passed. A row whose ``find``
 does not occur exactly once in its file (the code changed since) is *stale*: said loudly,
 with the row and the file, never run.
@@ -42,10 +46,12 @@ import os
 import random
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
 import time
+import venv
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -194,6 +200,51 @@ def scratch_copy(mutation: Mutation, into: Path, root: Path = REPO) -> None:
     (into / mutation.file).write_text(changed)
 
 
+#: The scratch copy's virtual environment (see the module docstring), under the copy.
+VENV = ".mutate-venv"
+
+
+def scratch_venv(scratch: Path, python: str = sys.executable) -> Path:
+    """A virtual environment at ``scratch/VENV`` whose interpreter imports ``ftrun`` from
+    ``scratch`` whatever ``PYTHONPATH`` a process is given: a ``.pth`` of its own puts the
+    copy on ``sys.path`` ahead of this interpreter's site-packages (whose ``.pth`` files come
+    with them, but for an editable install's, which would map ``ftrun`` to the repository).
+    The scripts beside ``python`` (``ftrun``, ``torchrun``, ``pytest``, ...) are copied with
+    their ``#!`` naming the new interpreter; other programs there (``py-spy``) are linked.
+    Its interpreter's path is returned."""
+    home = scratch / VENV
+    venv.EnvBuilder(symlinks=True, with_pip=False).create(home)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    ours = home / "lib" / version / "site-packages"
+    lines = [str(scratch)]
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    for packages in [*site.getsitepackages(), *user]:
+        where = Path(packages)
+        if not where.is_dir() or where.resolve() == ours.resolve():
+            continue
+        lines.append(str(where))
+        for pth in sorted(where.glob("*.pth")):
+            if not pth.name.startswith("__editable__"):
+                lines += [x for x in pth.read_text().splitlines()
+                          if x.startswith(("import ", "import\t"))]
+    (ours / "00-ftrun-mutate.pth").write_text("\n".join(lines) + "\n")
+    new_python = home / "bin" / "python"
+    bin_dir = Path(python).parent
+    for source in sorted(bin_dir.iterdir()):
+        target = home / "bin" / source.name
+        if target.exists() or target.is_symlink() or not source.is_file():
+            continue
+        with source.open("rb") as f:
+            first = f.readline()
+        if first.startswith(b"#!") and str(bin_dir).encode() in first:
+            rest = source.read_bytes().split(b"\n", 1)[1]
+            target.write_bytes(f"#!{new_python}\n".encode() + rest)
+            target.chmod(source.stat().st_mode & 0o777)
+        else:
+            target.symlink_to(source.resolve())
+    return new_python
+
+
 def _junit(path: Path) -> tuple[int, int, int, int, str]:
     """(tests, failures, errors, skipped, the first failure's test and message) of a
     junit report; all 0 when it was not written."""
@@ -236,10 +287,14 @@ def run_one(mutation: Mutation, *, timeout_s: float, keep: bool,
         scratch_copy(mutation, scratch)
         report = scratch / ".mutate-junit.xml"
         log = scratch / ".mutate-pytest.log"
+        python = scratch_venv(scratch)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(scratch), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--long", "-x",
+        env["PATH"] = os.pathsep.join([str(python.parent), env.get("PATH", "")])
+        if "VIRTUAL_ENV" in env:
+            env["VIRTUAL_ENV"] = str(python.parent.parent)
+        argv = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--long", "-x",
                 f"--junitxml={report}", *pytest_args, *mutation.tests]
         with log.open("w") as out:
             proc = subprocess.Popen(argv, cwd=scratch, env=env, stdout=out,

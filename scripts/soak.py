@@ -737,6 +737,7 @@ def summarize(results: list[RunResult], args: argparse.Namespace, seed: int,
         "burners": args.burners,
         "elapsed_s": round(elapsed_s, 1),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "faults_asked": args.faults,
     }
 
 
@@ -760,6 +761,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-logs", type=Path, default=None,
                         help="keep every run's output here (failed runs' are always kept)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="start no new run after this long (the summary says how many "
+                        "of --faults were injected)")
     args = parser.parse_args(argv)
     if args.short:
         args.faults, args.per_run = 28, 6
@@ -794,6 +798,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             soak.run(kind, args.run_seed, min(args.per_run, kind.most), net)
             args.faults = 0
         while sum(len(r.faults) for r in soak.results) < args.faults:
+            if args.time_budget is not None and time.time() - started > args.time_budget:
+                print(f"# time budget of {args.time_budget:.0f} s spent: no new run",
+                      file=sys.stderr, flush=True)
+                break
             kind = JOBS[kinds[index % len(kinds)]]
             index += 1
             left = args.faults - sum(len(r.faults) for r in soak.results)

@@ -9,8 +9,8 @@ a replacement the final parameters match a fault-free run (to float tolerance; t
 order of the reduction changes with the world size, so not bitwise).
 
 Output, one line each, parsed by tests and benchmarks:
-    step=N loss=L rank=R pid=P t=UNIX gen=G world=W
-    regroup gen=G rank=R world=W step=S checksum=C
+    step=N loss=L rank=R pid=P t=UNIX epoch=E world=W
+    regroup epoch=E rank=R world=W step=S checksum=C
     resumed step=S rank=R
     done rank=R steps=N param_sum=C
 Fault injection for tests: --raise-at-step, --sleep-at-step (the main thread stops making
@@ -26,7 +26,7 @@ Disk checkpoints, for restart-based recovery (torchrun, ``ftrun --recovery resta
 steps, and every rank resume from it at start, printing ``resumed step=S rank=R``. Under
 ``--recovery regroup`` the flags are harmless: the initial workers resume from an existing
 checkpoint the same way, a replacement skips the disk (it receives the state from a
-survivor), and rank 0 of the current generation keeps saving.
+survivor), and rank 0 of the current member epoch keeps saving.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     ft.register("model", model)
     ft.register("optimizer", optimizer)
     ft.on_regroup(lambda rank, world: print(
-        f"regroup gen={ft.generation} rank={rank} world={world} step={ft.step} "
+        f"regroup epoch={ft.epoch} rank={rank} world={world} step={ft.step} "
         f"checksum={checksum(model)}", flush=True))
     # Faults are injected into the process that started as --fault-rank, once: after a
     # regroup another process may hold that rank and must not fail again.
@@ -137,10 +137,10 @@ def main() -> None:
         while "hang" in injected:  # alive, beating, but no progress
             time.sleep(1)
         if step == args.raise_at_step and (
-                (faulty and ft.generation <= 0)
+                (faulty and ft.epoch <= 0)
                 or (args.raise_every_time and rank == args.fault_rank)):
             raise ValueError(f"injected error at step {step} on rank {rank}")
-        if faulty and ft.generation <= 0 and step == args.sleep_at_step:
+        if faulty and ft.epoch <= 0 and step == args.sleep_at_step:
             while True:  # alive, beating, but no progress: a stalled main thread
                 time.sleep(1)
         if step in args.hold_at_step:
@@ -159,11 +159,11 @@ def main() -> None:
         return loss.item()
 
     while ft.step < args.steps:
-        generation, rank, world = ft.generation, ft.rank, ft.world_size  # of this step
+        epoch, rank, world = ft.epoch, ft.rank, ft.world_size  # of this step
         loss = ft.run_step(compute, optimizer.step)
         if loss is not None:
             print(f"step={ft.step} loss={loss:.6f} rank={rank} pid={os.getpid()} "
-                  f"t={time.time():.6f} gen={generation} world={world}", flush=True)
+                  f"t={time.time():.6f} epoch={epoch} world={world}", flush=True)
             if (checkpoint is not None and args.checkpoint_every > 0 and ft.rank == 0
                     and ft.step % args.checkpoint_every == 0):
                 save_checkpoint(checkpoint, ft.state_dict())

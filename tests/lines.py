@@ -63,10 +63,10 @@ class Step(Line):
 @dataclass(frozen=True)
 class ElasticStep(Step):
     """A committed step of train_elastic.py, with the generation and world size the step was
-    computed in (gen is -1 outside regroup); a :class:`Step` to code that waits for steps."""
+    computed in (epoch is -1 outside regroup); a :class:`Step` to code that waits for steps."""
 
-    FORMAT: ClassVar[str] = Step.FORMAT + " gen={gen} world={world}"
-    gen: int
+    FORMAT: ClassVar[str] = Step.FORMAT + " epoch={epoch} world={world}"
+    epoch: int
     world: int
 
 
@@ -76,9 +76,9 @@ class Regroup(Line):
     ``checksum`` stays text as printed: equal parameters print equal text, and that is what
     the invariants compare."""
 
-    FORMAT: ClassVar[str] = "regroup gen={gen} rank={rank} world={world} step={step} " \
+    FORMAT: ClassVar[str] = "regroup epoch={epoch} rank={rank} world={world} step={step} " \
                             "checksum={checksum}"
-    gen: int
+    epoch: int
     rank: int
     world: int
     step: int
@@ -220,7 +220,7 @@ class _Format:
 
 
 def _first_word(body: str) -> str:
-    """``regroup`` of ``regroup gen=1 ...``, ``step`` of ``step=3 ...``."""
+    """``regroup`` of ``regroup epoch=1 ...``, ``step`` of ``step=3 ...``."""
     return body.split(" ", 1)[0].split("=", 1)[0]
 
 
@@ -342,26 +342,26 @@ def check_regroup_invariants(
     ``loss_falls``, the mean loss of the last 8 steps is below that of the first 8 (the
     recovery did not derail training).
 
-    Raises AssertionError naming the generation, rank and line that break an invariant.
+    Raises AssertionError naming the member epoch, rank and line that break an invariant.
     """
     regroups = select(records, Regroup)
     steps = select(records, ElasticStep)
     assert regroups, "no regroup happened"
-    by_generation: dict[int, list[Regroup]] = defaultdict(list)
+    by_epoch: dict[int, list[Regroup]] = defaultdict(list)
     for regroup in regroups:
-        by_generation[regroup.gen].append(regroup)
-    for generation, members in by_generation.items():
+        by_epoch[regroup.epoch].append(regroup)
+    for epoch, members in by_epoch.items():
         first = members[0]
         for other in members[1:]:
             assert other.checksum == first.checksum, (
-                f"generation {generation}: rank {other.rank} has checksum {other.checksum}, "
+                f"member epoch {epoch}: rank {other.rank} has checksum {other.checksum}, "
                 f"rank {first.rank} {first.checksum}:\n  {first.where()}\n  {other.where()}")
     for regroup in regroups:
-        later = [s for s in steps if s.gen == regroup.gen]
+        later = [s for s in steps if s.epoch == regroup.epoch]
         if later:
             earliest = min(later, key=lambda s: s.step)
             assert earliest.step == regroup.step + 1, (
-                f"generation {regroup.gen} regrouped at step {regroup.step} (rank "
+                f"member epoch {regroup.epoch} regrouped at step {regroup.step} (rank "
                 f"{regroup.rank}) but its first committed step is {earliest.step} (rank "
                 f"{earliest.rank}):\n  {regroup.where()}\n  {earliest.where()}")
     assert_steps_consecutive(records, survivors)
@@ -369,8 +369,8 @@ def check_regroup_invariants(
         assert_went_on(records, survivors)
     if world is not None:
         assert any(r.world == world for r in regroups), (
-            f"no generation formed with {world} ranks: "
-            f"{sorted({(r.gen, r.world) for r in regroups})} (generation, world)")
+            f"no member epoch formed with {world} ranks: "
+            f"{sorted({(r.epoch, r.world) for r in regroups})} (epoch, world)")
     if loss_falls:
         losses = [s.loss for s in steps]
         assert sum(losses[-8:]) / 8 < sum(losses[:8]) / 8, (
@@ -378,10 +378,10 @@ def check_regroup_invariants(
     if finished is not None:
         done = select(records, Done)
         assert steps, "no step committed"
-        # A replacement admitted at the last step boundary forms a generation that commits
+        # A replacement admitted at the last step boundary forms a member epoch that commits
         # no step: its regroup lines, not the last step, give the final world.
-        last_formed = max(regroups, key=lambda r: r.gen)
-        final_world = (last_formed.world if last_formed.gen > steps[-1].gen
+        last_formed = max(regroups, key=lambda r: r.epoch)
+        final_world = (last_formed.world if last_formed.epoch > steps[-1].epoch
                        else steps[-1].world)
         assert len(done) == final_world, (
             f"{len(done)} ranks printed done, the final world has {final_world}:\n  "

@@ -491,6 +491,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         find="            elif self.last_commit is not None:",
         replace="            elif False:  # MUTATION: the members' status beats, not last_commit",
         tests=(
+            "tests/test_faults.py::test_an_epoch_followed_at_once_by_the_next_still_gets_its_own_formed_record",
+            "tests/test_faults.py::test_an_epoch_that_never_formed_is_dropped_once_a_later_one_has",
             "tests/test_faults.py::test_a_killed_worker_gets_one_record_a_line_and_the_success_summary",
         ),
         known_miss=(
@@ -725,6 +727,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         find="            present = self.store.exists(key)",
         replace="            present = self.store.wait_for(key, 0.05)  # MUTATION: a 50 ms server-side wait per look",
         tests=(
+            "tests/test_worker_waits.py::test_a_member_waiting_for_a_late_decision_prints_no_store_warnings",
             "tests/test_regroup.py::test_kill_inside_allreduce_survivors_continue_and_match_fault_free",
         ),
         known_miss=(
@@ -1867,6 +1870,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         find="        if not readable([self._sock.fileno()], timeout_s):",
         replace="        if not __import__(\"select\").select([self._sock.fileno()], [], [], timeout_s)[0]:  # MUTATION",
         tests=(
+            "tests/test_fdlimit.py::test_a_fork_server_whose_socket_is_numbered_above_1023_forks_and_reports",
             "tests/test_fdlimit.py::test_an_agent_with_descriptors_above_1023_watches_its_workers[fork-server]",
         ),
         known_miss=(
@@ -2102,7 +2106,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         file="tests/lines.py",
         find=(
-            "        final_world = (last_formed.world if last_formed.gen > steps[-1].gen\n"
+            "        final_world = (last_formed.world if last_formed.epoch > steps[-1].epoch\n"
             "                       else steps[-1].world)"
         ),
         replace="        final_world = steps[-1].world  # MUTATION",
@@ -2488,6 +2492,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         replace="        return False  # MUTATION: without its status clause",
         tests=(
+            "tests/test_supervisors.py::test_after_a_takeover_the_survivors_state_is_waited_for_past_the_heartbeat_timeout",
             "tests/test_etcd_standby.py::test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd",
         ),
         known_miss=(

@@ -698,7 +698,7 @@ def test_netns_etcd_member_killed_then_writer_node_killed_then_writer_cut_off(
             mine = find(node.lines[mark:], ElasticStep)
             numbers = [s.step for s in mine]
             assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
-            assert len({s.gen for s in mine}) == 1 and mine[-1].world == 3, mine[-1]
+            assert len({s.epoch for s in mine}) == 1 and mine[-1].world == 3, mine[-1]
             own = "\n".join(x for x in node.lines[mark:] if "step=" not in x)
             for sign in ("lost", "ended", "restarting", "failed", "Traceback"):
                 assert sign not in own, own[-3000:]

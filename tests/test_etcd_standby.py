@@ -150,7 +150,7 @@ def test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd(  # type:
         assert job["endpoint"] == f"etcd at {cluster.endpoints} (run id {RUN_ID})", job
         assert job["world_size"] == 2, job
         for node in (writer, by_rank[2]):  # both go on in the new world before the next fault
-            node.wait_for(lambda lines: sum(s.world == 2 and s.gen > 0
+            node.wait_for(lambda lines: sum(s.world == 2 and s.epoch > 0
                                             for s in find(lines, ElasticStep)) >= 3, 60,
                           f"{node.host.name} stepping after the first fault")
         # Fault 2: the writer's node, with the store of the member epochs.

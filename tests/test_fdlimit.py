@@ -23,10 +23,13 @@ import contextlib
 import os
 import resource
 import subprocess
+import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
+from ftrun.agent.forkserver import ForkServer
 from tests.launch import free_port, launcher
 
 _FILLER = 1100  # inherited descriptors: the agent's own are numbered above them
@@ -141,4 +144,44 @@ def test_readable_answers_as_select_did_for_any_descriptor_number() -> None:
         for fd in (read_end, write_end, high):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_fork_server_whose_socket_is_numbered_above_1023_forks_and_reports(
+        job_dir: Path) -> None:
+    """A fork server started by a process that already holds over 1,023 descriptors, every
+    number below taken (what a store host's agent holds; the CLI starts its server early,
+    so this is the fork server's own promise): its socket to the agent is numbered above
+    1023, and the agent still reads its readiness, a forked worker's pid, output and exit
+    status from it (``poll``, not ``select``, which refuses such a number)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = _FILLER + 500
+    if hard != resource.RLIM_INFINITY and hard < room:
+        pytest.skip(f"the hard open-file limit here ({hard}) leaves no room for {_FILLER} more")
+    script = job_dir / "forked.py"
+    script.write_text("import sys\nprint('forked worker', flush=True)\nsys.exit(3)\n")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, room), hard))
+    filler: list[IO[bytes]] = []
+    server: ForkServer | None = None
+    try:
+        while not filler or filler[-1].fileno() < _FILLER:  # every lower number taken
+            filler.append(open("/dev/null", "rb"))  # noqa: SIM115
+        server = ForkServer(["json"], env=dict(os.environ), path0=str(job_dir))
+        assert server._sock.fileno() > 1023, server._sock.fileno()
+        server.wait_ready(60)
+        child = server.spawn([str(script)], module=False, env=dict(os.environ),
+                             cwd=str(job_dir))
+        deadline = time.monotonic() + 60
+        while child.poll() is None:
+            assert time.monotonic() < deadline, "the forked worker's exit was never seen"
+            time.sleep(0.05)
+        assert child.returncode == 3
+        assert child.stdout.read() == b"forked worker\n"
+        child.stdout.close()
+        child.stderr.close()
+    finally:
+        if server is not None:
+            server.close()
+        for handle in filler:
+            handle.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -66,10 +66,10 @@ def test_real_run_parses_into_every_record_of_a_regroup(shrunk: list[Line]) -> N
     # 3 ranks commit steps 1..6, rank 2 raises computing the next (when ft.step is 6), the
     # other 2 regroup at step 6 and go on to the end.
     assert len(steps) == 3 * FAULT_AT + 2 * (STEPS - FAULT_AT), shrunk
-    assert {(r.gen, r.world, r.step) for r in regroups} == {(1, 2, FAULT_AT)}
+    assert {(r.epoch, r.world, r.step) for r in regroups} == {(1, 2, FAULT_AT)}
     assert sorted(r.rank for r in regroups) == [0, 1]
     assert sorted(d.rank for d in done) == [0, 1] and {d.steps for d in done} == {STEPS}
-    assert all(s.source == f"rank{s.rank}" for s in steps if s.gen == 0)
+    assert all(s.source == f"rank{s.rank}" for s in steps if s.epoch == 0)
     assert len(_survivors(shrunk)) == 2
     check_regroup_invariants(shrunk, survivors=_survivors(shrunk), world=2, finished=STEPS)
 
@@ -80,7 +80,7 @@ def test_checker_fails_on_a_differing_checksum(shrunk: list[Line]) -> None:
     assert isinstance(regroup, Regroup)
     tampered = [*shrunk]
     tampered[index] = dataclasses.replace(regroup, checksum=regroup.checksum + "1")
-    with pytest.raises(AssertionError, match=r"generation 1: rank \d has checksum"):
+    with pytest.raises(AssertionError, match=r"member epoch 1: rank \d has checksum"):
         check_regroup_invariants(tampered)
     check_regroup_invariants(shrunk)  # the untouched records pass
 
@@ -103,13 +103,13 @@ def test_checker_fails_when_a_generation_does_not_start_after_the_last_commit(
         shrunk: list[Line]) -> None:
     tampered = [dataclasses.replace(r, step=r.step - 1) if isinstance(r, Regroup) else r
                 for r in shrunk]
-    with pytest.raises(AssertionError, match=rf"generation 1 regrouped at step {FAULT_AT - 1} .* "
+    with pytest.raises(AssertionError, match=rf"member epoch 1 regrouped at step {FAULT_AT - 1} .* "
                                              rf"first committed step is {FAULT_AT + 1}"):
         check_regroup_invariants(tampered)
 
 
 def test_checker_fails_on_the_wrong_world_or_ending(shrunk: list[Line]) -> None:
-    with pytest.raises(AssertionError, match="no generation formed with 3 ranks"):
+    with pytest.raises(AssertionError, match="no member epoch formed with 3 ranks"):
         check_regroup_invariants(shrunk, world=3)
     with pytest.raises(AssertionError, match=f"expected steps={STEPS + 1}"):
         check_regroup_invariants(shrunk, finished=STEPS + 1)
@@ -129,9 +129,9 @@ def test_checker_final_world_counts_a_joiner_admitted_at_the_last_step(
     """Seen in CI: the replacement's generation formed after the survivors' last step, so
     no step carries its world; its regroup lines do, and its done line belongs."""
     done = select(shrunk, Done)
-    last = max(select(shrunk, Regroup), key=lambda r: r.gen)
+    last = max(select(shrunk, Regroup), key=lambda r: r.epoch)
     world = last.world + 1
-    joined = [dataclasses.replace(last, gen=last.gen + 1, rank=rank, world=world, step=STEPS)
+    joined = [dataclasses.replace(last, epoch=last.epoch + 1, rank=rank, world=world, step=STEPS)
               for rank in range(world)]
     joiner_done = dataclasses.replace(done[0], rank=world - 1)
     check_regroup_invariants([*shrunk, *joined, joiner_done], finished=STEPS)
@@ -149,8 +149,8 @@ def test_checker_survivor_must_step_past_the_fault(shrunk: list[Line]) -> None:
 
 def test_checker_loss_must_fall_when_asked() -> None:
     def run(losses: list[float]) -> list[Line]:
-        return parse(["[rank0]: regroup gen=1 rank=0 world=1 step=1 checksum=0.1",
-                      *(f"[rank0]: step={n} loss={loss} rank=0 pid=7 t=1.5 gen=1 world=1"
+        return parse(["[rank0]: regroup epoch=1 rank=0 world=1 step=1 checksum=0.1",
+                      *(f"[rank0]: step={n} loss={loss} rank=0 pid=7 t=1.5 epoch=1 world=1"
                         for n, loss in enumerate(losses, start=2))])
 
     rising, falling = run([1.0] * 8 + [2.0] * 8), run([2.0] * 8 + [1.0] * 8)
@@ -162,11 +162,11 @@ def test_checker_loss_must_fall_when_asked() -> None:
 
 # Lines as the scripts print them and the agent forwards them (copied from real runs).
 SAMPLES: list[tuple[str, Line]] = [
-    ("[rank2]: step=60 loss=0.090627 rank=1 pid=9252 t=1796137498.902891 gen=2 world=3",
+    ("[rank2]: step=60 loss=0.090627 rank=1 pid=9252 t=1796137498.902891 epoch=2 world=3",
      ElasticStep(source="rank2", origin="", index=0, text="", step=60, loss=0.090627, rank=1,
-                 pid=9252, t=1796137498.902891, gen=2, world=3)),
-    ("[member0.3]: regroup gen=2 rank=2 world=3 step=49 checksum=-4.607841366002",
-     Regroup(source="member0.3", origin="", index=0, text="", gen=2, rank=2, world=3,
+                 pid=9252, t=1796137498.902891, epoch=2, world=3)),
+    ("[member0.3]: regroup epoch=2 rank=2 world=3 step=49 checksum=-4.607841366002",
+     Regroup(source="member0.3", origin="", index=0, text="", epoch=2, rank=2, world=3,
              step=49, checksum="-4.607841366002")),
     ("[rank0]: done rank=0 steps=60 param_sum=-5.047536645587",
      Done(source="rank0", origin="", index=0, text="", rank=0, steps=60,
@@ -174,9 +174,9 @@ SAMPLES: list[tuple[str, Line]] = [
     ("step=7 loss=0.12345 rank=3 pid=41 t=1700000000.000001",  # unprefixed (torchrun)
      Step(source=None, origin="", index=0, text="", step=7, loss=0.12345, rank=3, pid=41,
           t=1700000000.000001)),
-    ("[rank1]: step=3 loss=0.2 rank=1 pid=5 t=1.0 gen=-1 world=2",  # outside regroup
+    ("[rank1]: step=3 loss=0.2 rank=1 pid=5 t=1.0 epoch=-1 world=2",  # outside regroup
      ElasticStep(source="rank1", origin="", index=0, text="", step=3, loss=0.2, rank=1,
-                 pid=5, t=1.0, gen=-1, world=2)),
+                 pid=5, t=1.0, epoch=-1, world=2)),
     ("[rank1]: resumed step=20 rank=1",
      Resumed(source="rank1", origin="", index=0, text="", step=20, rank=1)),
     ("[rank3]: start rank=3 world=4 restart=1 pid=77",
@@ -214,7 +214,7 @@ def test_unrelated_lines_and_quotes_are_not_records() -> None:
     records = parse(["noise", "[rank0]: resumed step=2 rank=0", "noise",
                      "[rank0]: start rank=0 world=2 restart=0 pid=5"], origin="n")
     assert [(type(r), r.index, r.origin) for r in records] == [(Resumed, 1, "n"), (Start, 3, "n")]
-    assert find(["[rank0]: step=1 loss=0.1 rank=0 pid=5 t=1.0 gen=0 world=1",
+    assert find(["[rank0]: step=1 loss=0.1 rank=0 pid=5 t=1.0 epoch=0 world=1",
                  "[rank0]: step=2 loss=0.1 rank=0 pid=5 t=1.0"], Step) == [
-        parse_line("[rank0]: step=1 loss=0.1 rank=0 pid=5 t=1.0 gen=0 world=1"),
+        parse_line("[rank0]: step=1 loss=0.1 rank=0 pid=5 t=1.0 epoch=0 world=1"),
         parse_line("[rank0]: step=2 loss=0.1 rank=0 pid=5 t=1.0", 1)]

@@ -773,7 +773,7 @@ def test_netns_worker_killed_on_one_node_is_replaced_in_place(job_dir: Path, net
     os.kill(victim, signal.SIGKILL)
     _wait_survivors_in_world([nodes[0], nodes[2]], 5)
     for node in nodes:  # generation 0 had 6, 1 has 5: a later one with 6 has the joiner
-        node.wait_for(lambda lines: any(s.gen >= 2 and s.world == 6
+        node.wait_for(lambda lines: any(s.epoch >= 2 and s.world == 6
                                         for s in find(lines, ElasticStep)), 180,
                       "the replacement joined: 6 ranks again")
     out = "\n".join(n.output for n in nodes)

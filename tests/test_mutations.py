@@ -107,3 +107,28 @@ def test_a_random_sample_of_the_breakages_is_caught() -> None:
         pytest.skip(f"FTRUN_MUTATION_SEED={seed}: caught {report['caught']}, not judged here "
                     f"{report['not_judged']}:\n{table}")
     assert len(report["caught"]) == SAMPLE, table
+
+
+def test_a_scratch_copy_s_interpreter_imports_its_ftrun_whatever_the_pythonpath(
+        tmp_path: Path) -> None:
+    """The scratch copy's virtual environment (``scratch_venv``) imports ``ftrun`` from the
+    copy, also in a process started with a ``PYTHONPATH`` of its own or with none (the
+    tests of ``ftrun status`` and of the exit hook start ``ftrun`` that way), and its
+    ``ftrun`` script runs that interpreter: a mutant is never hidden by the installed
+    package."""
+    mutate = _mutate()
+    (tmp_path / "ftrun").mkdir()
+    (tmp_path / "ftrun" / "__init__.py").write_text("SCRATCH = True\n")
+    python = mutate.scratch_venv(tmp_path)
+    assert python.parent.parent == tmp_path / mutate.VENV
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for env in ({"PYTHONPATH": str(elsewhere)}, {}):
+        done = subprocess.run(
+            [str(python), "-c", "import ftrun, sys; print(ftrun.__file__, ftrun.SCRATCH)"],
+            cwd=elsewhere, env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
+            text=True, timeout=60, check=False)
+        assert done.stdout.split() == [str(tmp_path / "ftrun" / "__init__.py"), "True"], done
+    if (Path(sys.executable).parent / "ftrun").is_file():
+        first = (python.parent / "ftrun").read_text().splitlines()[0]
+        assert first == f"#!{python}"

@@ -140,8 +140,8 @@ def _wait_world(run: Launch, world: int, after_generation: int, timeout: float =
     """Wait until a generation newer than ``after_generation`` commits steps with ``world``
     ranks; return its number."""
     def seen(lines: list[str]) -> int | None:
-        return next((s.gen for s in find(lines, ElasticStep)
-                     if s.gen > after_generation and s.world == world), None)
+        return next((s.epoch for s in find(lines, ElasticStep)
+                     if s.epoch > after_generation and s.world == world), None)
 
     return run.wait_for(seen, timeout, f"steps with {world} ranks after gen {after_generation}")
 
@@ -241,8 +241,8 @@ def test_member_dying_after_the_others_voted_aborts_the_step_on_every_survivor(
     votes = store.present_records([P.vote_key(0, DIE_AT, m) for m in sorted(alive | {dead})])
     assert {k.rsplit("/", 1)[1] for k, v in votes.items() if v is not None} == alive, votes
     assert store.first_record(P.decision_key(0, DIE_AT)) == {"value": P.ABORT}
-    assert all(s.gen >= 1 for s in committed), [s.where() for s in committed]
-    for generation in {s.gen for s in committed}:
+    assert all(s.epoch >= 1 for s in committed), [s.where() for s in committed]
+    for generation in {s.epoch for s in committed}:
         decided = store.first_record(P.decision_key(generation, DIE_AT))
         assert decided in ({"value": P.COMMIT}, {"value": P.COMMIT_REGROUP}), decided
     # Each survivor had committed steps 0..19 when the victim died: it voted on step 20.
@@ -264,7 +264,7 @@ def test_member_dying_after_the_others_voted_aborts_the_step_on_every_survivor(
         assert decision.value == P.ABORT and decision.voter_ids == alive, decision.where()
     # Step 20 committed exactly once per survivor, and by no one in member epoch 0.
     again = [s for s in select(records, ElasticStep) if s.step == DIE_AT + 1]
-    assert sorted(s.pid for s in again) == sorted(pids) and all(s.gen >= 1 for s in again), (
+    assert sorted(s.pid for s in again) == sorted(pids) and all(s.epoch >= 1 for s in again), (
         "\n".join(s.where() for s in again))
     _check_invariants(run, survivors=survivors)
     events = _events(job_dir)
@@ -282,7 +282,7 @@ def test_frozen_worker_is_detected_killed_and_replaced(job_dir: Path) -> None:
     os.kill(frozen, signal.SIGSTOP)
     run.wait_for(lambda lines: "frozen" in "\n".join(lines), 60, "the frozen verdict")
     progress = run.wait_for(  # a step committed by the survivors' new generation
-        lambda lines: next((s for s in find(lines, ElasticStep) if s.gen >= 1), None), 60,
+        lambda lines: next((s for s in find(lines, ElasticStep) if s.epoch >= 1), None), 60,
         "progress after the freeze")
     took = progress.t - stopped
     print(f"SIGSTOP to progress: {took:.3f}s")
@@ -335,14 +335,14 @@ def test_rank_zero_failing_and_two_faults_in_a_row(job_dir: Path) -> None:
     # commits none (its members regroup again at once to admit it; seen under load).
     after = run.wait_for(
         lambda lines: next((s for s in find(lines, ElasticStep)
-                            if s.gen >= 1 and s.rank == 0), None),
+                            if s.epoch >= 1 and s.rank == 0), None),
         120, "rank 0's first step after the first fault")
     second = after.pid
     os.kill(second, signal.SIGKILL)
     # The second victim survived the first fault: it too went on past it, then died.
     survivors = _survivors(run, before, first)
     assert second in survivors, (second, survivors)
-    _wait_world(run, 4, after_generation=after.gen)
+    _wait_world(run, 4, after_generation=after.epoch)
     _stop(run, survivors)
     _check_invariants(run, survivors=survivors)
     failures = [e for e in _events(job_dir) if e["event"] == "failure"]
@@ -394,7 +394,7 @@ def test_warm_spare_restores_the_world_size_at_once(job_dir: Path) -> None:
     before = len(run.lines)
     os.kill(victim, signal.SIGKILL)
     generation = run.wait_for(
-        lambda lines: next((r for r in find(lines, Regroup) if r.gen == 1), None), 120,
+        lambda lines: next((r for r in find(lines, Regroup) if r.epoch == 1), None), 120,
         "generation 1")
     assert generation.world == 4  # the spare took the place at once: no shrink
     survivors = _survivors(run, before, victim)
@@ -482,7 +482,7 @@ def test_forged_regroup_records_change_nothing(job_dir: Path) -> None:
     records = parse(run.lines)
     steps = [s for s in records if isinstance(s, ElasticStep)]
     after = [s for s in steps if s.step > step]
-    assert {s.pid for s in after} == pids and {s.gen for s in after} == {0}, "a regroup happened"
+    assert {s.pid for s in after} == pids and {s.epoch for s in after} == {0}, "a regroup happened"
     assert all(s.world == 4 for s in after)
     assert_steps_consecutive(records, {s.pid for s in steps})
     survivors = _survivors(run, before)  # all four: each went on past the forgery

@@ -460,3 +460,35 @@ def test_records_checked_on_a_store_that_then_dies_are_not_waited_for_on_the_nex
     finally:
         dead.kill()
         dead.wait(10)
+
+
+def test_a_member_waiting_for_a_late_decision_prints_no_store_warnings(
+        job: Job, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 13: a member that voted waits for the step's decision until the other member's
+    vote comes, here half a second later. It then has the decision (commit), and this
+    process's output holds none of torch's ``[c10d] waitForInput ... timed out`` warnings:
+    each look at the decision is a check, not a server-side wait that times out (torch's
+    client prints two warnings for every one that does, on every rank, every step)."""
+    monkeypatch.setenv(TOKEN_ENV, SECRET)
+    members = []
+    for member in ("0.0", "0.1"):
+        env = job.env(member, initial=True)
+        assert env.member is not None
+        membership = Membership(env, env.member, op_timeout=timedelta(seconds=30),
+                                regroup_timeout_s=DEADLINE_S, heartbeat_s=1.0,
+                                progress=lambda: (0, 0))
+        membership.members = ("0.0", "0.1")  # what init() sets from member epoch 0
+        members.append(membership)
+    capfd.readouterr()  # what connecting printed is not this test's
+    first, last = members
+    decided: list[str] = []
+    waiter = threading.Thread(target=lambda: decided.append(first.decide(0, 1, True)),
+                              daemon=True)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not decided, "decided without the other member's vote"
+    assert last.decide(0, 1, True) == P.COMMIT
+    waiter.join(DEADLINE_S)
+    assert not waiter.is_alive() and decided == [P.COMMIT]
+    err = capfd.readouterr().err
+    assert "waitForInput" not in err and "timed out" not in err, err

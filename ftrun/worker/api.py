@@ -82,6 +82,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
@@ -101,6 +102,8 @@ from ftrun.worker.transfer import share_state
 __all__ = ["FaultTolerance", "RegroupError", "RegroupTimeoutError", "Stateful", "init"]
 
 T = TypeVar("T")
+#: :attr:`FaultTolerance.generation` said it is deprecated (once per process).
+_GENERATION_WARNED = False
 
 
 class Stateful(Protocol):
@@ -154,7 +157,15 @@ class FaultTolerance:
 
     @property
     def generation(self) -> int:
-        """The member epoch, under the name scripts already use (see :attr:`epoch`)."""
+        """Deprecated: :attr:`epoch`. It named the member epoch while ``FTRUN_GENERATION``
+        names the job generation (a restart): one word for two counters. Kept one release;
+        the first use warns (a ``FutureWarning``, shown by default), once per process."""
+        global _GENERATION_WARNED
+        if not _GENERATION_WARNED:
+            _GENERATION_WARNED = True
+            warnings.warn("ftrun: FaultTolerance.generation is deprecated and will be "
+                          "removed: use .epoch (the member epoch; FTRUN_GENERATION is the job "
+                          "generation)", FutureWarning, stacklevel=2)
         return self.epoch
 
     @property

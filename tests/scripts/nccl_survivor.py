@@ -69,11 +69,11 @@ def block_in_a_fresh_communicator() -> None:
 
 
 def compute() -> None:
-    if ft.generation == 0 and ft.rank == victim:
+    if ft.epoch == 0 and ft.rank == victim:
         print(f"victim pid={os.getpid()}", flush=True)
         while True:
             time.sleep(1)
-    if ft.generation == 0:
+    if ft.epoch == 0:
         print(f"blocking in ncclAllReduce pid={os.getpid()}", flush=True)
         started = time.monotonic()
         code = nccl.ncclAllReduce(ctypes.c_void_p(buffer.data_ptr()),
@@ -82,16 +82,16 @@ def compute() -> None:
         print(f"released code={code} after={time.monotonic() - started:.3f}", flush=True)
         if code != 0:
             raise RuntimeError(f"NCCL error {code}")  # what torch raises for a failed call
-    if twice and ft.generation == 1 and ft.rank == 1:
+    if twice and ft.epoch == 1 and ft.rank == 1:
         print(f"victim pid={os.getpid()}", flush=True)
         while True:
             time.sleep(1)
-    if twice and ft.generation == 1:
+    if twice and ft.epoch == 1:
         block_in_a_fresh_communicator()
 
 
 def say_regroup(rank: int, world: int) -> None:
-    print(f"regroup gen={ft.generation} rank={rank} world={world} step={ft.step} "
+    print(f"regroup epoch={ft.epoch} rank={rank} world={world} step={ft.step} "
           f"checksum={applied.item():.0f}", flush=True)
 
 
@@ -100,7 +100,7 @@ commit_or_abort = ft.run_step
 
 def run_step_and_say(compute_step: Callable[[], None], apply: Callable[[], None]) -> None:
     """ft.run_step, and a step line when the step was committed (counted in ``applied``)."""
-    generation, rank, world, before = ft.generation, ft.rank, ft.world_size, ft.step
+    epoch, rank, world, before = ft.epoch, ft.rank, ft.world_size, ft.step
 
     def apply_and_count() -> None:
         apply()
@@ -109,7 +109,7 @@ def run_step_and_say(compute_step: Callable[[], None], apply: Callable[[], None]
     commit_or_abort(compute_step, apply_and_count)
     if ft.step > before:
         print(f"step={ft.step} loss=0.0 rank={rank} pid={os.getpid()} t={time.time():.6f} "
-              f"gen={generation} world={world}", flush=True)
+              f"epoch={epoch} world={world}", flush=True)
 
 
 ft.on_regroup(say_regroup)
@@ -117,4 +117,4 @@ ft.run_step = run_step_and_say  # type: ignore[method-assign]
 
 while ft.step < 3:
     ft.run_step(compute, lambda: None)
-print(f"finished generation={ft.generation} world={ft.world_size} step={ft.step}", flush=True)
+print(f"finished generation={ft.epoch} world={ft.world_size} step={ft.step}", flush=True)
