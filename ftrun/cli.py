@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ftrun import __version__
+from ftrun.client.faultspec import FaultSpecError, Schedule, parse_schedule
 from ftrun.config import (
     DEFAULT_MASTER_PORT,
     DEFAULT_RDZV_PORT,
@@ -49,7 +50,6 @@ from ftrun.config import (
 )
 from ftrun.control.auth import TokenError, load_secret
 from ftrun.exitcodes import ExitCode, exit_at_once
-from ftrun.faultspec import FaultSpecError, Schedule, parse_schedule
 
 SUBCOMMANDS = ("doctor", "report", "inject", "status")
 
@@ -157,7 +157,7 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "(auto: at least 2 s, more after slow steps; 0: off)."),
     ("--inject", "inject", "FTRUN_INJECT", "",
      "Inject faults on a schedule, e.g. 'kill rank=1 step=20; freeze rank=2 after=30; seed=7' "
-     "(kinds: kill, freeze, hang, raise, kill-agent, cut-link; see ftrun/faultspec.py)."),
+     "(kinds: kill, freeze, hang, raise, kill-agent, cut-link; see ftrun/client/faultspec.py)."),
     ("--metrics-port", "metrics_port", "FTRUN_METRICS_PORT", "",
      "Serve Prometheus metrics on this port (0: any free port; unset: off)."),
     ("--straggler-policy", "straggler_policy", "FTRUN_STRAGGLER_POLICY", "warn",
@@ -220,7 +220,7 @@ def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     signals (``--signal=USR1@90``) are forwarded too, so a script can checkpoint before a
     preemption or time limit.
     """
-    from ftrun.slurm import SlurmEnvironmentError, slurm_launch_defaults
+    from ftrun.host.slurm import SlurmEnvironmentError, slurm_launch_defaults
 
     try:
         found = slurm_launch_defaults(environ)
@@ -564,11 +564,11 @@ def _run_subcommand(name: str, args: list[str]) -> int:
 
         return report(args)
     if name == "inject":  # a fault, now, in a running job (through its control store)
-        from ftrun.inject import main as inject
+        from ftrun.client.inject import main as inject
 
         return inject(args)
     if name == "status":  # one look at a running job (its leader's record in the store)
-        from ftrun.status import main as status
+        from ftrun.client.status import main as status
 
         return status(args)
     raise AssertionError(name)

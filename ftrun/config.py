@@ -18,8 +18,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, cast
 
-from ftrun.faultspec import Schedule
-from ftrun.hostnet import port_bind_error
+from ftrun.client.faultspec import Schedule
+from ftrun.host.hostnet import port_bind_error
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_RDZV_PORT = 29400
@@ -133,7 +133,7 @@ class LaunchConfig:
     events_file: Path | None = None
     event_log_console: bool = False
     start_method: str = "spawn"
-    # Observing a job (issue 13): faults injected on purpose (ftrun.faultspec), the
+    # Observing a job (issue 13): faults injected on purpose (ftrun.client.faultspec), the
     # Prometheus endpoint's port (None: off; 0: any free port).
     inject: Schedule | None = None
     metrics_port: int | None = None
@@ -378,7 +378,7 @@ def check_resolvable(host: str, flag: str) -> None:
 def check_port_free(port: int, flag: str) -> None:
     """Refuse early when a port the store must bind is taken (a clearer error than torch's).
     Taken means listened on, not merely lingering in TIME_WAIT after a job that just ended:
-    the rule is ``ftrun.hostnet.port_bind_error``'s, which ``ftrun doctor`` shares."""
+    the rule is ``ftrun.host.hostnet.port_bind_error``'s, which ``ftrun doctor`` shares."""
     error = port_bind_error(port)
     if error is not None:
         raise ConfigError(f"{flag}={port}: port is in use ({error.strerror})")

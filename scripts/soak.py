@@ -80,7 +80,7 @@ sys.path.insert(0, str(REPO))
 
 from cpuload import Burners  # noqa: E402
 
-from ftrun.agent.faults import FaultBook  # noqa: E402
+from ftrun.agent.faults import FaultBook, FaultRecord  # noqa: E402
 
 MARKER = "FTRUN_SOAK_RUN"
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=([\d.]+)")
@@ -259,6 +259,9 @@ class RunResult:
     productive_s: float | None = None
     wall_s: float | None = None
     workdir: str = ""
+    # faults that acted at the victim's next step but whose job generation a restart had
+    # already ended (see absorbed_by_restart)
+    absorbed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -575,20 +578,26 @@ def check(job: Job, result: RunResult, reference: str | None, deadline_s: float)
             problems.append(f"final parameters {result.digest} are not the fault-free "
                             f"{reference}")
     records = []
+    generation_of: dict[int, int] = {}
     with contextlib.suppress(OSError):
         lines = job.events.read_text().splitlines()
         events = []
         for line in lines:
             with contextlib.suppress(json.JSONDecodeError):
                 events.append(json.loads(line))
+        generation_of = {e["pid"]: e["generation"] for e in events
+                         if e.get("event") == "spawn" and isinstance(e.get("pid"), int)
+                         and isinstance(e.get("generation"), int)}
         book = FaultBook().replay(events)
         records = book.faults
         summary = book.summary()
         result.productive_s, result.wall_s = summary.productive_s, summary.wall_s
     faults = [r for r in records if r.path != "escalate"]
     result.escalations = len(records) - len(faults)
-    if len(faults) != len(job.injected):
-        problems.append(f"{len(faults)} fault records for {len(job.injected)} faults: "
+    result.absorbed = absorbed_by_restart(job.injected, faults, generation_of)
+    if len(faults) + len(result.absorbed) != len(job.injected):
+        problems.append(f"{len(faults)} fault records for {len(job.injected)} faults"
+                        f"{f' ({len(result.absorbed)} absorbed)' if result.absorbed else ''}: "
                         f"{[r.headline for r in faults]}")
     for record in records:
         if record.recovery_s is not None and record.path != "none":
@@ -699,6 +708,32 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[index], 3)
 
 
+#: A raise or a hang acts at the victim's next step; a restart that detected another fault
+#: this soon after the injection stopped the victim before it could act.
+ABSORB_WINDOW_S = 1.0
+_VICTIM = re.compile(r"^(raise|hang) rank \d+ \(pid (\d+)\)$")
+
+
+def absorbed_by_restart(injected: list[tuple[float, str]], records: list[FaultRecord],
+                        generation_of: dict[int, int]) -> list[str]:
+    """The injected raises and hangs that never acted: no record names their process, and
+    a restart (the restart path ends every worker of the generation) of the victim's own
+    job generation (``generation_of``: pid -> generation, from the spawn events) detected
+    another fault within :data:`ABSORB_WINDOW_S` of the injection, so the victim was stopped
+    before its next step. A kill or a freeze acts at once and always needs its own record."""
+    named = {r.pid for r in records if r.pid is not None}
+    absorbed = []
+    for at, what in injected:
+        victim = _VICTIM.match(what)
+        if victim is None or int(victim[2]) in named:
+            continue
+        generation = generation_of.get(int(victim[2]))
+        if any(r.path == "restart" and r.generation == generation
+               and abs(r.detected - at) <= ABSORB_WINDOW_S for r in records):
+            absorbed.append(what)
+    return absorbed
+
+
 def figures(values: list[float]) -> dict[str, float | None]:
     return {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99),
             "max": round(max(values), 3) if values else None}
@@ -730,6 +765,7 @@ def summarize(results: list[RunResult], args: argparse.Namespace, seed: int,
         "max_gap_s": round(max((r.max_gap_s for r in results), default=0.0), 3),
         "goodput": round(sum(productive) / sum(walls), 4) if walls else None,
         "escalations": sum(r.escalations for r in results),
+        "absorbed": [f"{r.job} seed={r.seed}: {what}" for r in results for what in r.absorbed],
         "runs": len(results),
         "by_job": by_job,
         "seed": seed,

@@ -200,7 +200,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="port-check-without-reuseaddr",
         section=LAUNCHER,
         promise="the port check binds like the store (TIME_WAIT is not \"in use\")",
-        file="ftrun/hostnet.py",
+        file="ftrun/host/hostnet.py",
         find="        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n",
         replace="",
         tests=(
@@ -495,16 +495,12 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_faults.py::test_an_epoch_that_never_formed_is_dropped_once_a_later_one_has",
             "tests/test_faults.py::test_a_killed_worker_gets_one_record_a_line_and_the_success_summary",
         ),
-        known_miss=(
-            "caught in 1 of 3 runs: it passes when a beat lands between the fault and the formed "
-            "epoch"
-        ),
     ),
     Mutation(
         id="forked-worker-without-pdeathsig",
         section=CONTROL,
         promise="--preload: a forked worker dies with its fork server (which dies with the agent)",
-        file="ftrun/zygote.py",
+        file="ftrun/agent/zygote.py",
         find=(
             "    os.setsid()\n"
             "    _die_with_parent(server)\n"
@@ -518,14 +514,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="forked-worker-ignores-sigint",
         section=CONTROL,
         promise="--preload: a forked worker has Python's default signal dispositions",
-        file="ftrun/zygote.py",
+        file="ftrun/agent/zygote.py",
         find="    signal.signal(signal.SIGINT, signal.default_int_handler)",
         replace="    signal.signal(signal.SIGINT, signal.SIG_IGN)  # MUTATION: not Python's default",
         tests=(
             "tests/test_preload.py::test_forked_workers_look_like_torchruns_and_restart_without_imports",
         ),
         note=(
-            "ftrun/zygote.py `_become_worker`: the forked worker ignores SIGINT (first tried as a"
+            "ftrun/agent/zygote.py `_become_worker`: the forked worker ignores SIGINT (first tried as a"
             " server that ignores SIGINT and a worker that does not reset it)"
         ),
     ),
@@ -729,10 +725,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=(
             "tests/test_worker_waits.py::test_a_member_waiting_for_a_late_decision_prints_no_store_warnings",
             "tests/test_regroup.py::test_kill_inside_allreduce_survivors_continue_and_match_fault_free",
-        ),
-        known_miss=(
-            "caught with both cores kept busy by two spinning shells; unloaded, the waits may not"
-            " time out"
         ),
     ),
     Mutation(
@@ -1252,11 +1244,6 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_exit.py::test_a_raising_worker_destroys_its_groups_and_exits_1[spawned]",
             "tests/test_exit.py::test_a_raising_worker_destroys_its_groups_and_exits_1[preloaded]",
         ),
-        known_miss=(
-            "not visible from a scratch copy: the test gives ftrun a PYTHONPATH of its own, so "
-            "its agent and worker import the installed package (the row ran `PYTHONPATH=<scratch>"
-            " ftrun ... raise` by hand)"
-        ),
     ),
     Mutation(
         id="hangs-from-stacks-alone",
@@ -1676,7 +1663,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "`ftrun inject` refuses a rank outside the job before writing anything (exit 2), "
             "checked now in the test process through `cli.main`"
         ),
-        file="ftrun/inject.py",
+        file="ftrun/client/inject.py",
         find="        if fault.rank is not None and not fault.rank < world:",
         replace="        if fault.rank is not None and not fault.rank <= world:  # MUTATION",
         tests=(
@@ -1870,12 +1857,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         find="        if not readable([self._sock.fileno()], timeout_s):",
         replace="        if not __import__(\"select\").select([self._sock.fileno()], [], [], timeout_s)[0]:  # MUTATION",
         tests=(
-            "tests/test_fdlimit.py::test_a_fork_server_whose_socket_is_numbered_above_1023_forks_and_reports",
+            "tests/test_fdlimit.py::test_an_agent_reads_a_fork_server_whose_socket_is_numbered_above_1023",
             "tests/test_fdlimit.py::test_an_agent_with_descriptors_above_1023_watches_its_workers[fork-server]",
-        ),
-        known_miss=(
-            "not caught: the socket is made when the agent starts, before inherited descriptors' "
-            "numbers matter (fd 10 in the run)"
         ),
     ),
     Mutation(
@@ -1906,7 +1889,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="limit-line-whatever-the-need",
         section=CONTROL,
         promise="The too-small-limit line only when the job's largest size needs more",
-        file="ftrun/fdlimit.py",
+        file="ftrun/host/fdlimit.py",
         find="    if soft != resource.RLIM_INFINITY and soft < want:",
         replace="    if True:  # MUTATION: said whatever the need",
         tests=(
@@ -2495,24 +2478,16 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_supervisors.py::test_after_a_takeover_the_survivors_state_is_waited_for_past_the_heartbeat_timeout",
             "tests/test_etcd_standby.py::test_standbys_take_a_lost_nodes_ranks_and_the_lost_writers_on_etcd",
         ),
-        known_miss=(
-            "caught in 2 of 3 runs: those where the standby, not the promoted node, wins the "
-            "writer's key"
-        ),
     ),
     Mutation(
         id="job-key-not-run-scoped",
         section=CONTROL,
         promise="`ftrun status`/`inject` read an etcd-v3 job's record under its run's prefix",
-        file="ftrun/jobref.py",
+        file="ftrun/client/jobref.py",
         find="        return f\"ftrun/{self.run_id}/job\" if self.etcd else \"ftrun/job\"",
         replace="        return \"ftrun/job\"  # MUTATION",
         tests=(
             "tests/test_etcd.py::test_status_and_inject_name_an_etcd_job_or_say_why_not",
-        ),
-        known_miss=(
-            "not visible from a scratch copy: the test runs `ftrun status`/`inject` with "
-            "PYTHONPATH=tests/data/no_torch alone, so they import the installed package"
         ),
     ),
     Mutation(
@@ -2588,11 +2563,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         note=(
             "ftrun/control/store.py imports `TCPStore` at module level again (the code before "
             "1fbd25a, which also removed the CLI's quiet import before the agent)"
-        ),
-        known_miss=(
-            "not visible from a scratch copy: the test runs `ftrun status`/`inject` with "
-            "PYTHONPATH=tests/data/no_torch alone, so they import the installed package (the row "
-            "was tried in place)"
         ),
     ),
     Mutation(

@@ -582,7 +582,7 @@ def test_nccl_ifname_syntax() -> None:
 
 
 def test_visible_devices_mapping() -> None:
-    from ftrun.gpu import visible_indices
+    from ftrun.host.gpu import visible_indices
 
     uuids = ["GPU-aaa", "GPU-bbb", "GPU-ccc"]
     assert visible_indices(None, uuids) == ([0, 1, 2], None)

@@ -25,7 +25,7 @@ import pytest
 
 from ftrun.control.errors import StoreError
 from ftrun.control.tcpstore import serve_store
-from ftrun.hostnet import store_bind_address
+from ftrun.host.hostnet import store_bind_address
 from tests.infra.netns import tcp_connect
 from tests.launch import copy_train_script
 from tests.test_multinode import TOKEN, HostLaunch, _wait_all_succeed

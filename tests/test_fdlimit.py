@@ -1,7 +1,7 @@
 """An agent with thousands of descriptors: what the store host of a large job holds.
 
 The agent that serves a multi-node job's stores holds about eight descriptors per other
-node plus one or two per remote worker (ftrun/fdlimit.py), so at a few dozen nodes of
+node plus one or two per remote worker (ftrun/host/fdlimit.py), so at a few dozen nodes of
 eight workers its new descriptors are numbered above 1023. Two things must hold then, checked
 here with real agents and workers:
 
@@ -24,6 +24,7 @@ import os
 import resource
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -71,7 +72,7 @@ def test_an_agent_with_descriptors_above_1023_watches_its_workers(
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "nofile worker" in done.stdout, done.stdout + done.stderr
-    forked = "ftrun.zygote" in done.stdout  # the worker's parent: the fork server
+    forked = "ftrun.agent.zygote" in done.stdout  # the worker's parent: the fork server
     assert forked == (spawn == "fork-server"), done.stdout + done.stderr
 
 
@@ -103,9 +104,9 @@ def test_a_multinode_agent_raises_its_open_file_limit_but_not_its_workers(
 def test_doctor_judges_the_limit_the_workers_get() -> None:
     """A multi-node agent runs its health gate (``host.nofile`` among the quick checks)
     after raising its own limit: the check reads the limit the process started with, the
-    workers' (``ftrun.fdlimit.workers_limit``), not the one it runs with now."""
+    workers' (``ftrun.host.fdlimit.workers_limit``), not the one it runs with now."""
     from ftrun.doctor.host import check_nofile
-    from ftrun.fdlimit import workers_limit
+    from ftrun.host.fdlimit import workers_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     started = workers_limit()
@@ -147,41 +148,68 @@ def test_readable_answers_as_select_did_for_any_descriptor_number() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_fork_server_whose_socket_is_numbered_above_1023_forks_and_reports(
-        job_dir: Path) -> None:
-    """A fork server started by a process that already holds over 1,023 descriptors, every
-    number below taken (what a store host's agent holds; the CLI starts its server early,
-    so this is the fork server's own promise): its socket to the agent is numbered above
-    1023, and the agent still reads its readiness, a forked worker's pid, output and exit
-    status from it (``poll``, not ``select``, which refuses such a number)."""
+
+@contextlib.contextmanager
+def _every_number_below_filler_taken() -> Iterator[None]:
+    """This process holds descriptors numbered 3 to at least ``_FILLER`` (what a store
+    host's agent holds), so the next one opened is numbered above 1023."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     room = _FILLER + 500
     if hard != resource.RLIM_INFINITY and hard < room:
         pytest.skip(f"the hard open-file limit here ({hard}) leaves no room for {_FILLER} more")
-    script = job_dir / "forked.py"
-    script.write_text("import sys\nprint('forked worker', flush=True)\nsys.exit(3)\n")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, room), hard))
     filler: list[IO[bytes]] = []
-    server: ForkServer | None = None
     try:
-        while not filler or filler[-1].fileno() < _FILLER:  # every lower number taken
+        while not filler or filler[-1].fileno() < _FILLER:  # the lowest free number each
             filler.append(open("/dev/null", "rb"))  # noqa: SIM115
-        server = ForkServer(["json"], env=dict(os.environ), path0=str(job_dir))
-        assert server._sock.fileno() > 1023, server._sock.fileno()
-        server.wait_ready(60)
-        child = server.spawn([str(script)], module=False, env=dict(os.environ),
-                             cwd=str(job_dir))
-        deadline = time.monotonic() + 60
-        while child.poll() is None:
-            assert time.monotonic() < deadline, "the forked worker's exit was never seen"
-            time.sleep(0.05)
-        assert child.returncode == 3
-        assert child.stdout.read() == b"forked worker\n"
-        child.stdout.close()
-        child.stderr.close()
+        yield
     finally:
-        if server is not None:
-            server.close()
         for handle in filler:
             handle.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_agent_reads_a_fork_server_whose_socket_is_numbered_above_1023(
+        job_dir: Path) -> None:
+    """A fork server started by a process that already holds over 1,023 descriptors: its
+    socket to the agent is numbered above 1023, and the agent still reads the server's
+    readiness from it (``poll``, not ``select``, which refuses such a number). (The CLI
+    starts its server before it opens anything else: this is the agent side's own promise.)"""
+    server: ForkServer | None = None
+    with _every_number_below_filler_taken():
+        try:
+            server = ForkServer(["json"], env=dict(os.environ), path0=str(job_dir))
+            assert server._sock.fileno() > 1023, server._sock.fileno()
+            assert server.wait_ready(60) >= 0.0
+            assert server.import_s is not None
+        finally:
+            if server is not None:
+                server.close()
+
+
+def test_a_fork_server_whose_socket_is_numbered_above_1023_forks_and_reports(
+        job_dir: Path) -> None:
+    """The same fork server forks a worker, and the agent reads its pid, its output and its
+    exit status. (ftrun/agent/zygote.py waited with select.select, which cannot watch a
+    descriptor above 1023: the server exited 1 at its first wait, after its readiness.)"""
+    script = job_dir / "forked.py"
+    script.write_text("import sys\nprint('forked worker', flush=True)\nsys.exit(3)\n")
+    server: ForkServer | None = None
+    with _every_number_below_filler_taken():
+        try:
+            server = ForkServer(["json"], env=dict(os.environ), path0=str(job_dir))
+            assert server._sock.fileno() > 1023, server._sock.fileno()
+            server.wait_ready(60)
+            child = server.spawn([str(script)], module=False, env=dict(os.environ),
+                                 cwd=str(job_dir))
+            deadline = time.monotonic() + 60
+            while child.poll() is None:
+                assert time.monotonic() < deadline, "the forked worker's exit was never seen"
+                time.sleep(0.05)
+            assert child.returncode == 3
+            assert child.stdout.read() == b"forked worker\n"
+            child.stdout.close()
+            child.stderr.close()
+        finally:
+            if server is not None:
+                server.close()

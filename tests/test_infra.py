@@ -1,5 +1,5 @@
 """The test infrastructure works for real: namespace hosts talk TCP, faults bite and heal,
-a private Slurm runs steps, and ftrun.slurm parses what real srun tasks see.
+a private Slurm runs steps, and ftrun.host.slurm parses what real srun tasks see.
 
 Every test checks that it left no namespace, daemon or process behind.  The fixtures come
 from tests/infra/fixtures.py, registered by tests/conftest.py (``pytest_plugins``).
@@ -183,7 +183,7 @@ def test_srun_two_tasks(infra_leak_check: None, slurm_cluster: SlurmCluster) -> 
 _PRINT_DEFAULTS = textwrap.dedent(
     """
     import json, os
-    from ftrun.slurm import SlurmEnvironment, slurm_launch_defaults
+    from ftrun.host.slurm import SlurmEnvironment, slurm_launch_defaults
     for k in ("CUDA_VISIBLE_DEVICES", "FTRUN_RDZV_PORT"):
         if not os.environ.get(k):
             os.environ.pop(k, None)

@@ -30,10 +30,10 @@ import pytest
 import torch.distributed as dist
 
 from ftrun import cli
+from ftrun.client.faultspec import parse_item, parse_schedule
+from ftrun.client.jobref import registry_dir
 from ftrun.control.auth import Signer
 from ftrun.control.store import JsonStore
-from ftrun.faultspec import parse_item, parse_schedule
-from ftrun.jobref import registry_dir
 from tests.launch import PRELOAD, REPO, Launch, launcher, wait_until
 from tests.lines import ElasticStep, find
 
@@ -403,7 +403,7 @@ def test_a_registry_entry_whose_pid_was_reused_names_no_job(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A SIGKILLed agent leaves its entry; a later process with its pid must not make the
     job look alive (it did: a test's `ftrun inject RUN_ID` went to an old etcd cluster)."""
-    from ftrun.jobref import JobRefError, register, register_etcd, resolve
+    from ftrun.client.jobref import JobRefError, register, register_etcd, resolve
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     live = register("reused", "10.0.0.1", 29400)
@@ -429,7 +429,7 @@ def test_the_registry_prunes_dead_agents_and_status_alone_finds_the_live_job(
     live job of the host, lists several, and says in one line (exit 3) when there is none.
     The registrations are made here (this process is their live agent); ``ftrun status``
     runs as the user runs it, a process of its own."""
-    from ftrun.jobref import live_jobs, prune, register
+    from ftrun.client.jobref import live_jobs, prune, register
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
 

@@ -14,7 +14,7 @@ PACKAGE = REPO / "ftrun"
 # What a training process may import of ftrun: the API, the contract, the control plane.
 WORKER_SIDE = ("ftrun.worker", "ftrun.protocol", "ftrun.control")
 AGENT_SIDE = ("ftrun.agent", "ftrun.shim", "ftrun.doctor", "ftrun.cli", "ftrun.config",
-              "ftrun.slurm")
+              "ftrun.host", "ftrun.client")
 
 
 def _module_name(path: Path) -> str:
@@ -122,3 +122,18 @@ def test_a_training_process_loads_no_agent_module() -> None:
     loaded = eval(out)  # a list of strings printed by the line above
     assert any(m.startswith("ftrun.worker") for m in loaded)
     assert [m for m in loaded if m.startswith(AGENT_SIDE)] == []
+
+
+def test_the_client_commands_and_the_exit_hook_import_neither_torch_nor_the_agent() -> None:
+    """``ftrun status`` and ``ftrun inject`` answer in a fraction of a second, and the exit
+    hook runs inside every worker of an unmodified script: none of them may pull in torch
+    (~2 s of CPU) or the agent's modules."""
+    modules = ["ftrun.client.status", "ftrun.client.inject", "ftrun.client.jobref",
+               "ftrun.client.faultspec", "ftrun.exithook"]
+    probe = ("import importlib, json, sys\n"
+             f"for name in {modules!r}: importlib.import_module(name)\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' "
+             "or m.startswith('ftrun.agent'))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -1,4 +1,4 @@
-"""ftrun.slurm over recorded Slurm 22.05 environments.
+"""ftrun.host.slurm over recorded Slurm 22.05 environments.
 
 The single-node recordings (``SRUN_N1_N2``, ``BATCH_N1``) were taken from real srun/sbatch
 runs of the private test cluster (tests/infra/slurm_cluster.py); the multi-node ones are
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from ftrun.slurm import (
+from ftrun.host.slurm import (
     SlurmEnvironment,
     SlurmEnvironmentError,
     parse_tasks_per_node,

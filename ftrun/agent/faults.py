@@ -310,6 +310,10 @@ class FaultBook:
         if member is not None and ((generation, member) in self._casualties or any(
                 f.member == member and f.generation == generation for f in self.faults)):
             return  # the same member's second report (a verdict on a dead process)
+        pid = _int(ev.get("pid"))
+        if pid is not None and any(f.pid == pid and f.generation == generation
+                                   for f in self.faults):
+            return  # the same process's second report (frozen: its hang, then its kill)
         if ev.get("casualty") is True:  # part of the recovery in progress: its record's
             recovering = next((f for f in self.faults if f.generation == generation
                                and f.recovered is None and f.path != "none"), None)

@@ -1,7 +1,7 @@
 """The agent's end of ``--preload``: start this node's fork server, ask it for workers,
 learn how they ended.
 
-The server (:mod:`ftrun.zygote`) imports the preloaded modules while the agent forms the
+The server (:mod:`ftrun.agent.zygote`) imports the preloaded modules while the agent forms the
 first job generation, so neither the first launch nor any restart pays for the interpreter
 and the imports again. It is started with the workers' common environment (the variables
 that libraries read at import time, such as ``OMP_NUM_THREADS``, must already be the
@@ -84,7 +84,7 @@ class ForkServer:
         agent_pid = os.getpid()
         try:
             self._process = subprocess.Popen(
-                [python, "-u", "-m", "ftrun.zygote", str(child.fileno()), path0, *modules,
+                [python, "-u", "-m", "ftrun.agent.zygote", str(child.fileno()), path0, *modules,
                  "--", *shown],
                 env=dict(env), stdin=subprocess.DEVNULL, pass_fds=(child.fileno(),),
                 start_new_session=True, preexec_fn=lambda: die_with_parent(agent_pid),

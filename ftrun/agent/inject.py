@@ -21,7 +21,7 @@ request for it is answered before the cut (afterwards the store is out of reach)
 
 Store keys (under the job's prefix ``ftrun/<run id>``, signed like every control record):
 ``inject/next`` (a counter: ``ftrun inject`` takes the next number), ``inject/<n>`` (the
-request: a :class:`ftrun.faultspec.Fault`), ``inject/<n>/done/<node rank>`` (the result:
+request: a :class:`ftrun.client.faultspec.Fault`), ``inject/<n>/done/<node rank>`` (the result:
 ``{"ok": bool, "detail": str}``). The leader also keeps ``ftrun/job`` (outside the run's
 prefix, so that a client given only HOST:PORT finds it): the run id, world size and nodes.
 On etcd-v3, which many jobs share, the writer keeps it under the run's prefix instead
@@ -55,9 +55,9 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.agent.events import Event, EventLog
+from ftrun.client.faultspec import DEFAULT_CUT_S, NODE_KINDS, Fault, FaultSpecError, Schedule
 from ftrun.control.errors import StoreError
 from ftrun.control.store import JsonStore
-from ftrun.faultspec import DEFAULT_CUT_S, NODE_KINDS, Fault, FaultSpecError, Schedule
 
 #: The key (under the ``ftrun`` prefix) that names the job to ``ftrun inject``/``status``.
 JOB_KEY = "job"

@@ -238,8 +238,12 @@ class Launcher:
             env["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)].strip()
         return env
 
-    def stop_workers(self, group: Sequence[local.WorkerProcess], sig: int, why: str) -> None:
-        """Stop workers (see processes.stop) and say which frozen ones were killed at once."""
+    def stop_workers(self, group: Sequence[local.WorkerProcess], sig: int, why: str, *,
+                     failed_generation: int | None = None) -> None:
+        """Stop workers (see processes.stop) and say which frozen ones were killed at once.
+        ``failed_generation``: the workers are stopped because that job generation failed;
+        a worker found frozen then is a fault of its own that the same restart absorbs (two
+        faults close together), so it gets a ``failure`` event and its own fault record."""
         live = [w for w in group if w.poll() is None]
         if live:
             name = signal.Signals(sig).name
@@ -248,6 +252,12 @@ class Launcher:
         for worker in group:
             if worker.killed_frozen:
                 self.say(f"rank {worker.rank} (pid {worker.pid}) was frozen; killed it at once")
+                if failed_generation is not None:
+                    now = time.time()
+                    self.events.emit(Event.FAILURE, generation=failed_generation,
+                                     rank=worker.rank, local_rank=worker.local_rank,
+                                     pid=worker.pid, cause="frozen (stopped by a signal)",
+                                     returncode=worker.returncode, detected=now, happened=now)
 
     def worker_exit(
         self, worker: local.WorkerProcess, generation: int, *, first: bool,

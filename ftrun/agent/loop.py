@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from ftrun import fdlimit
 from ftrun.agent import etcdwriter
 from ftrun.agent.events import Event, EventLog, WorkerExit
 from ftrun.agent.faults import FaultBook, explain_exits
@@ -51,6 +50,7 @@ from ftrun.agent.services import AgentServices, Supervisor
 from ftrun.agent.signals import SignalInbox
 from ftrun.agent.snapshots import NodeSnapshots
 from ftrun.agent.statusboard import StatusBoard
+from ftrun.client.jobref import register, register_etcd, unregister
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
@@ -69,8 +69,8 @@ from ftrun.control.store import JsonStore
 from ftrun.control.tcpstore import connect_store, serve_store
 from ftrun.decide.crashloop import CrashLoop
 from ftrun.exitcodes import ExitCode, exit_at_once, for_signal
-from ftrun.hostnet import LOOPBACK, is_local_address, store_bind_address
-from ftrun.jobref import register, register_etcd, unregister
+from ftrun.host import fdlimit
+from ftrun.host.hostnet import LOOPBACK, is_local_address, store_bind_address
 
 if TYPE_CHECKING:  # imported where used: requests and etcd3gw cost every agent's start
     from ftrun.control.election import Election, WriterWatch
@@ -449,7 +449,7 @@ class Agent:
     def _start_injector(self, host: str, port: int, signer: Signer, hosting: bool,
                         op_timeout: float, connect: Callable[[], Any] | None = None) -> None:
         """The injector's thread on a store client of its own (ftrun inject's requests);
-        the leader keeps the job's record and registers the run id here (ftrun.jobref).
+        the leader keeps the job's record and registers the run id here (ftrun.client.jobref).
         ``connect``: etcd-v3's clients: the writer keeps the record, every agent registers."""
         def open_store() -> JsonStore:
             client = connect() if connect is not None else connect_store(
@@ -498,7 +498,7 @@ class Agent:
         self.events.emit(Event.REJECTED, detail=message)
 
     def _bind_stores(self) -> None:
-        """Where this agent's stores listen (``ftrun.hostnet.store_bind_address``): a single
+        """Where this agent's stores listen (``ftrun.host.hostnet.store_bind_address``): a single
         node's on loopback only, a multi-node job's on the address the other nodes reach;
         every interface only when none fits, said once."""
         config = self.config

@@ -35,9 +35,9 @@ from typing import IO, Any, Protocol
 
 import psutil
 
-from ftrun import fdlimit
 from ftrun.agent.stacks import stack_source
 from ftrun.config import LaunchConfig, Std
+from ftrun.host import fdlimit
 
 _PR_SET_PDEATHSIG = 1
 STDERR_TAIL_LINES = 200  # a fault handler's dump of every thread (ftrun.agent.stacks)
@@ -69,7 +69,7 @@ class WorkerLaunch:
 
 def die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec: SIGKILL us when the agent dies, and the
-    open-file limit the agent was started with (ftrun.fdlimit: the agent's own may
+    open-file limit the agent was started with (ftrun.host.fdlimit: the agent's own may
     have been raised for the stores it serves)."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect

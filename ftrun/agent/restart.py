@@ -111,7 +111,7 @@ class RestartSupervisor:
                     services.say(f"generation {generation.number} ended by node "
                                  f"{cause.get('by', cause.get('node_rank'))}: "
                                  f"{describe_cause(cause)}")
-                    self._stop(group, signal.SIGTERM, "remote failure")
+                    self._stop(group, signal.SIGTERM, "remote failure", generation)
                     exits = self._exits(generation, group, None)
                     return GenerationResult(Outcome.REMOTE_FAILED, exits, cause)
             hang = hangs.sample(group) if hangs is not None else None
@@ -180,7 +180,7 @@ class RestartSupervisor:
             returncode=failed.returncode,
             detected=detected,
         )
-        self._stop(group, signal.SIGTERM, f"rank {failed.rank} failed")
+        self._stop(group, signal.SIGTERM, f"rank {failed.rank} failed", generation)
         exits = mark_root_cause(self._exits(generation, group, failed))
         if loop is None:  # every rank failing alike is seen once they all ended
             others = [w for w in group if w is not failed and w.returncode not in (0, None)
@@ -235,7 +235,8 @@ class RestartSupervisor:
         }
         cause = self._end(generation, group, cause)
         announce_hang(services, generation, hang, group, detected)
-        self._stop(group, signal.SIGTERM, f"rank {first.rank} hung" if first else "hang")
+        self._stop(group, signal.SIGTERM, f"rank {first.rank} hung" if first else "hang",
+                   generation)
         exits = self._exits(generation, group, first)
         if first is not None:  # the cause record names the hang, not the SIGTERM
             stack = hang.stacks.get(first.pid)
@@ -314,7 +315,8 @@ class RestartSupervisor:
         release_nccl(services, group)
         local_first = next((w for w in group if first is not None and w.pid == first.pid
                             and w.rank == first.rank), None)
-        self._stop(group, signal.SIGTERM, f"rank {first.rank} hung" if first else "hang")
+        self._stop(group, signal.SIGTERM, f"rank {first.rank} hung" if first else "hang",
+                   generation)
         exits = self._exits(generation, group, local_first)
         exits = [replace(e, message=f"hung: {detail}",
                          traceback=first.stack if first and first.stack else e.traceback)
@@ -322,8 +324,12 @@ class RestartSupervisor:
         outcome = Outcome.FAILED if local_first is not None else Outcome.REMOTE_FAILED
         return GenerationResult(outcome, exits, cause)
 
-    def _stop(self, group: list[local.WorkerProcess], sig: int, why: str) -> None:
-        self.services.launcher.stop_workers(group, sig, why)
+    def _stop(self, group: list[local.WorkerProcess], sig: int, why: str,
+              failed: Generation | None = None) -> None:
+        """``failed``: the generation whose failure stops them (a worker found frozen is
+        then a fault of its own, recorded)."""
+        self.services.launcher.stop_workers(
+            group, sig, why, failed_generation=failed.number if failed is not None else None)
 
     def _exits(
         self, generation: Generation, group: list[local.WorkerProcess],

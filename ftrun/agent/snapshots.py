@@ -25,7 +25,7 @@ import socket
 from pathlib import Path
 
 from ftrun.control.auth import Signer, TokenError, load_secret
-from ftrun.hostnet import local_bind_address, store_bind_address
+from ftrun.host.hostnet import local_bind_address, store_bind_address
 from ftrun.snapshot import memory, replica
 
 
@@ -45,7 +45,7 @@ class NodeSnapshots:
 
     The server is reached by ``advertise`` (``--local-addr``; else ``host``, the host name)
     and listens on the address that name resolves to here, as the stores do
-    (``ftrun.hostnet.store_bind_address``), its IPv4 address when it has both (the server
+    (``ftrun.host.hostnet.store_bind_address``), its IPv4 address when it has both (the server
     listened on IPv4 only before, and a peer's connect falls back from an IPv6 address to
     an IPv4 one, not the other way); on every interface only when that name is loopback
     here or not this node's (a Debian ``127.0.1.1 hostname`` line: the others resolve it

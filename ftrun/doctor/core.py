@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Generic, Literal, TypeVar
 
-from ftrun import gpu as gpumod
 from ftrun.doctor.options import Options
+from ftrun.host import gpu as gpumod
 
 Status = Literal["pass", "warn", "fail", "skip"]
 STATUSES: tuple[Status, ...] = ("pass", "skip", "warn", "fail")  # in order of severity

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from ftrun import gpu as gpumod
 from ftrun.doctor.core import (
     NVML_HANG_HINT,
     CheckResult,
@@ -30,6 +29,7 @@ from ftrun.doctor.core import (
     skipped,
     warned,
 )
+from ftrun.host import gpu as gpumod
 
 GPU_PROC_FAIL_BYTES = 1 << 30  # another process holding >= 1 GiB will cost us an OOM
 TEMP_MARGIN_C = 5  # warn this close to the slowdown threshold

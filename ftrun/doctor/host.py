@@ -15,7 +15,7 @@ import shutil
 import socket
 
 from ftrun.doctor.core import CheckResult, Context, check, failed, one_line, passed, warned
-from ftrun.fdlimit import workers_limit
+from ftrun.host.fdlimit import workers_limit
 
 # Thresholds (documented in docs/doctor.md).
 SHM_FAIL_FREE = 512 << 20  # NCCL's intra-node transport and DataLoader workers live here
@@ -69,7 +69,7 @@ def check_nofile(ctx: Context) -> CheckResult:
     """Workers hold many sockets and shared-memory fds (DataLoader's file_descriptor
     strategy); a 1024 limit surfaces as "Too many open files" hours in. The limit judged is
     the one this process started with, which is what workers get: a multi-node agent raises
-    its own for the stores it serves (ftrun.fdlimit) before its health gate runs this.
+    its own for the stores it serves (ftrun.host.fdlimit) before its health gate runs this.
     """
     soft, hard = workers_limit()
     detail = f"open files {_rlimit_str(soft)} (hard {_rlimit_str(hard)})"

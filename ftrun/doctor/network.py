@@ -4,7 +4,7 @@ this node must listen on, and the rendezvous endpoint.
 Each of these otherwise fails late and obscurely: an ``NCCL_SOCKET_IFNAME`` that matches
 no interface at the first collective, a taken port when the store starts, an unreachable
 ``--rdzv-endpoint`` after a 15-minute rendezvous timeout. Whether this node hosts the store,
-and whether a port is free, are decided by ``ftrun.hostnet``, the code the agent itself
+and whether a port is free, are decided by ``ftrun.host.hostnet``, the code the agent itself
 uses, so that doctor predicts what the job will do.
 """
 
@@ -27,7 +27,7 @@ from ftrun.doctor.core import (
     warned,
 )
 from ftrun.doctor.options import parse_endpoint
-from ftrun.hostnet import is_local_address, port_bind_error
+from ftrun.host.hostnet import is_local_address, port_bind_error
 
 
 def _local_addresses() -> dict[str, list[str]]:

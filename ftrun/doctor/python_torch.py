@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-from ftrun import gpu as gpumod
 from ftrun.doctor.core import (
     NVML_HANG_HINT,
     CheckResult,
@@ -31,6 +30,7 @@ from ftrun.doctor.core import (
     skipped,
     warned,
 )
+from ftrun.host import gpu as gpumod
 
 MIN_PYTHON = (3, 10)
 MIN_TORCH = (2, 4)

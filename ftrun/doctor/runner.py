@@ -24,7 +24,6 @@ from typing import Annotated, Any
 
 import typer
 
-from ftrun import gpu as gpumod
 from ftrun.doctor.core import (
     CHECKS,
     STATUSES,
@@ -46,6 +45,7 @@ from ftrun.doctor.options import (
     parse_timeout,
 )
 from ftrun.exitcodes import exit_at_once
+from ftrun.host import gpu as gpumod
 
 
 def _run_one(spec: CheckSpec, ctx: Context, slot: list[CheckResult]) -> None:

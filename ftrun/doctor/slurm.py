@@ -1,6 +1,6 @@
 """The Slurm check: is the environment ftrun derives ranks and world size from consistent?
 
-Under ``srun`` ftrun reads the job's shape from Slurm's variables (``ftrun.slurm``). When
+Under ``srun`` ftrun reads the job's shape from Slurm's variables (``ftrun.host.slurm``). When
 they disagree with one another (a node list of 3 hosts with ``SLURM_NNODES=4``, a task id
 past the task count) or with the GPUs this process really sees, the job waits for agents
 that never come or gives workers GPUs they cannot use. This check says so up front, with
@@ -13,12 +13,12 @@ from ftrun.doctor.core import NVML_HANG_HINT, CheckResult, Context, Findings, ch
 
 
 def parse_tasks_per_node(value: str) -> list[int]:
-    """SLURM_TASKS_PER_NODE, e.g. ``2(x3),1`` -> [2, 2, 2, 1]: ``ftrun.slurm``'s parser.
+    """SLURM_TASKS_PER_NODE, e.g. ``2(x3),1`` -> [2, 2, 2, 1]: ``ftrun.host.slurm``'s parser.
 
-    Imported here, not at the top: ``ftrun.slurm`` needs python-hostlist, and a node
+    Imported here, not at the top: ``ftrun.host.slurm`` needs python-hostlist, and a node
     without it must still get every other check (the slurm check warns that it is missing).
     """
-    from ftrun.slurm import parse_tasks_per_node as expand
+    from ftrun.host.slurm import parse_tasks_per_node as expand
 
     return list(expand(value))
 
@@ -26,7 +26,7 @@ def parse_tasks_per_node(value: str) -> list[int]:
 def _count_list(value: str | None) -> int | None:
     """How many comma-separated ids ``value`` lists, or None when unset.
 
-    Not ``ftrun.slurm.SlurmEnvironment.gpus``: that picks one variable by trust and reads
+    Not ``ftrun.host.slurm.SlurmEnvironment.gpus``: that picks one variable by trust and reads
     "NoDevFiles" as none, to size the job; this check counts each variable on its own, to
     compare them.
     """
@@ -87,7 +87,7 @@ def check_slurm(ctx: Context) -> CheckResult:
             per_node = parse_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
         except ValueError as exc:
             f.add("fail", str(exc), fix)
-        except ImportError:  # ftrun.slurm needs python-hostlist, whose absence is warned above
+        except ImportError:  # ftrun.host.slurm needs python-hostlist, whose absence is warned above
             pass
     if per_node is not None and ntasks is not None and sum(per_node) != ntasks:
         f.add("fail", f"SLURM_NTASKS={ntasks} but nodes x tasks per node = {sum(per_node)}", fix)

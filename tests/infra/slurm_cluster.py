@@ -1,7 +1,7 @@
 """A real, private, one-node Slurm cluster for tests: munged + slurmctld + slurmd.
 
 Why a real one: ftrun reads the environment Slurm gives each ``srun`` task (see
-:mod:`ftrun.slurm`), and recorded environments only prove the parser agrees with the
+:mod:`ftrun.host.slurm`), and recorded environments only prove the parser agrees with the
 recording.  Running ``srun`` against a real controller proves it agrees with Slurm.
 
 Everything lives in one temp directory (config, state, spool, logs, pid files, and a

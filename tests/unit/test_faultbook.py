@@ -114,3 +114,34 @@ def test_a_casualty_of_a_recovery_is_part_of_its_record_not_a_fault_of_its_own()
     assert lines[0].endswith("(detected in 0.00 s; rank 2 replaced: stuck in a collective "
                              "of the ended epoch)")
     assert (second.rank, second.cause) == (1, "stuck in member epoch 1")
+
+
+def test_a_worker_found_frozen_while_a_failed_generation_stops_is_a_fault_of_its_own() -> None:
+    """The restart path: rank 1 is SIGKILLed and, 30 ms later, rank 2 is SIGSTOPped; the
+    stop finds rank 2 frozen and kills it (launcher.stop_workers' failure event). One
+    restart absorbs both, and each fault has its record (the soak found the freeze with
+    none). The frozen culprit of a hang verdict, reported again by the same stop, stays one
+    record (its pid)."""
+    book = FaultBook().replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 2.0, "event": "failure", "rank": 1, "pid": 101, "generation": 1,
+         "returncode": -9, "detected": 2.0},
+        {"ts": 2.05, "event": "failure", "rank": 2, "pid": 102, "generation": 1,
+         "cause": "frozen (stopped by a signal)", "detected": 2.05, "happened": 2.05},
+        {"ts": 2.1, "event": "restart", "generation": 1, "rank": 1, "pid": 101,
+         "returncode": -9},
+        {"ts": 2.3, "event": "generation", "generation": 2, "world_size": 4},
+        {"ts": 4.0, "event": "failure", "rank": 3, "pid": 203, "generation": 2,
+         "cause": "frozen (stopped by a signal)", "detected": 4.0},
+        {"ts": 4.01, "event": "failure", "rank": 3, "pid": 203, "generation": 2,
+         "cause": "frozen (stopped by a signal)", "detected": 4.01},
+        {"ts": 4.1, "event": "restart", "generation": 2, "rank": 3, "pid": 203},
+        {"ts": 4.4, "event": "generation", "generation": 3, "world_size": 4},
+    ])
+    killed, frozen, culprit = book.faults
+    assert (killed.rank, killed.cause, killed.path) == (1, "killed by SIGKILL", "restart")
+    assert (frozen.rank, frozen.cause, frozen.path) == (2, "frozen (stopped by a signal)",
+                                                       "restart")
+    assert killed.recovered == frozen.recovered == 2.3
+    assert frozen.recovery_s == pytest.approx(0.25)
+    assert (culprit.rank, culprit.pid, culprit.recovered) == (3, 203, 4.4)

@@ -18,7 +18,7 @@ the pipes the agent gave it, Python's default signal dispositions, and Python's 
 status rules (the script runs at the top of the process, so an uncaught exception, a
 ``SystemExit`` or a ``KeyboardInterrupt`` end it exactly as they would end ``python``).
 
-Started as ``python -u -m ftrun.zygote FD PATH0 MODULE... -- SCRIPT ARGS``: ``FD`` is its
+Started as ``python -u -m ftrun.agent.zygote FD PATH0 MODULE... -- SCRIPT ARGS``: ``FD`` is its
 end of a Unix socket to the agent, ``PATH0`` what ``sys.path[0]`` is for the worker (the script's
 directory, or the working directory with ``-m``), so the preloaded imports resolve as the
 script's own would. This module imports nothing from ftrun but, in a forked worker, the
@@ -128,16 +128,21 @@ def serve(sock: socket.socket, modules: list[str]) -> _Request | None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     buffer = b""
+    # poll, not select: select cannot watch a descriptor numbered above 1023, which the
+    # socket is when the agent holds many (a multi-node agent raises its open-file limit)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
     while True:
         for pid in list(children):
             done, raw = os.waitpid(pid, os.WNOHANG)
             if done:
                 children.discard(pid)
                 _send(sock, {"exit": pid, "status": _status(raw)})
-        readable, _, _ = select.select([sock, wake_r], [], [], 1.0)
-        if wake_r in readable:
+        ready = {fd for fd, _events in poller.poll(1000)}
+        if wake_r in ready:
             os.read(wake_r, 4096)
-        if sock not in readable:
+        if sock.fileno() not in ready:
             continue
         try:
             data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 2)
@@ -214,7 +219,7 @@ def run_worker(request: _Request) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3:
-        print("usage: python -m ftrun.zygote FD PATH0 [MODULE ...] [-- COMMAND]",
+        print("usage: python -m ftrun.agent.zygote FD PATH0 [MODULE ...] [-- COMMAND]",
               file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(argv[1]))

@@ -1,6 +1,6 @@
 """``ftrun status [--json] [ENDPOINT|RUN_ID]``: one look at a running job.
 
-Without a name it looks at this host's registry (ftrun.jobref): the one live job is shown;
+Without a name it looks at this host's registry (ftrun.client.jobref): the one live job is shown;
 several are listed (run id, where, agent pid, started), each to be named; none is an error.
 Every job says its run id and this command in its first line.
 
@@ -10,7 +10,7 @@ nodes, each member's rank, process, state and step rate, the committed step, the
 faults with their recovery times, and the ranks judged stragglers. A rich table for
 people, ``--json`` for programs (the record as it is, plus ``age_s``: how old it is).
 Works from any host that reaches the store (an etcd-v3 job: ``etcd-v3://HOST:PORT,.../RUN_ID``,
-ftrun.jobref); a job that signs its records is read only
+ftrun.client.jobref); a job that signs its records is read only
 with its token (``FTRUN_JOB_TOKEN``), the same rule as ``ftrun inject``.
 
 Exit codes: 0; 2 bad input (a bad name, no or a wrong token); 3 the store cannot be
@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ftrun.client.inject import InjectError, open_job, read_job
+from ftrun.client.jobref import LiveJob, live_jobs
 from ftrun.exitcodes import ExitCode
-from ftrun.inject import InjectError, open_job, read_job
-from ftrun.jobref import LiveJob, live_jobs
 
 
 class _Parser(argparse.ArgumentParser):

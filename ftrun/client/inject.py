@@ -5,7 +5,7 @@ token (``FTRUN_JOB_TOKEN`` / ``FTRUN_JOB_TOKEN_FILE``, the same as the agents');
 that holds the rank executes it (ftrun.agent.inject) and answers. Before anything is
 written, the command checks what it can, so that bad input leaves the job untouched:
 
-* the fault parses (ftrun.faultspec: an unknown kind is one line);
+* the fault parses (ftrun.client.faultspec: an unknown kind is one line);
 * the job's record (``ftrun/job``) verifies with this token: a job that signs its records
   refuses a command without the token or with another one;
 * the rank (or node) exists in the job's current world.
@@ -24,10 +24,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ftrun.client.faultspec import NODE_KINDS, FaultSpecError, parse_item
+from ftrun.client.jobref import JobRef, JobRefError, resolve
 from ftrun.control.auth import AuthError, Signer, TokenError, load_secret
 from ftrun.exitcodes import ExitCode
-from ftrun.faultspec import NODE_KINDS, FaultSpecError, parse_item
-from ftrun.jobref import JobRef, JobRefError, resolve
 
 POLL_S = 0.05  # between two looks at the agent's answer (a check, never a blocking wait)
 
@@ -81,7 +81,7 @@ def read_job(client: Any, signer: Signer, key: str = "ftrun/job") -> dict[str, A
 
 
 def open_job(name: str, timeout_s: float) -> tuple[JobRef, Signer, Any]:
-    """The job named ``name`` (ftrun.jobref), this command's token and a client of the
+    """The job named ``name`` (ftrun.client.jobref), this command's token and a client of the
     job's store, reached within ``timeout_s``. Raises InjectError (its code says which exit:
     bad input 2, an unreachable store 3)."""
     from ftrun.control.errors import StoreError
