@@ -90,6 +90,8 @@ class RegroupLeader:
         # ended as this leader saw it, and the recovery in progress with its deadline.
         self.watch = ProgressWatch(config.stall_floor_s)
         self.ended_at: dict[int, float] = {}
+        # ended member epoch -> when a later one was published: the stuck rule's clock
+        self.superseded_at: dict[int, float] = {}
         self.deadline = RecoveryDeadline(config.recovery_deadline_s)
         self.created_at = clock()
         self.start_s: float | None = None  # the first member epoch's workers' start
@@ -140,6 +142,9 @@ class RegroupLeader:
         number = 0 if self.m.latest is None else self.m.latest.number + 1
         epoch = P.MemberEpoch(number, tuple(members))
         self.m.publish(epoch)
+        published = self.clock()
+        for ended in range(number):
+            self.superseded_at.setdefault(ended, published)
         self.waiting_since = None
         self.watch.restart_clocks(self.clock())  # a regroup is not a stall: count from here
         self.stragglers.reset()
@@ -194,6 +199,14 @@ class RegroupLeader:
         for number in new:
             self.ended_at[number] = now
         self.deadline.fault(now, max(new), self.auto_deadline_s())
+
+    def _superseded(self) -> dict[int, float]:
+        """The stuck rule's clock per ended member epoch: from the publication of a later
+        one. An epoch that ended before this leader took over has no such time here: its end
+        stands for it (the takeover published the epoch that followed it)."""
+        return {**{n: t for n, t in self.ended_at.items()
+                   if self.m.latest is not None and n < self.m.latest.number},
+                **self.superseded_at}
 
     def auto_deadline_s(self) -> float:
         return auto_deadline_s(peer_write_s=self._peer_write_s, limit_s=self.watch.limit_s(),
@@ -478,7 +491,8 @@ class RegroupLeader:
         self.deadline.observe(seen)
         self._watch_stragglers(now)
         for verdict in self.watch.observe(now, seen, self.ended_at,
-                                          judge_stalls=not self.finishing):
+                                          judge_stalls=not self.finishing,
+                                          superseded=self._superseded()):
             m.end(self.latest.number, {"member": verdict.member, "cause": verdict.cause})
             m.append_fault(P.Fault(verdict.cause, member=verdict.member, kill=True))
             m.removed[verdict.member] = verdict.cause
