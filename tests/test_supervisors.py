@@ -537,3 +537,32 @@ def test_a_member_stuck_in_an_ended_epoch_is_named_by_its_rank_there() -> None:
     assert m.rank_of("0.2") == 1  # between epochs: the latest epoch's rank
     assert m.rank_of("0.4") == 3  # no status yet: the latest epoch's rank
     assert m.rank_of("9.9") is None
+
+
+def test_members_still_in_the_epoch_a_joiner_followed_are_never_stuck() -> None:
+    """Epoch 1 ended by a fault; epoch 2 only admits a joiner, and the members enter it at
+    their next step boundary. One of them hangs before it (the others wait for it in a
+    collective of epoch 1): all three stay inside epoch 1 past the stuck limit. Epoch 1 was
+    followed but never ended, so the stuck rule takes nobody (the soak: it took all three
+    and the job restarted); the rank that stopped issuing collectives is the stall rule's."""
+    job = Job(on_failure="replace", stall_floor_s=5.0)
+    job.steps(ALL, upto=4, every_s=0.2)
+    job.remove("0.1")
+    job.release(0)
+    assert job.tick() is None and job.world == ["0.0", "0.2", "0.3"]
+    for member in ("0.0", "0.2", "0.3"):
+        job.status(member, steps=5, epoch=1)
+    job.pool(0, ["0.0", "0.2", "0.3", "0.4"], ready=["0.0", "0.2", "0.3", "0.4"])
+    job.status("0.4", steps=0, synced=False)
+    assert job.tick() is None and job.m.latest.number == 2 and job.m.latest.has_joiners
+    for member, collectives in (("0.0", 3), ("0.2", 3), ("0.3", 1)):  # 0.3 hangs
+        job.status(member, steps=5, collectives=collectives, epoch=1)
+    for _ in range(5):
+        job.clock.now += 1.5
+        job.tick()
+    assert not any(cause.startswith("stuck") for cause in job.m.removed.values()), \
+        job.m.removed
+    job.clock.now += 20.0
+    job.tick()
+    stalled = [m for m, cause in job.m.removed.items() if cause.startswith("stalled")]
+    assert stalled == ["0.3"], job.m.removed

@@ -201,12 +201,20 @@ class RegroupLeader:
         self.deadline.fault(now, max(new), self.auto_deadline_s())
 
     def _superseded(self) -> dict[int, float]:
-        """The stuck rule's clock per ended member epoch: from the publication of a later
-        one. An epoch that ended before this leader took over has no such time here: its end
-        stands for it (the takeover published the epoch that followed it)."""
-        return {**{n: t for n, t in self.ended_at.items()
-                   if self.m.latest is not None and n < self.m.latest.number},
-                **self.superseded_at}
+        """The stuck rule's clock per member epoch that a fault ended: from the publication
+        of a later one. Only ended epochs: an epoch followed by one that admits a joiner goes
+        on until its members' next step boundary, and a member that does not reach it is the
+        stall rule's and the hang watch's (the soak: a hang there took out every member as
+        stuck, and the job restarted). An epoch that ended before this leader took over has
+        no publication time here: its end stands for it."""
+        latest = self.m.latest.number if self.m.latest is not None else -1
+        clocks = {}
+        for number, ended in self.ended_at.items():
+            if number in self.superseded_at:
+                clocks[number] = max(ended, self.superseded_at[number])
+            elif number < latest:
+                clocks[number] = ended
+        return clocks
 
     def auto_deadline_s(self) -> float:
         return auto_deadline_s(peer_write_s=self._peer_write_s, limit_s=self.watch.limit_s(),

@@ -428,10 +428,15 @@ class _RegroupRun:
             self.member_hangs_epoch = latest.number
             self.member_hangs = HangWatch(timeout_s=self.config.hang_timeout_s,
                                           multi_node=self.multi)
+        # inside the latest epoch, or inside the one before while the latest only admits a
+        # joiner (the members enter it at their next step boundary: one hung before it never
+        # does, and was watched by nobody)
+        current = {latest.number, latest.number - 1} if latest.has_joiners \
+            else {latest.number}
         watched = {x.process.pid: x for x in self.members.values()
                    if x.live and self._is_active(x) and not self._waiting(x)
                    and (status := self.m.statuses.get(x.id)) is not None
-                   and status.epoch == latest.number and not status.finished}
+                   and status.epoch in current and not status.finished}
         if not watched or self.member_hangs is None:
             return None
         now = time.monotonic()
