@@ -28,7 +28,7 @@ Checks per run (a failure names the job, the seed and why):
   1e-6 for DDP (ddp, two_node: a regroup runs steps on fewer ranks; torchrun_ddp: a
   restarted DDP model's first step buckets its gradients differently, and gloo's ring sums
   each element in another order);
-* one fault record per fault (the agent's own records, ``ftrun.agent.faults``; a recovery
+* one fault record per fault (the agent's own records, ``ftrun.observe.faults``; a recovery
   that passed its deadline adds an ``escalate`` record, counted apart);
 * no process left behind (every process of the run carries a marker variable);
 * the longest time without a committed step stays under the recovery deadline
@@ -80,7 +80,7 @@ sys.path.insert(0, str(REPO))
 
 from cpuload import Burners  # noqa: E402
 
-from ftrun.agent.faults import FaultBook, FaultRecord  # noqa: E402
+from ftrun.observe.faults import FaultBook, FaultRecord  # noqa: E402
 
 MARKER = "FTRUN_SOAK_RUN"
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=([\d.]+)")
@@ -716,22 +716,39 @@ _VICTIM = re.compile(r"^(raise|hang) rank \d+ \(pid (\d+)\)$")
 
 def absorbed_by_restart(injected: list[tuple[float, str]], records: list[FaultRecord],
                         generation_of: dict[int, int]) -> list[str]:
-    """The injected raises and hangs that never acted: no record names their process, and
-    a restart (the restart path ends every worker of the generation) of the victim's own
-    job generation (``generation_of``: pid -> generation, from the spawn events) detected
-    another fault within :data:`ABSORB_WINDOW_S` of the injection, so the victim was stopped
-    before its next step. A kill or a freeze acts at once and always needs its own record."""
+    """The injected faults that never acted, each named in another fault's record:
+
+    * a raise or hang (it acts at the victim's next step) whose victim no record names,
+      where a restart of the victim's own job generation (``generation_of``: pid ->
+      generation, from the spawn events) detected another fault within
+      :data:`ABSORB_WINDOW_S` of the injection: the victim was stopped before its next step;
+    * any fault whose victim is a casualty of another fault's recovery (taken out while it
+      waited in a collective of the epoch that fault ended: it never reached the step where
+      its own fault would act; the record names it).
+
+    A kill or a freeze acts at once and otherwise needs its own record."""
     named = {r.pid for r in records if r.pid is not None}
+    casualties = {pid for r in records for pid in r.casualty_pids}
     absorbed = []
     for at, what in injected:
-        victim = _VICTIM.match(what)
-        if victim is None or int(victim[2]) in named:
+        pid = _pid_of(what)
+        if pid is None or pid in named:
             continue
-        generation = generation_of.get(int(victim[2]))
+        if pid in casualties:
+            absorbed.append(what)
+            continue
+        if _VICTIM.match(what) is None:
+            continue
+        generation = generation_of.get(pid)
         if any(r.path == "restart" and r.generation == generation
                and abs(r.detected - at) <= ABSORB_WINDOW_S for r in records):
             absorbed.append(what)
     return absorbed
+
+
+def _pid_of(what: str) -> int | None:
+    found = re.search(r"\(pid (\d+)\)$", what)
+    return int(found[1]) if found else None
 
 
 def figures(values: list[float]) -> dict[str, float | None]:

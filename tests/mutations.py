@@ -282,7 +282,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="summary-first-failure-last",
         section=LAUNCHER,
         promise="the summary names the first failure first",
-        file="ftrun/agent/report.py",
+        file="ftrun/observe/summary.py",
         find="key=lambda e: (not e.first, e.stopped_by_agent, e.time))",
         replace="key=lambda e: (e.first, e.stopped_by_agent, e.time))  # MUTATION: was not e.first",
         tests=(
@@ -378,6 +378,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "            program = launch.argv[0]"
         ),
         tests=(
+            "tests/test_cli.py::test_a_program_whose_bare_interpreter_cannot_be_found_is_bad_input_at_its_start",
             "tests/test_cli.py::test_a_program_that_cannot_be_executed_is_bad_input_not_an_internal_error",
         ),
         note=(
@@ -487,7 +488,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="formed-step-from-beats",
         section=CONTROL,
         promise="a regroup's fault record names the step the survivors resumed from",
-        file="ftrun/agent/faults.py",
+        file="ftrun/observe/faults.py",
         find="            elif self.last_commit is not None:",
         replace="            elif False:  # MUTATION: the members' status beats, not last_commit",
         tests=(
@@ -589,6 +590,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "                    if body is not None:"
         ),
         tests=(
+            "tests/test_rendezvous_scale.py::test_an_agent_that_finds_only_a_forged_assignment_waits_for_the_leader_s",
             "tests/test_rendezvous_scale.py::test_forged_assignments_are_ignored_and_a_record_that_does_not_match_is_refused",
         ),
     ),
@@ -615,7 +617,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="metrics-count-no-regroup",
         section=CONTROL,
         promise="the metrics show a regroup while the job runs (issue 13)",
-        file="ftrun/agent/metrics.py",
+        file="ftrun/observe/metrics.py",
         find=(
             "                if ev.get(\"gone\"):\n"
             "                    self.regroups.inc()"
@@ -748,7 +750,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="fault-cause-without-error",
         section=CONTROL,
         promise="the fault table's cause names the failed rank's own error (issue 13)",
-        file="ftrun/agent/faults.py",
+        file="ftrun/observe/faults.py",
         find=(
             "        if pid is None or not message:\n"
             "            return"
@@ -765,7 +767,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         id="lost-node-record-never-found",
         section=CONTROL,
         promise="a lost node is one record naming its ranks, path regroup (issue 13)",
-        file="ftrun/agent/faults.py",
+        file="ftrun/observe/faults.py",
         find=(
             "        if not _valid_member(member):\n"
             "            return None\n"
@@ -1763,6 +1765,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         find="                if deadline_error(answer):  # the gateway ended it at the deadline",
         replace="                if isinstance(answer.get(\"error\"), dict) and answer[\"error\"].get(\"grpc_code\") == 4:  # MUTATION: only grpc_code 4",
         tests=(
+            "tests/test_rendezvous_scale.py::test_a_simulated_agents_watch_takes_either_form_of_the_gateways_deadline[unknown]",
             "tests/test_rendezvous_scale.py::test_simulated_etcd_agents_keep_leases_the_real_writer_sees_and_join_its_generation",
         ),
     ),
@@ -1859,6 +1862,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=(
             "tests/test_fdlimit.py::test_an_agent_reads_a_fork_server_whose_socket_is_numbered_above_1023",
             "tests/test_fdlimit.py::test_an_agent_with_descriptors_above_1023_watches_its_workers[fork-server]",
+        ),
+    ),
+    Mutation(
+        id="zygote-socket-on-select",
+        section=CONTROL,
+        promise="the same, for the fork server's own wait on its socket",
+        file="ftrun/agent/zygote.py",
+        find="        ready = {fd for fd, _events in poller.poll(1000)}",
+        replace="        ready = set(select.select([sock.fileno(), wake_r], [], [], 1.0)[0])  # MUTATION: back on select",
+        tests=(
+            "tests/test_fdlimit.py::test_a_fork_server_whose_socket_is_numbered_above_1023_forks_and_reports",
         ),
     ),
     Mutation(
@@ -2047,7 +2061,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "With no restart left, the fault record and the summary's first failure name the root"
             " cause, not the exit seen first"
         ),
-        file="ftrun/agent/faults.py",
+        file="ftrun/observe/faults.py",
         find=(
             "            if ev.get(\"reason\") == \"failed\":  # no restart left: the same root as a restart's\n"
             "                self._name_root(pending, ev)"
@@ -2077,6 +2091,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "            pass  # MUTATION: returns without os._exit"
         ),
         tests=(
+            "tests/test_inject.py::test_status_that_gave_up_on_a_hung_connect_leaves_without_interpreter_teardown",
             "tests/test_inject.py::test_status_of_a_frozen_store_host_is_one_line_and_exit_3",
         ),
     ),
@@ -2118,7 +2133,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "A fault followed at once by its replacement's epoch keeps the survivors' regroup in "
             "its record (step and world 2)"
         ),
-        file="ftrun/agent/faults.py",
+        file="ftrun/observe/faults.py",
         find="            self.pending.append((epoch, world_size, self.highest))",
         replace="            self.pending = [(epoch, world_size, self.highest)]  # MUTATION: the latest only",
         tests=(
@@ -2132,7 +2147,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "A formed epoch's step counts on from where the last formed epoch resumed, not only "
             "from a beat read before its publication"
         ),
-        file="ftrun/agent/faults.py",
+        file="ftrun/observe/faults.py",
         find="                step = self.last_commit(base, max(reported, floor))",
         replace="                step = self.last_commit(epoch - 1, reported)  # MUTATION",
         tests=(
@@ -2255,6 +2270,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         replace="        if held.outcome is None:  # MUTATION: returns at once\n",
         tests=(
+            "tests/test_rendezvous_scale.py::test_a_held_etcd_wait_whose_stream_ends_inside_its_slice_waits_out_the_slice",
             "tests/test_rendezvous_scale.py::test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write",
         ),
     ),
@@ -2719,7 +2735,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "survivors' epoch of two formed) is recorded in the fault and its join line is said "
             "(issue 14, found under load: 11 of 30 runs)"
         ),
-        file="ftrun/agent/faults.py",
+        file="ftrun/observe/faults.py",
         find="            joins = record.join_epoch == epoch and record.joined is None",
         replace=(
             "            joins = record.join_epoch == epoch and record.joined is None and not (  # MUTATION: an elif of the recovery\n"

@@ -183,6 +183,24 @@ def test_a_program_that_cannot_be_executed_is_bad_input_not_an_internal_error(
     _assert_usage_error(_run_ftrun("--no-python", str(program)), str(program))
 
 
+
+def test_a_program_whose_bare_interpreter_cannot_be_found_is_bad_input_at_its_start(
+        tmp_path: Path) -> None:
+    """``--no-python ./x`` where ./x's ``#!`` names a bare word (``#!no-such-python``),
+    which ftrun leaves to exec to judge: exec fails (ENOENT) when the worker starts, after
+    the job began. Still the user's input: one line and exit 2, not exit 70 ("internal
+    error") and a crash file."""
+    program = tmp_path / "x"
+    program.write_text("#!no-such-python-interpreter\nprint('ran')\n")
+    program.chmod(0o755)
+    result = _run_ftrun("--no-python", str(program), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    errors = [x for x in result.stderr.splitlines() if "error" in x.lower()]
+    assert len(errors) == 1 and f"cannot run {program}" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    assert "ran" not in result.stdout
+
+
 def test_version_and_module_entry() -> None:
     result = _run_ftrun("--version")
     assert result.returncode == 0 and result.stdout.startswith("ftrun ")

@@ -1,4 +1,4 @@
-"""Fault records, the recovery line and the end summary (ftrun/agent/faults.py).
+"""Fault records, the recovery line and the end summary (ftrun/observe/faults.py).
 
 End to end on real jobs (gloo workers, the real agent, real signals):
 * regroup: a worker SIGKILLed by the test gets one fault record whose fields match what
@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftrun.agent.events import EventLog
-from ftrun.agent.faults import FaultBook, ProgressReport
+from ftrun.observe.events import EventLog
+from ftrun.observe.faults import FaultBook, ProgressReport
 from tests.launch import PRELOAD, REPO, Launch, wait_until
 from tests.lines import ElasticStep, Regroup, find
 
@@ -353,7 +353,7 @@ def test_snapshot_age_is_read_from_the_nodes_snapshot_memory_at_each_scrape(
     snapshot, then the newest file's age (other files in the directory do not count)."""
     from prometheus_client import generate_latest
 
-    from ftrun.agent.metrics import Metrics
+    from ftrun.observe.metrics import Metrics
 
     metrics = Metrics()
     metrics.watch_snapshots(tmp_path)

@@ -93,6 +93,43 @@ def test_status_of_a_frozen_store_host_is_one_line_and_exit_3() -> None:
         host.wait(10)
 
 
+
+def test_status_that_gave_up_on_a_hung_connect_leaves_without_interpreter_teardown(
+        tmp_path: Path) -> None:
+    """The same frozen store host, left frozen: the connect ``ftrun status`` gave up on
+    still runs inside torch as the command ends. It ends as documented (3, one line) and
+    at once (``exit_at_once``), without the interpreter's teardown, which that thread can
+    abort (-6) whenever it comes back during it: an exit handler of the process's own
+    (a ``sitecustomize`` on its ``PYTHONPATH``) never runs."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit\nprint('SITE RAN', flush=True)\n"
+        "atexit.register(lambda: print('TEARDOWN RAN', flush=True))\n")
+    host = subprocess.Popen([sys.executable, "-c", FROZEN_STORE_HOST], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        os.kill(host.pid, signal.SIGSTOP)
+        wait_until(lambda: all(  # a stop is asynchronous: every thread shows state T
+            (task / "stat").read_text().rpartition(")")[2].split()[0] == "T"
+            for task in Path(f"/proc/{host.pid}/task").iterdir()), 10, "the stopped host")
+        path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+        done = subprocess.run([launcher(), "status", "--timeout", "1", f"127.0.0.1:{port}"],
+                              env={**os.environ, "FTRUN_JOB_TOKEN": "status-test-secret",
+                                   "PYTHONPATH": path},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 3, done
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert f"cannot reach the store at 127.0.0.1:{port}" in done.stderr, done.stderr
+        assert "SITE RAN" in done.stdout and "TEARDOWN RAN" not in done.stdout, done.stdout
+    finally:
+        host.kill()
+        host.wait(10)
+
+
 def _registration(run_id: str) -> Path:
     return registry_dir() / f"{run_id}.json"
 
@@ -333,8 +370,8 @@ def test_the_job_record_says_a_new_world_at_once(monkeypatch: pytest.MonkeyPatch
     import time
 
     from ftrun.agent import inject
-    from ftrun.agent.events import Event, EventLog
     from ftrun.control.tcpstore import connect_store, serve_store
+    from ftrun.observe.events import Event, EventLog
 
     monkeypatch.setattr(inject, "JOB_EVERY_S", 60.0)
     server = serve_store(0, 10.0)
@@ -365,8 +402,8 @@ def test_the_inject_thread_outlives_a_failed_store_request(monkeypatch: pytest.M
     pause and answers a request written later. Before, the thread ended at the first error
     and a CI run's ``ftrun inject`` was never executed on that node."""
     from ftrun.agent import inject
-    from ftrun.agent.events import EventLog
     from ftrun.control.tcpstore import connect_store, serve_store
+    from ftrun.observe.events import EventLog
 
     monkeypatch.setattr(inject, "RETRY_S", 0.2)
     server = serve_store(0, 10.0)

@@ -14,7 +14,7 @@ PACKAGE = REPO / "ftrun"
 # What a training process may import of ftrun: the API, the contract, the control plane.
 WORKER_SIDE = ("ftrun.worker", "ftrun.protocol", "ftrun.control")
 AGENT_SIDE = ("ftrun.agent", "ftrun.shim", "ftrun.doctor", "ftrun.cli", "ftrun.config",
-              "ftrun.host", "ftrun.client")
+              "ftrun.host", "ftrun.client", "ftrun.observe", "ftrun.report")
 
 
 def _module_name(path: Path) -> str:

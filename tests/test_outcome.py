@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ftrun.agent.events import WorkerExit
 from ftrun.agent.outcome import mark_root_cause
+from ftrun.observe.events import WorkerExit
 
 
 def _exit(rank: int, returncode: int, *, first: bool = False, stopped: bool = False,

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -138,6 +142,43 @@ def test_forged_assignments_are_ignored_and_a_record_that_does_not_match_is_refu
         list(generation.nodes)
 
 
+
+def test_an_agent_that_finds_only_a_forged_assignment_waits_for_the_leader_s(
+        server) -> None:  # type: ignore[no-untyped-def]
+    """The forged assignment is there before the agent looks (no leader has joined yet):
+    the agent goes on waiting past it, however long the leader takes, and takes its place
+    from the leader's assignment once there is one."""
+    port = int(server.port)  # type: ignore[attr-defined]
+    forger = JsonStore(connect_store("127.0.0.1", port, 10), "ftrun/forged-first",
+                       signer=Signer(b"not-the-token"))
+    forged = {"number": 0, "restart_count": 0, "node": asdict(_slot(1).with_rank(1)),
+              "rank_offset": 0, "nnodes": 1, "world_size": 2,
+              "worker_store_host": "6.6.6.6", "worker_store_port": 666, "digest": "0" * 64}
+    forger.set_record(assignment_key(0, "node-1"), forged)
+    results: dict[int, Generation | BaseException] = {}
+
+    def agent() -> None:
+        try:
+            results[1] = _rdzv(port, "forged-first", leader=False, n=2).join(
+                0, _slot(1), 30, lambda: ("unused", 1))
+        except BaseException as error:  # reported by the test
+            results[1] = error
+
+    waiter = threading.Thread(target=agent, daemon=True)
+    waiter.start()
+    # its slot offered: it is waiting for its assignment, where the forged one already is
+    assert _until(lambda: forger.exists("gen/0/slots"), 20), "the agent never offered its slot"
+    waiter.join(0.5)
+    assert waiter.is_alive() and not results, results
+    leader = _rdzv(port, "forged-first", leader=True, n=2).join(
+        0, _slot(0), 30, lambda: ("10.9.9.9", 4242))
+    waiter.join(40)
+    generation = results.get(1)
+    assert isinstance(generation, Generation), results
+    assert (generation.worker_store_host, generation.worker_store_port) == ("10.9.9.9", 4242)
+    assert tuple(generation.nodes) == tuple(leader.nodes)
+
+
 def _loadgen() -> Any:
     """scripts/loadgen.py, the scale benchmarks' simulated agents (scripts/ is no package)."""
     path = Path(__file__).resolve().parent.parent / "scripts" / "loadgen.py"
@@ -146,6 +187,51 @@ def _loadgen() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+
+@pytest.mark.parametrize("ended", [
+    {"error": {"grpc_code": 4, "http_code": 504, "message": "context deadline exceeded"}},
+    {"error": {"grpc_code": 2, "http_code": 500, "message": "context deadline exceeded"}},
+], ids=["deadline-exceeded", "unknown"])
+def test_a_simulated_agents_watch_takes_either_form_of_the_gateways_deadline(
+        ended: dict[str, Any]) -> None:
+    """A simulated etcd agent's watch stream (scripts/loadgen.py ``HttpConn.stream``) that
+    the gateway ends at its deadline, as etcd's gateways say it: DEADLINE_EXCEEDED, or
+    UNKNOWN "context deadline exceeded" (etcd 3.4's). Its event reaches the agent, the
+    deadline's message does not, and the stream ends as the wait's timeout (the connection
+    kept for the next request), not as a failure, however early its clock says it is."""
+    loadgen = _loadgen()
+    errors: list[str] = []
+    gen = SimpleNamespace(loop=loadgen.Loop(), etcd_port=0, host="127.0.0.1",
+                          count_error=errors.append)
+    ours, gateway = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        conn = loadgen.HttpConn(gen, None, on_live=lambda: None)
+        conn.sock, conn.live = ours, True
+        gen.loop.sel.register(ours, selectors.EVENT_READ, conn._on_read)
+        messages: list[dict[str, Any]] = []
+        timed_out: list[bool] = []
+        conn.stream("/watch", {"create_request": {"key": "YQ=="}}, messages.append, 60.0,
+                    lambda: timed_out.append(True))
+        assert gateway.recv(65536).startswith(b"POST /v3/watch HTTP/1.1\r\n")
+        event = {"result": {"events": [{"kv": {"key": "YQ==", "value": "QQ=="}}]}}
+
+        def chunk(data: bytes) -> bytes:
+            return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+        gateway.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        + chunk(json.dumps(event).encode() + b"\n")
+                        + chunk(json.dumps(ended).encode()) + chunk(b""))
+        deadline = time.monotonic() + 10
+        while not timed_out and not conn.closed and time.monotonic() < deadline:
+            gen.loop.run_once(0.05)
+        assert timed_out == [True] and not conn.closed, (messages, errors)
+        assert messages == [event["result"]] and errors == []
+        assert not conn.streaming and conn.sock is ours
+    finally:
+        ours.close()
+        gateway.close()
 
 
 def _until(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -681,6 +767,31 @@ def test_a_held_etcd_wait_costs_no_request_per_slice_and_misses_no_write(
         assert costs(lambda: [reader.wait_any(keys, 0.3) for _ in range(4)]) == \
             ([None] * 4, 0, 0)
         assert time.monotonic() - started > 4 * 0.25
+
+
+
+def test_a_held_etcd_wait_whose_stream_ends_inside_its_slice_waits_out_the_slice() -> None:
+    """The gateway ends a held wait's stream (its hold, 1 s here) inside a 4 s slice of
+    ``EtcdClient.wait_any``: the call still lasts its slice, without news, and only the
+    next one watches again (a stream that ends early never makes a loop of streams)."""
+    if etcd_missing_reason() is not None:
+        pytest.skip(etcd_missing_reason() or "")
+    others = _held_wait_threads()
+    streams = 'grpc_server_started_total{grpc_method="Watch"'
+    with loopback_etcd() as endpoint:
+        reader = connect_etcd(EtcdOptions.parse(endpoint, {}), 10, op_timeout_s=5)
+        reader._held.hold_s = 1.0  # the gateway ends each stream after 1 s
+        keys = ["as/9", "gen/9", "shutdown"]
+        before = _etcd_metric(endpoint, streams)
+        started = time.monotonic()
+        assert reader.wait_any(keys, 4.0) is None
+        took = time.monotonic() - started
+        held = reader._held.held
+        assert held is not None and held.done.is_set() and held.outcome is None
+        assert took >= 3.9, f"the call returned {took:.2f} s into its 4 s slice"
+        assert _etcd_metric(endpoint, streams) - before == 1
+        reader._held.close()
+        assert _until(lambda: not _held_wait_threads() - others, 10)
 
 
 def _write_and_see(writer: Any, reader: Any, keys: list[str], since: float) -> None:

@@ -21,10 +21,10 @@ import re
 import shutil
 from pathlib import Path
 
-from ftrun.agent.events import EventLog
-from ftrun.agent.metrics import Metrics
-from ftrun.agent.statusboard import StatusBoard
 from ftrun.agent.stragglers import StragglerWatch
+from ftrun.observe.events import EventLog
+from ftrun.observe.metrics import Metrics
+from ftrun.observe.statusboard import StatusBoard
 from tests.launch import PRELOAD, REPO, Launch
 from tests.lines import ElasticStep, find
 

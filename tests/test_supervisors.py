@@ -17,7 +17,6 @@ import pytest
 import torch.distributed as dist
 
 from ftrun import protocol as P
-from ftrun.agent.events import Event, EventLog
 from ftrun.agent.leader import RegroupLeader, StopJob
 from ftrun.agent.members import TRANSITIONS, LocalMember, MemberState
 from ftrun.agent.membership import Membership
@@ -26,6 +25,7 @@ from ftrun.config import LaunchConfig
 from ftrun.control.auth import Signer
 from ftrun.control.rendezvous import Generation, NodeSlot
 from ftrun.control.store import JsonStore
+from ftrun.observe.events import Event, EventLog
 
 SECRET = b"s" * 32
 

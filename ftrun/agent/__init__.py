@@ -3,8 +3,8 @@
 :func:`run_agent` is the whole entry point. The package is layered; each module depends only
 on those above it in this list:
 
-* :mod:`~ftrun.agent.events`, :mod:`~ftrun.agent.outcome`, :mod:`~ftrun.agent.report`:
-  what is said about a job (event names, cause records, how a generation ended, the summary);
+* :mod:`~ftrun.agent.outcome`: how a generation ended, its cause records (what is said
+  about a job, events, fault records, metrics and the summary, is :mod:`ftrun.observe`'s);
 * :mod:`~ftrun.agent.processes`: spawning, signalling and reaping local processes;
 * :mod:`~ftrun.agent.regroup` and its leader: the in-process recovery supervisor;
 * :mod:`~ftrun.agent.loop`: the outer loop (connect, join a generation, run a supervisor,

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol as P
-from ftrun.agent.events import Event
 from ftrun.agent.nodes import NodeWatch
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.errors import StoreError
@@ -35,6 +34,7 @@ from ftrun.control.heartbeat import HeartbeatMonitor, serve_presence
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 from ftrun.control.store import JsonStore
 from ftrun.control.tcpstore import connect_store, reconnect_store, serve_store
+from ftrun.observe.events import Event
 
 if TYPE_CHECKING:
     from ftrun.control.election import Election
@@ -250,7 +250,7 @@ def moved_store(agent: Agent, generation: Generation, prefix: str) -> MovedStore
 
 def _say_lost_writer(agent: Agent, generation: Generation, old: NodeSlot) -> None:
     """The lost writer's ``node_lost`` event, for this agent's fault record (its cause and
-    its detection time, ftrun/agent/faults.py): silent since its last sign of life, the
+    its detection time, ftrun/observe/faults.py): silent since its last sign of life, the
     last renewal of its lease, which expired a whole TTL after it. When the key was seen
     free (``vacated_at``) dates that renewal to a TTL before at the latest, and at most one
     watch interval earlier (when it was last seen held); the later bound is taken, so the

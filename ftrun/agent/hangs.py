@@ -69,13 +69,13 @@ from typing import Any
 
 import psutil
 
-from ftrun.agent.events import Event
 from ftrun.agent.ncclprogress import Late, NcclProgress, late_workers, nccl_progress, waiting_where
 from ftrun.agent.processes import WorkerProcess, join_pumps, wait_any
 from ftrun.agent.services import AgentServices
 from ftrun.agent.stacks import Stack, read_stack, stack_from_fault_dump, stack_source
 from ftrun.control.errors import StoreValueError, require
 from ftrun.control.rendezvous import Generation
+from ftrun.observe.events import Event
 from ftrun.shim import ShimError
 
 HANG_FLOOR_S = 2.0

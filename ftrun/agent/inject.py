@@ -7,7 +7,7 @@ the scheduled faults that target this node's workers when they are due, and exec
 requests that ``ftrun inject`` writes into the control store.
 
 Every fault is announced with an ``inject`` event *before* the signal is sent, so its
-record (ftrun.agent.faults) counts from the injection: ``happened`` is when ftrun acted,
+record (ftrun.observe.faults) counts from the injection: ``happened`` is when ftrun acted,
 ``detected`` when the agent noticed.
 
 ``cut-link`` is executed by the agent of the named node on its own host: an iptables chain
@@ -54,10 +54,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ftrun.agent.events import Event, EventLog
 from ftrun.client.faultspec import DEFAULT_CUT_S, NODE_KINDS, Fault, FaultSpecError, Schedule
 from ftrun.control.errors import StoreError
 from ftrun.control.store import JsonStore
+from ftrun.observe.events import Event, EventLog
 
 #: The key (under the ``ftrun`` prefix) that names the job to ``ftrun inject``/``status``.
 JOB_KEY = "job"
@@ -229,7 +229,7 @@ class Injector:
               job_in_run: bool = False) -> None:
         """Start the thread. ``store`` opens this thread's own client (None: no requests);
         ``job``: the ``ftrun/job`` record to keep (the leader only), refreshed every
-        second with ``status()`` (ftrun.agent.statusboard) for ``ftrun status``;
+        second with ``status()`` (ftrun.observe.statusboard) for ``ftrun status``;
         ``job_in_run``: the record is the run's own ``job`` key (etcd-v3)."""
         self._job_in_run = job_in_run
         self._status = status

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from ftrun import exithook
 from ftrun.agent import processes as local
-from ftrun.agent.events import Event, EventLog, WorkerExit, read_error_file
 from ftrun.agent.forkserver import (
     ForkServer,
     ForkServerError,
@@ -31,6 +30,7 @@ from ftrun.agent.forkserver import (
 )
 from ftrun.config import LaunchConfig, Std
 from ftrun.control.rendezvous import Generation
+from ftrun.observe.events import Event, EventLog, WorkerExit, read_error_file
 from ftrun.protocol import SURVIVOR_TORCH_ENV, MemberEnv, WorkerEnv
 from ftrun.shim import ShimControl, ShimError
 

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun import protocol as P
-from ftrun.agent.events import Event, EventLog
-from ftrun.agent.faults import ProgressReport
 from ftrun.agent.membership import Membership
 from ftrun.agent.nodes import NodeWatch, say_refused
 from ftrun.agent.outcome import restart_all_words
@@ -39,6 +37,8 @@ from ftrun.control.errors import StoreValueError
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
 from ftrun.decide.deadline import RecoveryDeadline, auto_deadline_s, describe_setting
 from ftrun.decide.progress import Observation, ProgressWatch
+from ftrun.observe.events import Event, EventLog
+from ftrun.observe.faults import ProgressReport
 from ftrun.snapshot import records as snapshot_records
 
 #: How long the leader waits, after a member epoch ended, for a standby node's health-gate

@@ -35,21 +35,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from ftrun.agent import etcdwriter
-from ftrun.agent.events import Event, EventLog, WorkerExit
-from ftrun.agent.faults import FaultBook, explain_exits
 from ftrun.agent.forkserver import ForkServer
 from ftrun.agent.inject import Injector
 from ftrun.agent.launcher import Launcher, WorkerStartError
-from ftrun.agent.metrics import Metrics, MetricsError
 from ftrun.agent.nodes import NodeWatch, passes_health_gate, say_refused, standby_config
 from ftrun.agent.outcome import GenerationResult, Outcome, describe_cause, root_fields
 from ftrun.agent.regroup import RegroupSupervisor
-from ftrun.agent.report import print_failure_summary, print_job_summary
 from ftrun.agent.restart import RestartSupervisor
 from ftrun.agent.services import AgentServices, Supervisor
 from ftrun.agent.signals import SignalInbox
 from ftrun.agent.snapshots import NodeSnapshots
-from ftrun.agent.statusboard import StatusBoard
 from ftrun.client.jobref import register, register_etcd, unregister
 from ftrun.config import LaunchConfig, Recovery, parse_seconds
 from ftrun.control.auth import Signer, load_secret
@@ -71,6 +66,11 @@ from ftrun.decide.crashloop import CrashLoop
 from ftrun.exitcodes import ExitCode, exit_at_once, for_signal
 from ftrun.host import fdlimit
 from ftrun.host.hostnet import LOOPBACK, is_local_address, store_bind_address
+from ftrun.observe.events import Event, EventLog, WorkerExit
+from ftrun.observe.faults import FaultBook, explain_exits
+from ftrun.observe.metrics import Metrics, MetricsError
+from ftrun.observe.statusboard import StatusBoard
+from ftrun.observe.summary import print_failure_summary, print_job_summary
 
 if TYPE_CHECKING:  # imported where used: requests and etcd3gw cost every agent's start
     from ftrun.control.election import Election, WriterWatch
@@ -101,7 +101,7 @@ class Agent:
             events_path = run_log_dir / "events.jsonl"
         self.events = EventLog.open(self.hostname, events_path, config.event_log_console)
         # One record per fault, from the events: a line per completed recovery, the
-        # summary at the end (ftrun.agent.faults).
+        # summary at the end (ftrun.observe.faults).
         self.faults = FaultBook(on_line=lambda text: self.say(text, style="green"),
                                 on_record=lambda f: self.events.emit(Event.FAULT, **f.to_json()))
         self.events.add_listener(self.faults.observe)

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ftrun.agent.events import Event, EventLog
 from ftrun.config import LaunchConfig
 from ftrun.control.heartbeat import HeartbeatMonitor
 from ftrun.control.rendezvous import Generation, NodeSlot, Rendezvous
+from ftrun.observe.events import Event, EventLog
 
 LostNode = tuple[NodeSlot, dict[str, Any]]
 #: The longest gap between two of the leader's scans for lost nodes (a heartbeat read of

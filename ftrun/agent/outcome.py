@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from ftrun.agent.events import WorkerExit, describe_returncode
+from ftrun.observe.events import WorkerExit, describe_returncode
 
 
 class Outcome(Enum):

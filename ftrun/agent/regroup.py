@@ -50,7 +50,6 @@ from typing import Any
 
 from ftrun import protocol as P
 from ftrun.agent import processes as local
-from ftrun.agent.events import Event, WorkerExit, describe_returncode
 from ftrun.agent.hangs import HangWatch, announce_hang, name_after_abort
 from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.leader import RegroupLeader, StopJob
@@ -70,6 +69,7 @@ from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError
 from ftrun.control.rendezvous import Generation, StoreLostError
 from ftrun.decide.crashloop import Failure, signature
+from ftrun.observe.events import Event, WorkerExit, describe_returncode
 from ftrun.shim import ShimError, ShimTimeoutError
 
 Step = Outcome | GenerationResult | None  # what one look at the job decided

@@ -24,7 +24,6 @@ from dataclasses import replace
 from typing import Any
 
 from ftrun.agent import processes as local
-from ftrun.agent.events import Event, WorkerExit, describe_returncode
 from ftrun.agent.hangs import (
     Hang,
     HangWatch,
@@ -42,6 +41,7 @@ from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.errors import StoreError, StoreValueError
 from ftrun.control.rendezvous import Generation, StoreLostError
 from ftrun.decide.crashloop import Failure, signature
+from ftrun.observe.events import Event, WorkerExit, describe_returncode
 
 
 class RestartSupervisor:

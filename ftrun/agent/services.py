@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ftrun.agent.events import EventLog
 from ftrun.agent.launcher import Launcher
 from ftrun.agent.nodes import NodeWatch
 from ftrun.agent.outcome import GenerationResult
@@ -24,6 +23,7 @@ from ftrun.control.endwatch import EndWatcher, ReadEnd
 from ftrun.control.rendezvous import Generation, Rendezvous
 from ftrun.control.store import JsonStore
 from ftrun.decide.crashloop import CrashLoop
+from ftrun.observe.events import EventLog
 
 
 @dataclass

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ftrun.agent.events import Event, EventLog
+from ftrun.observe.events import Event, EventLog
 
 POLICIES = ("off", "warn", "fault")
 DEFAULT_FACTOR = 2.0

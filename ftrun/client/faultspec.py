@@ -1,7 +1,7 @@
 """Fault specifications: ``ftrun --inject SPEC`` and ``ftrun inject KIND key=value ...``.
 
 A spec is a schedule of faults to inject into one's own job on purpose, to see what a fault
-costs (every injected fault gets the same record as a real one: ftrun.agent.faults).
+costs (every injected fault gets the same record as a real one: ftrun.observe.faults).
 Items are separated by ``;``; each is a kind followed by ``key=value`` words::
 
     --inject "kill rank=1 step=20; freeze rank=2 step=60..80; raise rank=random after=30; seed=7"

@@ -5,7 +5,7 @@ several are listed (run id, where, agent pid, started), each to be named; none i
 Every job says its run id and this command in its first line.
 
 Reads the job's record (``ftrun/job``) from its control store, where the leader agent
-refreshes it every second (ftrun.agent.statusboard): job generation, member epoch, world,
+refreshes it every second (ftrun.observe.statusboard): job generation, member epoch, world,
 nodes, each member's rank, process, state and step rate, the committed step, the last
 faults with their recovery times, and the ranks judged stragglers. A rich table for
 people, ``--json`` for programs (the record as it is, plus ``age_s``: how old it is).

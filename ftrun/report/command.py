@@ -16,9 +16,9 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from ftrun.agent.faults import FaultBook
-from ftrun.agent.report import print_job_summary
 from ftrun.exitcodes import ExitCode
+from ftrun.observe.faults import FaultBook
+from ftrun.observe.summary import print_job_summary
 from ftrun.report.events import EventsFileError, read_events
 
 

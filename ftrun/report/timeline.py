@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftrun.agent.faults import FaultBook, FaultRecord
+from ftrun.observe.faults import FaultBook, FaultRecord
 
 
 class PictureError(ValueError):

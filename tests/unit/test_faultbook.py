@@ -1,11 +1,11 @@
-"""Fault records from events (ftrun.agent.faults) where member ids and epoch numbers start
+"""Fault records from events (ftrun.observe.faults) where member ids and epoch numbers start
 again in each job generation, and the escalation's record: values, not presence."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftrun.agent.faults import FaultBook
+from ftrun.observe.faults import FaultBook
 
 
 def test_a_member_id_used_again_after_a_restart_is_a_new_fault() -> None:
@@ -101,7 +101,7 @@ def test_a_casualty_of_a_recovery_is_part_of_its_record_not_a_fault_of_its_own()
         {"ts": 2.0, "event": "failure", "member": "0.1", "rank": 1, "generation": 0,
          "cause": "killed by SIGKILL", "detected": 2.0},
         {"ts": 4.1, "event": "failure", "member": "0.2", "rank": 2, "generation": 0,
-         "cause": "stuck in member epoch 0", "detected": 4.1, "casualty": True},
+         "cause": "stuck in member epoch 0", "detected": 4.1, "casualty": True, "pid": 42},
         {"ts": 4.2, "event": "epoch", "generation": 0, "epoch": 1, "world_size": 2,
          "joiners": [], "gone": [{"member": "0.1", "rank": 1}, {"member": "0.2", "rank": 2}]},
         {"ts": 5.0, "event": "formed", "generation": 0, "epoch": 1, "world_size": 2,
@@ -111,6 +111,7 @@ def test_a_casualty_of_a_recovery_is_part_of_its_record_not_a_fault_of_its_own()
     ])
     first, second = book.faults
     assert (first.rank, first.casualties, first.recovery_s) == (1, [2], 3.0)
+    assert first.casualty_pids == [42]  # the soak's accounting: the process it replaced
     assert lines[0].endswith("(detected in 0.00 s; rank 2 replaced: stuck in a collective "
                              "of the ended epoch)")
     assert (second.rank, second.cause) == (1, "stuck in member epoch 1")

@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 
-from ftrun.agent.faults import FaultBook
-from ftrun.agent.metrics import Metrics
 from ftrun.client.faultspec import MAX_AFTER_S, MAX_CUT_S, MAX_STEP, FaultSpecError, parse_item
 from ftrun.control.heartbeat import HeartbeatMonitor
+from ftrun.observe.faults import FaultBook
+from ftrun.observe.metrics import Metrics
 
 
 def test_steps_lost_are_the_last_step_seen_less_the_step_resumed_from() -> None:

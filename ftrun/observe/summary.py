@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ftrun.agent.events import WorkerExit
-from ftrun.agent.faults import FaultRecord, JobSummary
+from ftrun.observe.events import WorkerExit
+from ftrun.observe.faults import FaultRecord, JobSummary
 
 
 def _clock(ts: float) -> str:

@@ -1,7 +1,7 @@
 """One record per fault, built from the agent's own events: what recovery cost.
 
 Teams judge a fault-tolerant launcher by one figure, how long a fault costs them. This
-module turns the event stream that every agent already writes (:mod:`ftrun.agent.events`)
+module turns the event stream that every agent already writes (:mod:`ftrun.observe.events`)
 into one :class:`FaultRecord` per fault: when it happened, when it was detected, when
 training progressed again, the steps lost, the path taken (regroup, replace,
 restart) and the ranks involved; and the whole job into a :class:`JobSummary` (wall time,
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ftrun import protocol as P
-from ftrun.agent.events import Event, EventLog, WorkerExit, describe_returncode
+from ftrun.observe.events import Event, EventLog, WorkerExit, describe_returncode
 
 #: Seconds between two ``progress`` events while steps move (the report's resolution).
 PROGRESS_EVERY_S = 1.0
@@ -81,6 +81,7 @@ class FaultRecord:
     # ranks taken out during this recovery as its casualties: stuck in a collective of the
     # epoch the fault ended, which nothing released (replaced; not faults of their own)
     casualties: list[int] = field(default_factory=list)
+    casualty_pids: list[int] = field(default_factory=list)  # their processes, in that order
 
     @property
     def detection_s(self) -> float:
@@ -319,6 +320,8 @@ class FaultBook:
                                and f.recovered is None and f.path != "none"), None)
             if recovering is not None and rank is not None and member is not None:
                 recovering.casualties.append(rank)
+                if pid is not None:
+                    recovering.casualty_pids.append(pid)
                 self._casualties.add((generation, member))
                 return
         record = self._open(ts, cause, detected=ev.get("detected"), happened=ev.get("happened"),

@@ -51,7 +51,7 @@ class Event(str, Enum):
     DONE = "done"  # this node's workers all finished
     FORMED = "formed"  # regroup leader: the member epoch after a change formed (step, world)
     PROGRESS = "progress"  # regroup leader, once a second: each rank's committed steps
-    FAULT = "fault"  # one fault's record, once its recovery completed (ftrun.agent.faults)
+    FAULT = "fault"  # one fault's record, once its recovery completed (ftrun.observe.faults)
     INJECT = "inject"  # a fault was injected on purpose (spec, rank)
     ERROR = "error"  # a failed worker's own last error, once read (rank, pid, message)
     STRAGGLER = "straggler"  # regroup leader: a rank keeps the others waiting (flagged, rank)

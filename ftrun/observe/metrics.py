@@ -50,7 +50,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from ftrun.agent.events import Event
+from ftrun.observe.events import Event
 from ftrun.snapshot import memory
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from ftrun.agent.events import Event
+from ftrun.observe.events import Event
 
 #: Faults kept in the snapshot (the newest).
 LAST_FAULTS = 5
