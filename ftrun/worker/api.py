@@ -329,6 +329,10 @@ class FaultTolerance:
     def _join_next(self, after: int) -> None:
         assert self._membership is not None
         failures = 0
+        # out of the ended epoch before its backend is retired: a new solo backend and
+        # renewed DDP reducers took seconds on a loaded node, and meanwhile the status said
+        # "inside the ended epoch" and the leader took the member for stuck (the long soak)
+        self._membership.left()
         if after >= 0:
             self._retire_backend()
         while True:
