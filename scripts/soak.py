@@ -497,7 +497,10 @@ class TwoNodeJob(Job):
             self.h2_expected[-1] = {-signal.SIGKILL}
         else:
             self.net.cut_link(h2)
-            self.h2_expected[-1] = {3}
+            # it gives up on the store (3), or it rejoins once the link is back: the leader
+            # declared it lost, it stopped its workers, asked to join, and the job ran on to
+            # its end with it (0; the long soak's two_node run, seed 821068364)
+            self.h2_expected[-1] = {0, 3}
         what = f"{kind} node 1 (h2)"
         self.note(what)
         if kind == "cut-link":
