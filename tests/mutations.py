@@ -149,6 +149,11 @@ MUTATIONS: tuple[Mutation, ...] = (
             "number, instead of `abort_all()` (the pre-redesign code's counting: it seeded each "
             "page with the job generation)"
         ),
+        known_miss=(
+            "MISSED in issue 37's run (21.8 s, the test passed): likely, the survivor's shim page nev"
+            "er counts more comm epochs than member epoch + 1 in that test, so abort(epoch + "
+            "1) still covers its communicator"
+        ),
     ),
     Mutation(
         id="restart-supervisor-exits",
@@ -744,6 +749,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         note=(
             "ftrun/control/etcd.py `_post` (`_on_each_endpoint`) never moves to the next endpoint"
+        ),
+        known_miss=(
+            "MISSED in issue 37's run (88.8 s, the test passed once; not investigated for lac"
+            "k of time)"
         ),
     ),
     Mutation(
