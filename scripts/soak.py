@@ -711,9 +711,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[index], 3)
 
 
-#: A raise or a hang acts at the victim's next step; a restart that detected another fault
-#: this soon after the injection stopped the victim before it could act.
-ABSORB_WINDOW_S = 1.0
+#: A raise or a hang acts at the victim's next step; a restart of its generation that
+#: detected another fault this soon after the injection stopped the victim before it could
+#: act (a step took 3.5 s in the long soak, a restart's first steps on busy cores).
+ABSORB_WINDOW_S = 10.0
 _VICTIM = re.compile(r"^(raise|hang) rank \d+ \(pid (\d+)\)$")
 
 
