@@ -483,13 +483,18 @@ class FaultBook:
             record.path = "restart"
         self._name_root(pending, ev)
 
-    @staticmethod
-    def _name_root(pending: list[FaultRecord], ev: dict[str, Any]) -> None:
+    def _name_root(self, pending: list[FaultRecord], ev: dict[str, Any]) -> None:
         """The agent's root cause (a ``restart`` or ``stop`` event's root fields,
         outcome.root_fields) may be another rank than the exit it saw first (a rank that
         raised can exit after the peer its exception broke: outcome.mark_root_cause): the
-        one record of that generation then names the root, with its own error."""
+        one record of that generation then names the root, with its own error. Not when the
+        root already has a record of its own (a regroup that fell back to a restart: the
+        pending record is another fault's, which renaming would lose and the root's
+        duplicate; the long soak)."""
         root_pid, code = _int(ev.get("pid")), _int(ev.get("returncode"))
+        if root_pid is not None and any(f.pid == root_pid for f in self.faults
+                                        if f not in pending):
+            return
         if len(pending) == 1 and root_pid is not None and code is not None \
                 and pending[0].pid not in (None, root_pid):
             record, message = pending[0], _str(ev.get("message"))

@@ -146,3 +146,31 @@ def test_a_worker_found_frozen_while_a_failed_generation_stops_is_a_fault_of_its
     assert killed.recovered == frozen.recovered == 2.3
     assert frozen.recovery_s == pytest.approx(0.25)
     assert (culprit.rank, culprit.pid, culprit.recovered) == (3, 203, 4.4)
+
+
+def test_a_regroup_that_falls_back_to_a_restart_keeps_every_faults_own_record() -> None:
+    """Rank 3 froze (its record, regroup path); rank 1 then hung and was taken out as
+    stuck; no survivor held the state, so the generation restarted, the restart event
+    naming rank 3 (the generation's first failure) as its root. The pending record is rank
+    1's, not rank 3's again: two records, each its own (the long soak's ddp run, seed
+    52066046, had rank 1's record renamed into a duplicate of rank 3's)."""
+    book = FaultBook().replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 2.0, "event": "failure", "member": "0.3", "rank": 3, "pid": 665,
+         "generation": 0, "cause": "frozen (stopped by a signal)", "detected": 2.0},
+        {"ts": 2.2, "event": "epoch", "generation": 0, "epoch": 1, "world_size": 3,
+         "joiners": [], "gone": [{"member": "0.3", "rank": 3}]},
+        {"ts": 2.4, "event": "formed", "generation": 0, "epoch": 1, "world_size": 3,
+         "step": 30},
+        {"ts": 7.0, "event": "failure", "member": "0.1", "rank": 1, "pid": 659,
+         "generation": 0, "cause": "stuck in member epoch 0", "detected": 7.0},
+        {"ts": 7.1, "event": "restart", "generation": 0, "rank": 3, "pid": 665,
+         "returncode": -9, "message": "frozen (stopped by a signal)"},
+        {"ts": 7.5, "event": "generation", "generation": 1, "world_size": 4},
+    ])
+    frozen, stuck = book.faults
+    assert (frozen.pid, frozen.cause, frozen.path) == (665, "frozen (stopped by a signal)",
+                                                       "regroup")
+    assert (stuck.rank, stuck.pid, stuck.cause, stuck.path) == (
+        1, 659, "stuck in member epoch 0", "restart")
+    assert stuck.recovered == 7.5
