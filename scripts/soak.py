@@ -715,7 +715,8 @@ def percentile(values: list[float], q: float) -> float | None:
 #: detected another fault this soon after the injection stopped the victim before it could
 #: act (a step took 3.5 s in the long soak, a restart's first steps on busy cores).
 ABSORB_WINDOW_S = 10.0
-_VICTIM = re.compile(r"^(raise|hang) rank \d+ \(pid (\d+)\)$")
+#: An injected fault as the soak notes it: "<kind> rank R (pid P)".
+_VICTIM = re.compile(r"^(\S+) rank \d+ \(pid (\d+)\)$")
 
 
 def absorbed_by_restart(injected: list[tuple[float, str]], records: list[FaultRecord],
@@ -735,24 +736,22 @@ def absorbed_by_restart(injected: list[tuple[float, str]], records: list[FaultRe
     casualties = {pid for r in records for pid in r.casualty_pids}
     absorbed = []
     for at, what in injected:
-        pid = _pid_of(what)
-        if pid is None or pid in named:
+        victim = _VICTIM.match(what)
+        if victim is None:
+            continue
+        kind, pid = victim[1], int(victim[2])
+        if pid in named:
             continue
         if pid in casualties:
             absorbed.append(what)
             continue
-        if _VICTIM.match(what) is None:
+        if kind not in ("raise", "hang"):
             continue
         generation = generation_of.get(pid)
         if any(r.path == "restart" and r.generation == generation
                and abs(r.detected - at) <= ABSORB_WINDOW_S for r in records):
             absorbed.append(what)
     return absorbed
-
-
-def _pid_of(what: str) -> int | None:
-    found = re.search(r"\(pid (\d+)\)$", what)
-    return int(found[1]) if found else None
 
 
 def figures(values: list[float]) -> dict[str, float | None]:
