@@ -19,7 +19,9 @@ backward of step S, once per job (a marker file in ``--kill-dir`` says it happen
 ``--kill R:S:WHERE`` (repeatable, each once per job, marker ``killed-<i>``) also kills rank
 R ``backward`` of step S, while the snapshot of step S is being ``capture``d (inside the
 registered loader's ``state_dict``: before that rank's file exists), or while the snapshot
-of step S is being ``restore``d (inside its ``load_state_dict``: during a recovery);
+of step S is being ``restore``d (inside its ``load_state_dict``: during a recovery), or
+just before it builds its device ``mesh`` at an entry that starts from step S (the other
+members wait in the mesh's group build for its address);
 ``--hang R:S:WHERE`` (repeatable, once per job, marker ``hung-<i>``) makes rank R sleep
 forever there instead (alive, its heartbeat beating: a member that never commits);
 with ``--hang-until-restart`` every process that reaches a ``--hang`` (a replacement too)
@@ -282,6 +284,9 @@ def injected_fault(step: int, rank: int) -> None:
 
 def train(ft: Any, args: argparse.Namespace) -> None:
     world, rank = ft.world_size, ft.rank
+    marker = due_kill(args, rank, ft.step, "mesh")
+    if marker is not None:
+        die(marker)
     model, _mesh = build(args, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = Loader(args, rank)

@@ -214,6 +214,29 @@ def test_a_member_that_never_leaves_the_ended_epoch_is_replaced_not_those_waitin
     assert _snapshot_dirs_of(launch.proc.pid) == []
 
 
+def test_a_member_lost_while_the_mesh_is_built_ends_the_build_not_the_job(
+        job_dir: Path) -> None:
+    """The long soak's one failure, made deterministic. On a 2x2 mesh rank 3 dies in the
+    backward of step index 4; in the member epoch that recovers it, rank 1 dies after the
+    epoch formed, just before it builds its device mesh, so its peers sit in the mesh's
+    subgroup builds waiting on the control store for its address (gloo's 30-minute default).
+    The epoch's end shuts down the store connection its groups wait on: they fail at once,
+    the members re-enter with a second replacement, and the job ends in process with the
+    fault-free parameters. Before the fix nothing released that wait: every member sat in
+    it until the recovery deadline restarted every worker."""
+    reference = _reference_digest(job_dir, ["--tp", "2"])
+    code, launch = _run(job_dir, ["--tp", "2", "--kill", "3:4:backward",
+                                  "--kill", "1:4:mesh"], "fault")
+    assert code == 0, launch.output[-3000:]
+    assert len(find(launch.lines, Victim)) == 2, launch.output[-3000:]
+    assert not any("recovery deadline passed" in line or "every worker restarted" in line
+                   for line in launch.lines), launch.output[-3000:]
+    regrouped = [line for line in launch.lines if "survivors regrouped in" in line]
+    assert len(regrouped) == 2, launch.output[-3000:]
+    assert _digest(launch) == reference
+    assert _snapshot_dirs_of(launch.proc.pid) == []
+
+
 def test_a_recovery_that_never_commits_escalates_to_a_restart_that_restores_memory(
         job_dir: Path) -> None:
     """The escalation ladder, end to end: rank 1 dies at step index 3; in the member epoch

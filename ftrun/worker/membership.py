@@ -37,6 +37,7 @@ from ftrun import protocol as P
 from ftrun.control.auth import Signer, load_secret
 from ftrun.control.store import JsonStore, StoreError, StoreValueError
 from ftrun.control.tcpstore import connect_store, reconnect_store
+from ftrun.worker import sockets
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
 from ftrun.worker.sockets import shutdown_connections_to
 
@@ -153,6 +154,7 @@ class Membership:
                 client.set_timeout(timedelta(seconds=request_s))
                 return client
             return connect_store(host, port, bound_s, op_timeout_s=request_s)
+        self._connect = first_client if moved is None else moved
         self.store = JsonStore(first_client(bound_s), member.prefix, signer=signer,
                                reconnect=moved, retry_s=retry_s)
         # The heartbeat's own connection: connected with the main bound (a loaded node can
@@ -177,6 +179,10 @@ class Membership:
         self.inside = -1
         self.epoch_steps = 0
         self._cut_off = -1  # the last member epoch whose connections to a lost node were cut
+        # The store connection of the member epoch whose groups are being built, and that
+        # epoch (-1 when none is): see group_client.
+        self.group_connections: frozenset[sockets.Connection] = frozenset()
+        self._building = -1
         self._beats = 0
         self._progress = progress  # (committed steps, collectives issued in this step)
         self._heartbeat_s = heartbeat_s
@@ -204,6 +210,26 @@ class Membership:
             return reconnect_store(host, port, min(2.0, bound_s), op_timeout_s=request_s)
         return connect
 
+    def group_client(self, number: int, request_s: float) -> dist.TCPStore:
+        """A new connection to the control store (where it is now) for member epoch
+        ``number``'s process groups, each request bounded by ``request_s``.
+
+        The groups wait on it for their peers' addresses, and nothing else uses it, so the
+        epoch's end can shut it down (:mod:`ftrun.worker.sockets`) without touching the
+        connections the protocol goes on using: a member that died after it arrived
+        otherwise holds every other member in the build until the bound. The heartbeat
+        does that while the group is being built (:meth:`built` ends that); the
+        ``restartable`` watch, for the whole epoch, through :attr:`group_connections`."""
+        before = sockets.connections()
+        client = self._connect(request_s)
+        self.group_connections = frozenset(sockets.connections() - before)
+        self._building = number
+        return client
+
+    def built(self) -> None:
+        """The member epoch's groups are built: the heartbeat stops watching the build."""
+        self._building = -1
+
     # --- status and the heartbeat thread --------------------------------------------------
 
     def report(self, store: JsonStore | None = None) -> None:
@@ -228,6 +254,7 @@ class Membership:
                 try:
                     self.report(self._beat_store)
                     self._release_from_lost_node()
+                    self._release_group_build()
                 except (StoreError, RuntimeError):
                     return  # the agent is gone; PDEATHSIG ends this process
         finally:
@@ -252,6 +279,15 @@ class Membership:
             return
         self._cut_off = epoch
         shutdown_connections_to(addr)
+
+    def _release_group_build(self) -> None:
+        """Fail a group build that waits for a member of an epoch that ended meanwhile."""
+        number, connections = self._building, self.group_connections
+        if number < 0 or self.ended(number, self._beat_store) is None:
+            return
+        if number == self._building:
+            self._building = -1
+            sockets.shutdown_connections(lambda own, peer: (own, peer) in connections)
 
     def entered(self, number: int) -> None:
         """This member is now inside member epoch ``number`` (its group is built)."""

@@ -32,7 +32,9 @@ several nodes the buddy's replica held here, or fetched from the node that holds
 
 Leaving: when the agent ends the member epoch (a member failed), a watcher thread sees it
 within 20 ms and shuts down this process's connections to its peers (gloo's sockets: every
-TCP connection but the control store's), so a collective blocked on the dead rank fails at
+TCP connection but the control store's) and the epoch's own store connection, which its
+process groups meet on, so a collective blocked on the dead rank, or a group's build
+waiting for the dead rank's address (the world's, or a device mesh's subgroup), fails at
 once; ``train`` leaves with that ``RuntimeError`` or, between collectives, with
 :class:`EpochEnded` raised by ``step_done``/``snapshot``. The wrapper then stops the
 snapshot thread, destroys every process group (and so the device mesh's), collects the
@@ -57,7 +59,11 @@ collective waits for the agent's end before it counts as the script's own;
 ``regroup_timeout_s`` (as in :func:`ftrun.init`) each wait on other members: the next
 member epoch, every member's arrival, the restore choice; past it
 :class:`~ftrun.worker.errors.RegroupTimeoutError`. A capture waits at most
-``collective_timeout_s`` for the previous snapshot to leave the staging buffer.
+``collective_timeout_s`` for the previous snapshot to leave the staging buffer. Building
+the default group is bounded by :data:`ftrun.worker.group.BUILD_TIMEOUT` (or the
+collective timeout, if shorter): every member arrived before it starts, so only a member
+that died since can hold it up, and gloo retries a refused connect to that member until
+the bound.
 
 Without ftrun's regroup environment (torchrun, ``--recovery restart``) the same function
 runs once: the default group is initialised from ``env://`` if the script has not, and
@@ -87,11 +93,10 @@ from ftrun.control.store import JsonStore, StoreError
 from ftrun.snapshot import format as fmt
 from ftrun.snapshot import memory, records, replica
 from ftrun.snapshot.writer import Held, SnapshotBusyError, SnapshotWriter, Where, complete
-from ftrun.worker import group, settings
+from ftrun.worker import group, settings, sockets
 from ftrun.worker.errors import RegroupError
 from ftrun.worker.membership import POLL_S, Membership
 from ftrun.worker.reentry import forget_meshes, warm_up
-from ftrun.worker.sockets import shutdown_peer_connections
 
 T = TypeVar("T")
 
@@ -303,7 +308,8 @@ class _Runner:
             if ended is not None and epoch == self._epoch:
                 seen = epoch
                 self._ended.set()
-                shutdown_peer_connections(port)
+                # the epoch's own store connection too: its groups wait on it
+                sockets.shutdown_peer_connections(port, membership.group_connections)
 
     # --- the life -----------------------------------------------------------------------
 
@@ -413,10 +419,18 @@ class _Runner:
         membership.members = tuple(m.id for m in epoch.members)
         membership.epoch = self._epoch = epoch.number
         self._ended.clear()
-        store = dist.PrefixStore(P.pg_prefix(membership.prefix, epoch.number),
-                                 membership.store.raw)
+        build = min(self.timeout, group.BUILD_TIMEOUT)
+        client = membership.group_client(epoch.number, build.total_seconds())
+        # The watch shuts down what it finds recorded once it sets _ended: an end it saw
+        # before the record is caught here instead.
+        if self._ended.is_set() or membership.ended(epoch.number) is not None:
+            raise EpochEnded(f"member epoch {epoch.number} ended before its group was built")
+        store = dist.PrefixStore(P.pg_prefix(membership.prefix, epoch.number), client)
         dist.init_process_group(group.backend_name(), store=store, rank=rank,
-                                world_size=epoch.world_size, timeout=self.timeout)
+                                world_size=epoch.world_size, timeout=build)
+        group.set_collective_timeout(self.timeout)
+        client.set_timeout(self.timeout)
+        membership.built()
         membership.entered(epoch.number)
         if self.server:  # where this node's copies are, for the buddies and the restorers
             membership.store.set_record(records.server_key(epoch.number, self.env.node_rank),
@@ -640,5 +654,4 @@ def restartable(
     return wrap(train) if train is not None else wrap
 
 
-__all__ = ["EpochEnded", "Session", "SnapshotRestoreError", "restartable",
-           "shutdown_peer_connections"]
+__all__ = ["EpochEnded", "Session", "SnapshotRestoreError", "restartable"]

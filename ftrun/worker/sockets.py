@@ -18,16 +18,17 @@ import contextlib
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 #: A connection's (own address, peer address) -> whether to shut it down.
 Match = Callable[[tuple, tuple], bool]
+#: A TCP connection: (own address, peer address), as ``getsockname``/``getpeername``.
+Connection = tuple[tuple, tuple]
 
 
-def shutdown_connections(match: Match) -> int:
-    """Shut down every TCP connection of this process that ``match`` selects; returns how
-    many. Descriptors that close meanwhile, or are not connected, are passed over."""
-    count = 0
+def _tcp_sockets() -> Iterator[socket.socket]:
+    """Each TCP socket of this process, as a duplicate of its descriptor (closed once the
+    caller moves on). Descriptors that close meanwhile are passed over."""
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError, ValueError):
             fd = int(name)
@@ -40,19 +41,40 @@ def shutdown_connections(match: Match) -> int:
                 os.close(copy)
                 raise
             with sock:
-                if sock.type != socket.SOCK_STREAM or sock.family not in (
+                if sock.type == socket.SOCK_STREAM and sock.family in (
                         socket.AF_INET, socket.AF_INET6):
-                    continue
-                if match(sock.getsockname(), sock.getpeername()):
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
+                    yield sock
+
+
+def connections() -> set[Connection]:
+    """The (own address, peer address) of each connected TCP socket of this process now."""
+    found: set[Connection] = set()
+    for sock in _tcp_sockets():
+        with contextlib.suppress(OSError):
+            found.add((sock.getsockname(), sock.getpeername()))
+    return found
+
+
+def shutdown_connections(match: Match) -> int:
+    """Shut down every TCP connection of this process that ``match`` selects; returns how
+    many. Descriptors that close meanwhile, or are not connected, are passed over."""
+    count = 0
+    for sock in _tcp_sockets():
+        with contextlib.suppress(OSError):
+            if match(sock.getsockname(), sock.getpeername()):
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
     return count
 
 
-def shutdown_peer_connections(keep_port: int) -> int:
+def shutdown_peer_connections(keep_port: int, also: frozenset[Connection] = frozenset()
+                              ) -> int:
     """Shut down every TCP connection but those to port ``keep_port`` (the control
-    store's): a collective blocked on a peer fails at once. Returns how many."""
-    return shutdown_connections(lambda own, peer: peer[1] != keep_port)
+    store's), and the store connections in ``also`` (a member epoch's own, which its
+    process groups wait on): a collective, or a group's build, blocked on a peer fails at
+    once. Returns how many."""
+    return shutdown_connections(
+        lambda own, peer: peer[1] != keep_port or (own, peer) in also)
 
 
 def shutdown_connections_to(host: str, port: int | None = None) -> int:
