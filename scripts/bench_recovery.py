@@ -168,7 +168,7 @@ class StepLine:
     rank: int
     pid: int
     t: float
-    gen: int
+    epoch: int  # the member epoch (train_elastic.py prints it as epoch=)
 
 
 @dataclass

@@ -44,8 +44,11 @@ Printed last with ``--json`` (a contract: keys are kept)::
 
 ``survived`` counts the faults of runs that passed every check; ``recovery_s`` is every
 fault record's fault-to-progress time, ``recovery_s_in_process`` the same for the regroup
-paths alone; ``goodput`` is the agents' productive time over wall time, summed over the
-runs whose agents know it (scripts with the worker API).
+paths alone, ``recovery_s_in_process_isolated`` for those of them that no other fault
+overlapped (none happened from a second before to the recovery: a hang's detection, or the
+stuck rule's floor for a member that a second fault caught, sits in the others);
+``goodput`` is the agents' productive time over wall time, summed over the runs whose agents
+know it (scripts with the worker API).
 """
 
 from __future__ import annotations
@@ -254,6 +257,7 @@ class RunResult:
     problems: list[str] = field(default_factory=list)
     recovery_s: list[float] = field(default_factory=list)
     in_process_s: list[float] = field(default_factory=list)
+    isolated_s: list[float] = field(default_factory=list)  # in process, no fault overlapped
     escalations: int = 0
     max_gap_s: float = 0.0
     productive_s: float | None = None
@@ -607,6 +611,9 @@ def check(job: Job, result: RunResult, reference: str | None, deadline_s: float)
             result.recovery_s.append(record.recovery_s)
             if record.path in ("regroup", "replace"):
                 result.in_process_s.append(record.recovery_s)
+                if not any(other is not record and record.happened - 1.0 <= other.happened
+                           <= record.happened + record.recovery_s for other in records):
+                    result.isolated_s.append(record.recovery_s)
     result.max_gap_s = max_gap_s(job.out.steps())
     if result.max_gap_s >= deadline_s:
         problems.append(f"{result.max_gap_s:.1f}s without a committed step (the recovery "
@@ -763,6 +770,7 @@ def summarize(results: list[RunResult], args: argparse.Namespace, seed: int,
               elapsed_s: float) -> dict[str, Any]:
     recovery = [r for result in results for r in result.recovery_s]
     in_process = [r for result in results for r in result.in_process_s]
+    isolated = [r for result in results for r in result.isolated_s]
     productive = [r.productive_s for r in results if r.productive_s is not None and r.wall_s]
     walls = [r.wall_s for r in results if r.productive_s is not None and r.wall_s]
     by_job: dict[str, dict[str, Any]] = {}
@@ -782,6 +790,7 @@ def summarize(results: list[RunResult], args: argparse.Namespace, seed: int,
                       "faults": r.faults, "logs": r.workdir} for r in results if not r.ok],
         "recovery_s": figures(recovery),
         "recovery_s_in_process": figures(in_process),
+        "recovery_s_in_process_isolated": figures(isolated),
         "max_gap_s": round(max((r.max_gap_s for r in results), default=0.0), 3),
         "goodput": round(sum(productive) / sum(walls), 4) if walls else None,
         "escalations": sum(r.escalations for r in results),
@@ -873,7 +882,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.json:
         print(f"faults {summary['faults']}, survived {summary['survived']}, failures "
               f"{len(summary['failures'])}; recovery p50/p99/max {summary['recovery_s']}; "
-              f"in process {summary['recovery_s_in_process']}; longest gap "
+              f"in process {summary['recovery_s_in_process']} (no other fault "
+              f"overlapping: {summary['recovery_s_in_process_isolated']}); longest gap "
               f"{summary['max_gap_s']} s; goodput {summary['goodput']}; seed {seed}")
         for failure in summary["failures"]:
             print(f"FAILED {failure['job']} seed={failure['seed']}: {failure['why']}")
