@@ -1141,9 +1141,10 @@ static void atfork_child(void) {
  * about one run in three before this existed). */
 static void mark_exiting(void) { A_STORE(&g.exiting, 1, RELEASE); }
 
-__attribute__((constructor)) static void ftshim_init(void) {
-  pthread_atfork(NULL, NULL, atfork_child);
-  atexit(mark_exiting);
+/* Map the control page that FTRUN_SHIM_CONTROL names, claim it if this process may, and start
+ * the control thread: a worker's start (the constructor), or a worker forked from a fork
+ * server (ftshim_attach). On any failure the shim stays inert and says why. */
+static void attach_page(void) {
   const char* dbg = getenv(FTSHIM_ENV_DEBUG);
   g.debug = dbg && *dbg && *dbg != '0';
   const char* path = getenv(FTSHIM_ENV_CONTROL);
@@ -1192,6 +1193,35 @@ __attribute__((constructor)) static void ftshim_init(void) {
    * first NCCL call without a thread: nothing runs in compilers, shells, nvidia-smi ... */
   int32_t bound = A_LOAD(&p->bound_pid, ACQUIRE);
   if (r == CLAIM_OK || bound == 0 || bound == getpid()) start_thread();
+}
+
+__attribute__((constructor)) static void ftshim_init(void) {
+  pthread_atfork(NULL, NULL, atfork_child);
+  atexit(mark_exiting);
+  attach_page();
+}
+
+/* A worker forked from a fork server that preloads the shim (ftrun --preload): the server had
+ * no control page (no FTRUN_SHIM_CONTROL: inert, it never tracks a communicator), and the
+ * fork copied none of its threads. Called once in the child, after its environment names the
+ * worker's own page: this process starts as a spawned worker's shim starts, with state of its
+ * own. A fork of a worker (a DataLoader process) holds the worker's page mapping and is left
+ * inert: that page is the worker's. Returns the mode after the attempt (enum ftshim_mode):
+ * candidate or active when attached, inert when not (ftshim_inert_reason() says why). */
+FTSHIM_API int ftshim_attach(void) {
+  if (g.page != NULL) return A_LOAD(&g.mode, ACQUIRE);
+  pthread_mutex_init(&g.claim_lock, NULL); /* the server's one thread held neither at the fork */
+  pthread_mutex_init(&g.reg_lock, NULL);
+  g.thread_started = 0;
+  g.agent_fd = -1;
+  g.last_request = 0;
+  g.resweep = 0;
+  g.exiting = 0;
+  g.nccl_probes = 0;
+  t_grp.n = 0;
+  t_grp.depth = 0;
+  attach_page();
+  return A_LOAD(&g.mode, ACQUIRE);
 }
 
 /* ---- introspection (tests, doctor) ---------------------------------------------------- */

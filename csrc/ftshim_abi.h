@@ -275,6 +275,10 @@ extern const ftshim_enum_value ftshim_enum_values[];     /* ends with family == 
 const char* ftshim_function_name(uint32_t id);            /* NULL past the end */
 uint32_t ftshim_function_count(void);
 int ftshim_status(void);        /* this process: enum ftshim_mode */
+/* In a worker forked from a fork server that preloads the shim: attach to the page the
+ * environment names now, as a spawned worker does at its start. Returns enum ftshim_mode
+ * (inert: not attached, ftshim_inert_reason() says why). */
+int ftshim_attach(void);
 const char* ftshim_inert_reason(void);
 /* The name of a value of each family ("live", "group_abort" ...), NULL when unknown:
  * ftshim_comm_state_name, ftshim_shim_state_name, ftshim_mechanism_name,

@@ -7,6 +7,8 @@
 # 2. a torch NCCL process group of size 1 runs under the shim: the shim counts its calls;
 # 3. the agent side aborts on command: the next collective raises in the script,
 #    destroy_process_group() does not crash, a new group forms and computes correctly;
+# 3b. the same worker forked from ftrun's fork server (--preload), which preloads the shim
+#    without a page: the fork attaches to its own, counts its calls, and is aborted the same;
 # 4. per-collective time with and without the shim;
 # 5. `ftrun doctor --json`, if the ftrun command exists.
 # Prints PASS/FAIL lines and one JSON summary line ("SUMMARY {...}"); exit status 0 only if
@@ -94,7 +96,12 @@ for _ in range(100):
     dist.all_reduce(x)
 torch.cuda.synchronize()
 say("READY", torch.__version__, ".".join(map(str, torch.cuda.nccl.version())), float(x[0]))
-sys.stdin.readline()  # the agent aborts now
+go = os.environ.get("GPU_CHECK_GO")  # a forked worker's stdin is /dev/null: a file instead
+if go:
+    while not os.path.exists(go):
+        time.sleep(0.01)
+else:
+    sys.stdin.readline()  # the agent aborts now
 t0 = time.monotonic()
 try:
     dist.all_reduce(x)
@@ -186,6 +193,56 @@ finally:
         proc.kill()
         proc.wait()
     ctl.close()
+
+
+
+def forked_check():
+    """The same worker forked from ftrun's fork server (--preload): the server preloads the
+    shim without a page (it never makes a communicator); the fork attaches to its own."""
+    import io
+    import types
+
+    from ftrun.agent.forkserver import ForkServer
+
+    server_env = dict(torch_env_for_survivors(os.environ))
+    server_env.pop("FTRUN_SHIM_CONTROL", None)
+    server_env["LD_PRELOAD"] = ":".join(filter(None, [server_env.get("LD_PRELOAD"), str(LIB)]))
+    server = ForkServer(["torch"], env=server_env, path0=str(WORK))
+    fctl = ShimControl(label="gpu-check-forked", library=LIB)
+    try:
+        server.wait_ready(timeout_s=120)
+        go = WORK / "go-forked"
+        env = dict(fctl.worker_env(torch_env_for_survivors(os.environ)), GPU_CHECK_GO=str(go))
+        child = server.spawn([str(WORK / "worker.py"), str(WORK), "main"], module=False,
+                             env=env, cwd=str(WORK))
+        fctl.bind(child.pid)
+        proc = types.SimpleNamespace(stdout=io.TextIOWrapper(child.stdout), poll=child.poll)
+        line = expect(proc, "READY", 120)
+        check("forked_group_up", line is not None, line or f"worker exited {child.poll()}")
+        if not line:
+            return
+        live = [c for c in fctl.communicators() if c.state == "live"]
+        status = fctl.status()
+        check("forked_shim_counts_calls",
+              live and max(c.seq for c in live) >= 100 and status["owner_pid"] == child.pid,
+              f"{len(live)} live comms; owner {status['owner_pid']} (worker {child.pid}, "
+              f"server {server.pid}); attaches {status['attach_count']}")
+        try:
+            rep = fctl.abort_all(timeout_s=30)
+            check("forked_abort_report", rep.attached and rep.entries and not rep.unsafe,
+                  f"{rep.mechanism} {len(rep.entries)} comms in {rep.elapsed_s * 1e3:.2f} ms")
+        except ShimError as exc:
+            check("forked_abort_report", False, str(exc))
+        go.touch()
+        line = expect(proc, "RAISED", 90)
+        check("forked_next_collective_raises", line and line.startswith("RAISED"),
+              line or "no answer")
+    finally:
+        server.close()
+        fctl.close()
+
+
+forked_check()
 
 # overhead per collective, with and without the shim
 timing = {}

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.launch import REPO, Launch, free_port
+from tests.launch import PRELOAD, REPO, Launch, free_port
 from tests.lines import (
     Blocking,
     Finished,
@@ -85,12 +85,17 @@ def _survivors(run: Launch, *labels: str) -> dict[int, int]:
             for label in labels}
 
 
-def test_survivor_blocked_in_nccl_is_released_by_the_shim(job_dir: Path) -> None:
+@pytest.mark.parametrize("preload", [(), PRELOAD], ids=["spawned", "forked"])
+def test_survivor_blocked_in_nccl_is_released_by_the_shim(
+        job_dir: Path, preload: tuple[str, ...]) -> None:
+    """Spawned workers, and workers forked from the ``--preload`` server (which preloads the
+    shim but has no page: each fork attaches to its own and starts its own control thread),
+    are released within the same bound, and the abort report is the survivor's own."""
     _require_fake_nccl()
     events = job_dir / "events.jsonl"
     run = Launch(
         ["--nproc-per-node", "2", "--recovery", "regroup", "--on-failure", "shrink",
-         "--events-file", str(events), str(SCRIPT), "1"],
+         *preload, "--events-file", str(events), str(SCRIPT), "1"],
         cwd=job_dir,
         env={"FTRUN_SHIM": "1"},  # CPU-only node: the shim is opt-in here
     )
@@ -98,8 +103,10 @@ def test_survivor_blocked_in_nccl_is_released_by_the_shim(job_dir: Path) -> None
     assert all(r.code != 0 for r in released)  # the collective failed: no garbage taken
     assert run.wait(60) == 0, run.output
     assert "finished generation=1 world=1 step=3" in run.output
+    assert "not attached in the forked worker" not in run.output, run.output
     aborts = [json.loads(x) for x in events.read_text().splitlines() if '"abort"' in x]
     assert aborts and aborts[0]["report"]["entries"], aborts
+    assert {e["member"] for e in aborts} == {"0.0"}, aborts  # rank 0's page: the survivor's
     check_regroup_invariants(parse(run.lines), survivors=_survivors(run, "rank0"),
                              world=1)
 

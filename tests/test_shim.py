@@ -443,6 +443,82 @@ def test_inert_in_fork_and_exec_children(builds: dict[str, Build], procs: list[P
         assert ctl.status()["attach_count"] == 1 and ctl.status()["owner_pid"] == p.pid
 
 
+# A fork server (ftrun --preload) in miniature: a Python process that preloads the shim without
+# a control page, then forks workers that each attach to a page of their own.
+FORK_SERVER = textwrap.dedent("""
+    import ctypes, os, signal, sys, time
+    from pathlib import Path
+    from ftrun.shim import ShimControl
+    lib = ctypes.CDLL(None)
+    lib.ftshim_attach.restype = lib.ftshim_status.restype = ctypes.c_int
+    print("SERVER", lib.ftshim_status(), lib.ftshim_attach(), flush=True)
+    ctls = [ShimControl(label=f"fork{i}", library=Path(sys.argv[1]), tick_ms=2)
+            for i in range(2)]
+    children = []
+    for ctl in ctls:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.environ["FTRUN_SHIM_CONTROL"] = str(ctl.path)
+            first, again = lib.ftshim_attach(), lib.ftshim_attach()
+            grandchild = os.fork()
+            if grandchild == 0:  # a fork of the worker (a DataLoader): never attaches
+                os.write(w, f"{first} {again} {lib.ftshim_attach()}\\n".encode())
+                os._exit(0)
+            os.waitpid(grandchild, 0)
+            time.sleep(60)
+            os._exit(0)
+        ctl.bind(pid)
+        children.append((pid, os.read(r, 100).decode().split()))
+
+    def moving(ctl, ticks=5, within=5.0):
+        start, deadline = ctl.liveness(), time.monotonic() + within
+        while time.monotonic() < deadline:
+            if ctl.liveness() >= start + ticks:
+                return True
+            time.sleep(0.005)
+        return False
+
+    for ctl, (pid, modes) in zip(ctls, children):
+        deadline = time.monotonic() + 5
+        while ctl.status()["owner_pid"] != pid and time.monotonic() < deadline:
+            time.sleep(0.005)
+        status = ctl.status()
+        print("CHILD", *modes, status["owner_pid"] == pid, status["attach_count"],
+              moving(ctl), flush=True)
+    os.kill(children[0][0], signal.SIGSTOP)  # one worker frozen: only its page stands still
+    time.sleep(0.1)
+    frozen = ctls[0].liveness()
+    print("FROZEN", moving(ctls[1]), ctls[0].liveness() == frozen, flush=True)
+    for pid, _ in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+""")
+
+
+def test_forked_workers_attach_pages_of_their_own(builds: dict[str, Build]) -> None:
+    """The server preloads the shim but has no page: inert, and attaching does nothing there
+    (it never tracks a communicator). Each forked worker attaches to the page its
+    environment names (candidate, or active once bound), owns it alone (one attach), and
+    beats on it with a control thread of its own; a second attach is a no-op; a fork of a
+    worker stays inert; freezing one worker stops its page's liveness, not the other's."""
+    build = builds["plain"]
+    env = worker_env(build, dict(os.environ))
+    env["LD_PRELOAD"] = str(build.shim)
+    done = subprocess.run([sys.executable, "-c", FORK_SERVER, str(build.shim)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert lines[0] == ["SERVER", "0", "0"], done.stdout
+    children = [line[1:] for line in lines if line[0] == "CHILD"]
+    assert len(children) == 2, done.stdout
+    for first, again, grandchild, owns, attaches, beats in children:
+        assert first in ("1", "2") and again == first, done.stdout  # candidate or active
+        assert grandchild == "0", done.stdout  # inert
+        assert (owns, attaches, beats) == ("True", "1", "True"), done.stdout
+    assert lines[-1] == ["FROZEN", "True", "True"], done.stdout
+
+
 def test_wrapper_shell_hands_over_to_the_nccl_process(
     builds: dict[str, Build], procs: list[Proc]
 ) -> None:

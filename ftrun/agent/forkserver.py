@@ -13,10 +13,11 @@ pidfd as any other worker (Linux lets any process open one) and learns its exit 
 the server, which reaps it. :class:`ForkedChild` gives it the face of a
 ``subprocess.Popen`` so the rest of the agent does not care how a worker was started.
 
-The NCCL shim is not put into forked workers: it must be loaded before NCCL, so it would have
-to live in the server, and its control thread cannot cross a fork. A job with ``--preload``
-therefore relies on torch's own timeouts (and the agent's hang watch) for hung NCCL calls;
-the agent says so when it starts the server on a machine with GPUs.
+The NCCL shim crosses the fork: it must be loaded before NCCL, so the server preloads it
+(``LD_PRELOAD``, without a control page: inert there, and the server never makes a
+communicator), and each forked worker, given its own page in its environment, attaches to it
+and starts its own control thread (:func:`ftrun.agent.zygote._attach_shim`). A forked worker's
+shim is a spawned worker's: the same aborts, counters and liveness, its own.
 
 Error semantics: :meth:`ForkServer.wait_ready` raises :class:`ForkServerError` with the
 server's own one-line reason (a module that does not import, one that starts threads or
@@ -39,6 +40,7 @@ from typing import IO, Any
 
 from ftrun.agent.processes import die_with_parent, readable, shared_worker_env
 from ftrun.config import LaunchConfig
+from ftrun.shim.native import ShimNotBuiltError, shim_library_path
 
 _MAX_LINE = 1 << 16
 
@@ -68,8 +70,25 @@ def start_fork_server(config: LaunchConfig) -> ForkServer | None:
     # copies one thread: the server imports with a pool of one. Forked workers' numpy BLAS
     # then runs on one thread; torch's own math (MKL, OpenMP) is unaffected.
     env = {"OPENBLAS_NUM_THREADS": "1", **shared_worker_env(config)}
-    return ForkServer(config.preload, env=env, path0=path0,
-                      shown=[config.entrypoint, *config.args])
+    shim = _shim_library(config)
+    if shim is not None:  # before NCCL, as in a spawned worker; the user's preloads first
+        env["LD_PRELOAD"] = ":".join([*filter(None, env.get("LD_PRELOAD", "").split(":")),
+                                      shim])
+    server = ForkServer(config.preload, env=env, path0=path0,
+                        shown=[config.entrypoint, *config.args])
+    server.has_shim = shim is not None
+    return server
+
+
+def _shim_library(config: LaunchConfig) -> str | None:
+    """The shim library the server preloads, or None (disabled, or not built: the launcher
+    says so at the first worker it cannot give a page)."""
+    if not config.use_shim:
+        return None
+    try:
+        return str(shim_library_path())
+    except ShimNotBuiltError:
+        return None
 
 
 class ForkServer:
@@ -80,6 +99,7 @@ class ForkServer:
         """``shown``: the workers' command, appended after ``--`` to the server's command
         line (which its forks inherit), so that ``ps`` names the script."""
         self.modules = tuple(modules)
+        self.has_shim = False  # preloads the NCCL shim: its workers get pages of their own
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         agent_pid = os.getpid()
         try:

@@ -82,10 +82,6 @@ class Launcher:
                                 "yellow"))
             return
         self._fork_server = started or start_fork_server(config)
-        if config.use_shim and os.path.exists("/dev/nvidiactl"):
-            self._notes.append(("--preload: forked workers run without the NCCL shim (it "
-                                "must load before NCCL); hung NCCL calls end by torch's "
-                                "timeout", "yellow"))
 
     def _forked(self, launch: local.WorkerLaunch) -> local.Child:
         assert self._fork_server is not None
@@ -134,7 +130,9 @@ class Launcher:
         rank_dir.mkdir(parents=True, exist_ok=True)
         env = self._worker_env(generation, local_rank, rank, rank_dir / "error.json", member)
         server = self._fork_server_ready()
-        shim = self._shim_control(f"rank{rank}") if server is None else None
+        # a forked worker attaches to its page itself, if its server preloads the shim
+        shim = self._shim_control(f"rank{rank}") \
+            if server is None or server.has_shim else None
         if shim is not None:
             env = shim.worker_env(env)
         redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)

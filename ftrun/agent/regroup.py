@@ -445,6 +445,8 @@ class _RegroupRun:
             counts = (status.steps, status.collectives)
             if self.member_moved.get(member.id, ((-1, -1), 0.0))[0] != counts:
                 self.member_moved[member.id] = (counts, now)
+        for gone in self.member_moved.keys() - self.members.keys():
+            del self.member_moved[gone]  # a failed member's clock: never read again
         hang = self.member_hangs.sample([x.process for x in watched.values()])
         if hang is None or hang.kind != "hung" or not hang.culprits:
             return None

@@ -54,6 +54,8 @@ from typing import Any
 
 _MAX_MESSAGE = 1 << 22  # a worker's environment and argv fit easily in 4 MiB
 _PR_SET_PDEATHSIG = 1
+#: The shim's control page variable (ftrun.shim.abi.ENV_CONTROL; this module imports no ftrun)
+SHIM_CONTROL_ENV = "FTRUN_SHIM_CONTROL"
 
 
 class _Request:
@@ -197,6 +199,8 @@ def _become_worker(sock: socket.socket, server: int, fds: list[int], request: _R
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request.env)
+    if request.env.get(SHIM_CONTROL_ENV):  # the agent gave this worker a shim page
+        _attach_shim()
     if request.env.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter would read at start
         faulthandler.enable()
     if request.env.get("FTRUN_EXIT_HOOK"):  # what its sitecustomize would do at start
@@ -204,6 +208,22 @@ def _become_worker(sock: socket.socket, server: int, fds: list[int], request: _R
 
         adopt()
     os.chdir(request.cwd)
+
+
+def _attach_shim() -> None:
+    """Give this worker an NCCL shim of its own: the server preloads the library (inert there:
+    it has no control page) and a fork copies none of its threads, so the child maps the page
+    its environment names and starts its control thread, as a spawned worker's shim does at
+    its start. A server started without the shim has no such symbol: nothing to do."""
+    attach = getattr(ctypes.CDLL(None), "ftshim_attach", None)
+    if attach is None:
+        return
+    attach.restype = ctypes.c_int
+    if attach() == 0:  # FTSHIM_MODE_INERT
+        reason = ctypes.CDLL(None).ftshim_inert_reason
+        reason.restype = ctypes.c_char_p
+        print(f"ftrun-shim[{os.getpid()}]: not attached in the forked worker: "
+              f"{reason().decode(errors='replace')}", file=sys.stderr, flush=True)
 
 
 def run_worker(request: _Request) -> None:
