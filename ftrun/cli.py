@@ -167,9 +167,10 @@ FTRUN_OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
      "Regroup: how many times the others' median own time per step makes a straggler."),
     ("--straggler-window", "straggler_window", "FTRUN_STRAGGLER_WINDOW", "30",
      "Regroup: seconds a rank must stay that slow before it counts as a straggler."),
-    ("--preload", "preload", "FTRUN_PRELOAD", "",
+    ("--preload", "preload", "FTRUN_PRELOAD", "auto",
      "Modules (comma-separated, e.g. torch) a per-node fork server imports once; every "
-     "worker of every generation is forked from it instead of starting Python again."),
+     "worker of every generation is forked from it instead of starting Python again. auto: "
+     "torch and its distributed modules when the script imports torch; none: off."),
 )
 
 
@@ -250,6 +251,7 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
     if ns.no_python and ns.module:
         raise ConfigError("--no-python and -m cannot be used together")
     check_entrypoint(ns.training_script, module=ns.module, no_python=ns.no_python)
+    preload, preload_auto = parse_preload(ns.preload, ns.training_script, bool(ns.module))
 
     backend = ns.rdzv_backend.strip().lower()
     if backend in ("etcd", "etcd-v2"):
@@ -397,7 +399,8 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchC
         max_repeats=_count(ns.max_repeats, "--max-repeats", minimum=1),
         hang_timeout_s=None if ns.hang_timeout == "auto" else parse_seconds(
             ns.hang_timeout, "--hang-timeout", allow_zero=True),
-        preload=parse_preload(ns.preload),
+        preload=preload,
+        preload_auto=preload_auto,
         heartbeat_interval_s=heartbeat_interval,
         heartbeat_timeout_s=heartbeat_timeout,
         join_timeout_s=parse_seconds(rdzv_conf.get("join_timeout", "600"), "join_timeout"),

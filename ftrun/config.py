@@ -9,6 +9,7 @@ prints it on one line and exits 2 before anything is started.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -118,6 +119,9 @@ class LaunchConfig:
     max_repeats: int = 2
     hang_timeout_s: float | None = None  # restart: all workers idle this long; None: auto
     preload: tuple[str, ...] = ()  # modules a per-node fork server imports once (--preload)
+    # chosen by --preload auto (the default): where the server cannot be used, workers are
+    # spawned with one line saying why, instead of the job stopping
+    preload_auto: bool = False
     abort_timeout_s: float = 5.0  # the shim's deadline to abort a worker's communicators
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
@@ -384,13 +388,42 @@ def check_port_free(port: int, flag: str) -> None:
         raise ConfigError(f"{flag}={port}: port is in use ({error.strerror})")
 
 
-def parse_preload(text: str) -> tuple[str, ...]:
-    """``--preload torch,numpy``: module names, each a dotted Python identifier."""
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
+#: What ``--preload auto`` (the default) has the fork server import for a torch script: what
+#: a torch job imports anyway (DDP's constructor and the optimizers import torch._dynamo;
+#: FSDP2 and DTensor jobs the last two), once per node instead of at every worker's start.
+AUTO_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp",
+                "torch.distributed.tensor")
+_IMPORTS_TORCH = re.compile(rb"^[ \t]*(?:import|from)[ \t]+torch\b", re.MULTILINE)
+_SCAN_BYTES = 1 << 20
+
+
+def parse_preload(text: str, entrypoint: str = "", module: bool = False
+                  ) -> tuple[tuple[str, ...], bool]:
+    """``--preload``: (the modules the fork server imports, whether ``auto`` chose them).
+
+    ``auto`` (the default, also an empty value): :data:`AUTO_PRELOAD` unless the entrypoint
+    is a Python script that imports no torch (a fork server would import for nothing);
+    ``none``: no server; else module names, each a dotted Python identifier."""
+    value = text.strip()
+    if value.lower() in ("", "auto"):
+        return (AUTO_PRELOAD if module or _may_import_torch(entrypoint) else ()), True
+    if value.lower() == "none":
+        return (), False
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
     for name in names:
         if not all(part.isidentifier() for part in name.split(".")):
             raise ConfigError(f"--preload: {name!r} is not a module name")
-    return names
+    return names, False
+
+
+def _may_import_torch(entrypoint: str) -> bool:
+    """Whether a script's own text imports torch (a file that cannot be read: assume so,
+    the launch reports it)."""
+    try:
+        with open(entrypoint, "rb") as script:
+            return _IMPORTS_TORCH.search(script.read(_SCAN_BYTES)) is not None
+    except OSError:
+        return True
 
 
 def _check_interpreter(program: Path) -> None:

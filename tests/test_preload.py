@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,3 +125,65 @@ def test_bad_preload_is_a_one_line_error(job_dir: Path) -> None:
         assert "Traceback" not in result.stderr + result.stdout, value
         assert "hello" not in result.stdout  # no worker ran
         assert time.monotonic() - started < 60
+
+
+AUTO_PROBE = """
+import os, sys
+forked = "torch._dynamo" in sys.modules  # before this script's own import
+import torch  # noqa: E402,F401
+print(f"AUTO forked={forked} rank={os.environ['RANK']}", flush=True)
+"""
+
+
+def _auto_lines(run: Launch) -> dict[str, str]:
+    return {line.split("rank=")[1].strip(): line.split("forked=")[1].split()[0]
+            for line in run.lines if "AUTO forked=" in line}
+
+
+def test_auto_is_the_default_for_a_torch_script_and_none_turns_it_off(job_dir: Path) -> None:
+    """No flag: a script that imports torch is forked from a server that imported torch and
+    its distributed modules (said in one line); ``--preload none`` spawns it; a script that
+    imports no torch gets no server at all."""
+    script = job_dir / "probe.py"
+    script.write_text(AUTO_PROBE)
+    plain = job_dir / "plain.py"
+    plain.write_text("import os\nprint(f\"PLAIN rank={os.environ['RANK']}\", flush=True)\n")
+    for extra, forked in (([], "True"), (["--preload", "none"], "False")):
+        run = Launch([*extra, "--nproc-per-node", "2", str(script)], cwd=job_dir)
+        assert run.wait(120) == 0, run.output
+        assert _auto_lines(run) == {"0": forked, "1": forked}, run.output
+        said = [line for line in run.lines if "preload: imported" in line]
+        assert len(said) == (forked == "True"), run.output
+        if said:
+            assert "torch, torch._dynamo, torch.distributed" in said[0], said
+    run = Launch(["--nproc-per-node", "2", str(plain)], cwd=job_dir)
+    assert run.wait(120) == 0, run.output
+    assert len([line for line in run.lines if "PLAIN rank=" in line]) == 2, run.output
+    assert not any("preload" in line for line in run.lines), run.output
+
+
+def test_auto_falls_back_to_spawning_with_one_line_where_the_server_cannot_serve(
+        job_dir: Path) -> None:
+    """The default's choice, not the user's: where the fork server cannot be used, the job
+    still runs, spawned, with one line saying why, instead of stopping with exit 2 as an
+    explicit ``--preload`` does. Here the script's own ``torch`` package (beside it, so the
+    agent's torch is untouched) has no ``torch._dynamo``; and a ``PYTHON_EXEC`` that is not
+    ftrun's interpreter."""
+    (job_dir / "torch").mkdir()
+    (job_dir / "torch" / "__init__.py").write_text("")
+    script = job_dir / "probe.py"
+    script.write_text(AUTO_PROBE)
+    wrapper = job_dir / "python-wrapper"
+    wrapper.write_text(f"#!/bin/sh\nexec {os.path.realpath(sys.executable)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    cases = (({}, "cannot import 'torch._dynamo'"),
+             ({"PYTHON_EXEC": str(wrapper)}, "is not the interpreter ftrun runs in"))
+    for env, words in cases:
+        run = Launch(["--nproc-per-node", "2", str(script)], cwd=job_dir, env=env)
+        assert run.wait(120) == 0, run.output
+        text = " ".join(run.output.split())  # the console wraps long lines
+        assert text.count("preload off:") == 1, run.output
+        said = text.split("preload off:")[1].split("[ftrun")[0]
+        assert words in said and "workers start the normal way" in said, said
+        assert _auto_lines(run) == {"0": "False", "1": "False"}, run.output
+        assert "Traceback" not in run.output, run.output

@@ -78,8 +78,12 @@ class Launcher:
             return
         reason = preload_unsupported(config)
         if reason is not None:
-            self._notes.append((f"--preload ignored: {reason}; workers start the normal way",
-                                "yellow"))
+            if config.preload_auto:
+                self._notes.append((f"preload off: {reason}; workers start the normal way",
+                                    "dim"))
+            else:
+                self._notes.append((f"--preload ignored: {reason}; workers start the normal "
+                                    "way", "yellow"))
             return
         self._fork_server = started or start_fork_server(config)
 
@@ -101,7 +105,12 @@ class Launcher:
             import_s = server.wait_ready(timeout_s=max(self.config.join_timeout_s, 60.0))
         except ForkServerError as error:
             self.close()
-            raise WorkerStartError(str(error)) from None
+            if not self.config.preload_auto:
+                raise WorkerStartError(str(error)) from None
+            # the default's choice, not the user's: start workers the normal way instead
+            reason = str(error).removeprefix("--preload: ")
+            self.say(f"preload off: {reason}; workers start the normal way", style="yellow")
+            return None
         self.say(f"preload: imported {', '.join(server.modules)} once in {import_s:.2f} s; "
                  f"workers are forked from pid {server.pid}")
         return server
