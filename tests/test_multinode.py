@@ -491,7 +491,7 @@ def _job(net, job_dir: Path, nnodes: str, steps: int, *extra: str, token: str | 
     args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsjob",
             "--rdzv-conf", "last_call_timeout=15", *heartbeat, "--max-restarts", "3",
-            *(PRELOAD if preload else []), *extra]
+            *(PRELOAD if preload else ["--preload", "none"]), *extra]
     train = [str(script), "--steps", str(steps), "--step-sleep", str(step_sleep),
             "--checkpoint-dir", str(job_dir), "--checkpoint-every", "10"]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": token or ""}
@@ -629,7 +629,7 @@ def _elastic_job(net, job_dir: Path, *extra: str, nproc: int = 2,  # type: ignor
     args = ["--nnodes", "2:3", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{leader.addr}:29400", "--rdzv-id", "nsregroup",
             "--rdzv-conf", "last_call_timeout=15", *HB, "--recovery", "regroup",
-            *(PRELOAD if preload else []), *extra]
+            *(PRELOAD if preload else ["--preload", "none"]), *extra]
     train = [str(script), "--steps", str(steps), "--hidden", "64",
              "--step-sleep", str(STEP_SLEEP_S)]
     env = {"GLOO_SOCKET_IFNAME": "eth0", "FTRUN_JOB_TOKEN": TOKEN}

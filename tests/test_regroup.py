@@ -82,7 +82,8 @@ def _launch(job_dir: Path, *flags: str, steps: int = 120, extra: tuple[str, ...]
     program = [str(via), str(_script(job_dir))] if via else [str(_script(job_dir))]
     return Launch(
         ["--nproc-per-node", str(nproc), "--recovery", "regroup", "--events-file", str(events),
-         *(PRELOAD if preload else ()), *flags, *program, "--steps", str(steps), "--hidden",
+         *(PRELOAD if preload else ("--preload", "none")), *flags, *program, "--steps",
+         str(steps), "--hidden",
          "128", *extra],
         cwd=job_dir, env=env,
     )
