@@ -112,7 +112,8 @@ def _check_recovery(launch: Launch, *, kill_step: int, every: int, good_step: in
     assert len(survivors) == 3, survivors
     after = [s for s in steps if s.step > step and records.index(s) > records.index(victim)]
     for pid in survivors:  # re-entered in the same process, and went on
-        assert any(s.pid == pid for s in after), f"survivor {pid} printed no step after"
+        assert any(s.pid == pid for s in after), \
+            f"survivor {pid} printed no step after: {launch.output[-4000:]}"
     assert not any(s.pid == victim.pid for s in after)
 
 

@@ -381,12 +381,9 @@ class FaultTolerance:
             return False
         membership.members = tuple(m.id for m in epoch.members)
         try:
-            build = min(self._timeout, group.BUILD_TIMEOUT)
-            client = membership.group_client(number, build.total_seconds())
+            client = membership.group_client(number, self._timeout.total_seconds())
             store = dist.PrefixStore(P.pg_prefix(membership.prefix, number), client)
-            backend = group.make_backend(store, rank, size, build)
-            group.set_backend_timeout(backend, self._timeout)
-            client.set_timeout(self._timeout)
+            backend = group.make_backend(store, rank, size, self._timeout)
             membership.built()
             self.process_group.swap(backend)
             membership.epoch = number

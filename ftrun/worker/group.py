@@ -102,27 +102,6 @@ def make_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) ->
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-#: The bound on building a member epoch's group (its collectives then get the collective
-#: timeout). Every member has arrived when the build starts: connecting a few peers takes
-#: well under a second even on a busy node. A member that dies after its arrival leaves the
-#: others retrying a refused connect to it, which nothing interrupts (a wait on the store
-#: for its address is: Membership.group_client): this bound, not the collective timeout,
-#: then ends the wait.
-BUILD_TIMEOUT = timedelta(seconds=20)
-
-
-def set_collective_timeout(timeout: timedelta) -> None:
-    """Give the default group's collectives ``timeout``: it was built under
-    :data:`BUILD_TIMEOUT` (a build waits only on members that arrived; a collective waits
-    on the script's work)."""
-    dist.distributed_c10d._set_pg_timeout(timeout)
-
-
-def set_backend_timeout(backend: Any, timeout: timedelta) -> None:
-    """:func:`set_collective_timeout` for a backend outside the default group."""
-    backend._set_default_timeout(timeout)
-
-
 def solo_backend(timeout: timedelta) -> Any:
     """A group of this process alone: what a member holds between member epochs."""
     return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout)

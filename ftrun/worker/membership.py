@@ -217,7 +217,7 @@ class Membership:
         The groups wait on it for their peers' addresses, and nothing else uses it, so the
         epoch's end can shut it down (:mod:`ftrun.worker.sockets`) without touching the
         connections the protocol goes on using: a member that died after it arrived
-        otherwise holds every other member in the build until the bound. The heartbeat
+        otherwise holds every other member in the build until its timeout. The heartbeat
         does that while the group is being built (:meth:`built` ends that); the
         ``restartable`` watch, for the whole epoch, through :attr:`group_connections`."""
         before = sockets.connections()

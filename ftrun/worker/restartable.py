@@ -60,10 +60,10 @@ collective waits for the agent's end before it counts as the script's own;
 member epoch, every member's arrival, the restore choice; past it
 :class:`~ftrun.worker.errors.RegroupTimeoutError`. A capture waits at most
 ``collective_timeout_s`` for the previous snapshot to leave the staging buffer. Building
-the default group is bounded by :data:`ftrun.worker.group.BUILD_TIMEOUT` (or the
-collective timeout, if shorter): every member arrived before it starts, so only a member
-that died since can hold it up, and gloo retries a refused connect to that member until
-the bound.
+the default group waits on the store for every member's address (released at once when
+the epoch ends, see Leaving); a member that died between publishing its address and the
+others' connects leaves them retrying the refused connect until the collective timeout,
+and the recovery deadline ends that recovery first (a restart, never worse).
 
 Without ftrun's regroup environment (torchrun, ``--recovery restart``) the same function
 runs once: the default group is initialised from ``env://`` if the script has not, and
@@ -419,17 +419,14 @@ class _Runner:
         membership.members = tuple(m.id for m in epoch.members)
         membership.epoch = self._epoch = epoch.number
         self._ended.clear()
-        build = min(self.timeout, group.BUILD_TIMEOUT)
-        client = membership.group_client(epoch.number, build.total_seconds())
+        client = membership.group_client(epoch.number, self.timeout.total_seconds())
         # The watch shuts down what it finds recorded once it sets _ended: an end it saw
         # before the record is caught here instead.
         if self._ended.is_set() or membership.ended(epoch.number) is not None:
             raise EpochEnded(f"member epoch {epoch.number} ended before its group was built")
         store = dist.PrefixStore(P.pg_prefix(membership.prefix, epoch.number), client)
         dist.init_process_group(group.backend_name(), store=store, rank=rank,
-                                world_size=epoch.world_size, timeout=build)
-        group.set_collective_timeout(self.timeout)
-        client.set_timeout(self.timeout)
+                                world_size=epoch.world_size, timeout=self.timeout)
         membership.built()
         membership.entered(epoch.number)
         if self.server:  # where this node's copies are, for the buddies and the restorers
