@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.launch import Launch, assert_no_processes_mention
+
+# The suite's many short jobs spawn their workers: the default, --preload auto, forks a torch
+# script's workers from a server that imports torch and torch._dynamo, 6 s of CPU per job on
+# this machine (more than most of these jobs' own imports; CI took 17.5 min instead of 12.5).
+# Tests about forked workers pass --preload; those about the default unset this (test_preload).
+os.environ.setdefault("FTRUN_PRELOAD", "none")
 
 pytest_plugins = ["tests.infra.fixtures"]
 

@@ -52,11 +52,15 @@ class Launch:
         args: Sequence[str],
         *,
         program: str = "ftrun",
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         cwd: Path | None = None,
     ) -> None:
         full_env = dict(os.environ)
-        full_env.update(env or {})
+        for name, value in (env or {}).items():  # None: unset (the launcher's default)
+            if value is None:
+                full_env.pop(name, None)
+            else:
+                full_env[name] = value
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.started = time.time()

@@ -91,6 +91,7 @@ def test_worker_environment_matches_torchrun(job_dir: Path, flags: list[str]) ->
     assert seen["torchrun"].keys() == seen["ftrun"].keys()
     for rank, theirs in seen["torchrun"].items():
         ours = {k: v for k, v in seen["ftrun"][rank].items() if not k.startswith("FTRUN_")}
+        theirs = {k: v for k, v in theirs.items() if not k.startswith("FTRUN_")}  # inherited
         assert ours.keys() == theirs.keys(), (rank, ours.keys() ^ theirs.keys())
         differing = {k for k in theirs if theirs[k] != ours[k]}
         assert differing <= VARIES, {k: (theirs[k], ours[k]) for k in differing - VARIES}

@@ -64,6 +64,7 @@ def test_forked_workers_look_like_torchruns_and_restart_without_imports(job_dir:
     assert seen["torchrun"].keys() == seen["ftrun"].keys() == {"0", "1"}
     for rank, theirs in seen["torchrun"].items():
         ours = {k: v for k, v in seen["ftrun"][rank].items() if not k.startswith("FTRUN_")}
+        theirs = {k: v for k, v in theirs.items() if not k.startswith("FTRUN_")}  # inherited
         assert ours.keys() == theirs.keys(), (rank, ours.keys() ^ theirs.keys())
         assert {k for k in theirs if theirs[k] != ours[k]} <= VARIES
 
@@ -148,15 +149,16 @@ def test_auto_is_the_default_for_a_torch_script_and_none_turns_it_off(job_dir: P
     script.write_text(AUTO_PROBE)
     plain = job_dir / "plain.py"
     plain.write_text("import os\nprint(f\"PLAIN rank={os.environ['RANK']}\", flush=True)\n")
+    default = {"FTRUN_PRELOAD": None}  # the suite's conftest sets none
     for extra, forked in (([], "True"), (["--preload", "none"], "False")):
-        run = Launch([*extra, "--nproc-per-node", "2", str(script)], cwd=job_dir)
+        run = Launch([*extra, "--nproc-per-node", "2", str(script)], cwd=job_dir, env=default)
         assert run.wait(120) == 0, run.output
         assert _auto_lines(run) == {"0": forked, "1": forked}, run.output
         said = [line for line in run.lines if "preload: imported" in line]
         assert len(said) == (forked == "True"), run.output
         if said:
             assert "torch, torch._dynamo, torch.distributed" in said[0], said
-    run = Launch(["--nproc-per-node", "2", str(plain)], cwd=job_dir)
+    run = Launch(["--nproc-per-node", "2", str(plain)], cwd=job_dir, env=default)
     assert run.wait(120) == 0, run.output
     assert len([line for line in run.lines if "PLAIN rank=" in line]) == 2, run.output
     assert not any("preload" in line for line in run.lines), run.output
@@ -176,8 +178,10 @@ def test_auto_falls_back_to_spawning_with_one_line_where_the_server_cannot_serve
     wrapper = job_dir / "python-wrapper"
     wrapper.write_text(f"#!/bin/sh\nexec {os.path.realpath(sys.executable)} \"$@\"\n")
     wrapper.chmod(0o755)
-    cases = (({}, "cannot import 'torch._dynamo'"),
-             ({"PYTHON_EXEC": str(wrapper)}, "is not the interpreter ftrun runs in"))
+    cases: tuple[tuple[dict[str, str | None], str], ...] = (
+        ({"FTRUN_PRELOAD": None}, "cannot import 'torch._dynamo'"),
+        ({"FTRUN_PRELOAD": None, "PYTHON_EXEC": str(wrapper)},
+         "is not the interpreter ftrun runs in"))
     for env, words in cases:
         run = Launch(["--nproc-per-node", "2", str(script)], cwd=job_dir, env=env)
         assert run.wait(120) == 0, run.output
