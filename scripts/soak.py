@@ -611,8 +611,7 @@ def check(job: Job, result: RunResult, reference: str | None, deadline_s: float)
             result.recovery_s.append(record.recovery_s)
             if record.path in ("regroup", "replace"):
                 result.in_process_s.append(record.recovery_s)
-                if not any(other is not record and record.happened - 1.0 <= other.happened
-                           <= record.happened + record.recovery_s for other in records):
+                if not overlapped(record, records):
                     result.isolated_s.append(record.recovery_s)
     result.max_gap_s = max_gap_s(job.out.steps())
     if result.max_gap_s >= deadline_s:
@@ -722,6 +721,8 @@ def percentile(values: list[float], q: float) -> float | None:
 #: detected another fault this soon after the injection stopped the victim before it could
 #: act (a step took 3.5 s in the long soak, a restart's first steps on busy cores).
 ABSORB_WINDOW_S = 10.0
+#: A fault this long before another counts as overlapping it (recovery_s_in_process_isolated).
+OVERLAP_BEFORE_S = 1.0
 #: An injected fault as the soak notes it: "<kind> rank R (pid P)".
 _VICTIM = re.compile(r"^(\S+) rank \d+ \(pid (\d+)\)$")
 
@@ -759,6 +760,14 @@ def absorbed_by_restart(injected: list[tuple[float, str]], records: list[FaultRe
                and abs(r.detected - at) <= ABSORB_WINDOW_S for r in records):
             absorbed.append(what)
     return absorbed
+
+
+def overlapped(record: FaultRecord, records: list[FaultRecord]) -> bool:
+    """Whether another fault happened from a second before ``record``'s to its recovery (the
+    recovery then holds the other's detection or recovery too)."""
+    end = record.happened + (record.recovery_s or 0.0)
+    return any(other is not record and record.happened - OVERLAP_BEFORE_S <= other.happened
+               <= end for other in records)
 
 
 def figures(values: list[float]) -> dict[str, float | None]:

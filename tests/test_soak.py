@@ -56,3 +56,24 @@ def test_only_faults_that_another_faults_recovery_beat_are_absorbed() -> None:
     assert soak.absorbed_by_restart([(199.4, "hang rank 0 (pid 622)"),
                                      (199.4, "hang rank 1 (pid 623)")], [regroup], {}) == [
         "hang rank 0 (pid 622)"]
+
+
+def test_an_isolated_recovery_is_one_no_other_fault_overlapped() -> None:
+    """recovery_s_in_process_isolated leaves out a recovery during which another fault
+    happened, or that began within a second after another (a hang just before a kill: the
+    kill's recovery holds the hang's detection), and keeps the others."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    from ftrun.observe.faults import FaultRecord
+
+    def record(index: int, happened: float, recovered: float) -> FaultRecord:
+        return FaultRecord(index=index, cause="killed by SIGKILL", detected=happened,
+                           happened=happened, path="regroup", recovered=recovered)
+
+    lone, hang, kill, late = (record(0, 10.0, 10.5), record(1, 20.0, 22.0),
+                              record(2, 20.6, 25.7), record(3, 26.0, 26.4))
+    records = [lone, hang, kill, late]
+    assert [soak.overlapped(r, records) for r in records] == [False, True, True, False]
