@@ -212,6 +212,12 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+#: The causes of a failure that is a fault of its own, never a casualty of another rank's
+#: error (a casualty exits with an error of its own, or aborts): a kill from outside (the
+#: OOM killer, a person, the soak), a freeze, a hang the agent named.
+_OWN_FAULTS = ("killed by SIGKILL", "frozen", "hung", "stuck")
+
+
 class FaultBook:
     """Fault records from a stream of events (see the module docstring).
 
@@ -481,9 +487,9 @@ class FaultBook:
                                   node=_str(ev.get("node")))]
         for record in pending:
             record.path = "restart"
-        self._name_root(pending, ev)
+        self._name_root(ts, pending, ev)
 
-    def _name_root(self, pending: list[FaultRecord], ev: dict[str, Any]) -> None:
+    def _name_root(self, ts: float, pending: list[FaultRecord], ev: dict[str, Any]) -> None:
         """The agent's root cause (a ``restart`` or ``stop`` event's root fields,
         outcome.root_fields) may be another rank than the exit it saw first (a rank that
         raised can exit after the peer its exception broke: outcome.mark_root_cause): the
@@ -498,9 +504,20 @@ class FaultBook:
         if len(pending) == 1 and root_pid is not None and code is not None \
                 and pending[0].pid not in (None, root_pid):
             record, message = pending[0], _str(ev.get("message"))
-            record.rank, record.pid, record.member = _int(ev.get("rank")), root_pid, None
-            record.cause = describe_returncode(code) + (
+            cause = describe_returncode(code) + (
                 f": {message.splitlines()[0][:300]}" if message else "")
+            if record.cause.startswith(_OWN_FAULTS):
+                # the exit seen first was a fault of its own (a kill from outside, a
+                # freeze, a hang), not a casualty of the root's error: two faults, ended
+                # by one restart, each with its record (the soak: a raise, then a kill
+                # 63 ms later, had one record)
+                root = self._open(ts, cause, detected=record.detected,
+                                  rank=_int(ev.get("rank")), pid=root_pid,
+                                  generation=record.generation, node=record.node)
+                root.path = "restart"
+                return
+            record.rank, record.pid, record.member = _int(ev.get("rank")), root_pid, None
+            record.cause = cause
 
     def _escalate(self, ts: float, ev: dict[str, Any]) -> None:
         """A recovery passed its deadline: a record of its own (path ``escalate``), and
@@ -534,7 +551,7 @@ class FaultBook:
             for record in pending:
                 record.path = "none"
             if ev.get("reason") == "failed":  # no restart left: the same root as a restart's
-                self._name_root(pending, ev)
+                self._name_root(ts, pending, ev)
 
     def _done(self, ts: float, ev: dict[str, Any]) -> None:
         self.ended = ts

@@ -174,3 +174,29 @@ def test_a_regroup_that_falls_back_to_a_restart_keeps_every_faults_own_record() 
     assert (stuck.rank, stuck.pid, stuck.cause, stuck.path) == (
         1, 659, "stuck in member epoch 0", "restart")
     assert stuck.recovered == 7.5
+
+
+def _restart_after(first: dict, root_rank: int, root_pid: int, message: str) -> FaultBook:
+    return FaultBook().replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 2.0, "event": "failure", "generation": 2, **first, "detected": 2.0},
+        {"ts": 2.04, "event": "restart", "generation": 2, "rank": root_rank, "pid": root_pid,
+         "returncode": -15, "message": message},
+        {"ts": 2.05, "event": "generation", "generation": 3, "world_size": 4},
+    ])
+
+
+def test_a_kill_and_another_ranks_raise_ended_by_one_restart_are_two_faults() -> None:
+    """The soak (torchrun_ddp seed 724460321): rank 0 raised, and 63 ms later rank 2 was
+    SIGKILLed; rank 2's exit was seen first and the agent named rank 0's error the root.
+    Both are faults, each with its record, both recovered by the one restart. An error exit
+    seen first stays the root's casualty: one record, renamed to the root."""
+    raised = "RuntimeError: injected by ftrun: raise at step 49 on rank 0 (pid 81)"
+    book = _restart_after({"rank": 2, "pid": 87, "returncode": -9}, 0, 81, raised)
+    assert [(f.rank, f.pid, f.cause, f.path) for f in book.faults] == [
+        (2, 87, "killed by SIGKILL", "restart"),
+        (0, 81, f"killed by SIGTERM: {raised}", "restart")]
+    assert all(f.recovered == 2.05 for f in book.faults)
+    book = _restart_after({"rank": 2, "pid": 87, "returncode": 1}, 0, 81, raised)
+    assert [(f.rank, f.pid, f.cause) for f in book.faults] == [
+        (0, 81, f"killed by SIGTERM: {raised}")]
