@@ -2073,7 +2073,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="ftrun/observe/faults.py",
         find=(
             "            if ev.get(\"reason\") == \"failed\":  # no restart left: the same root as a restart's\n"
-            "                self._name_root(pending, ev)"
+            "                self._name_root(ts, pending, ev)"
         ),
         replace=(
             "            if ev.get(\"reason\") == \"failed\":  # no restart left: the same root as a restart's\n"
