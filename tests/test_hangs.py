@@ -30,8 +30,8 @@ from ftrun.agent.hangs import (
     JobHang,
     NodeView,
     WorkerView,
-    _tree_cpu,
     judge_job,
+    tree_cpu,
 )
 from ftrun.agent.ncclprogress import NcclProgress
 from ftrun.agent.stacks import Frame, Stack, read_stack, stack_from_fault_dump, stack_source
@@ -292,6 +292,26 @@ def test_idle_ranks_waiting_on_one_elsewhere_name_it(procs: dict[str, Proc]) -> 
     assert "rank 1" in hang.describe() and "stuck in train.py:95 main" in hang.describe()
 
 
+def test_a_verdict_set_aside_is_looked_at_again_when_its_reason_lapses(
+    procs: dict[str, Proc]
+) -> None:
+    """The worker API's rule sets a verdict aside while the culprit's status moved within a
+    timeout (the agent reads statuses a beat late); the watch must look again when that
+    lapses, not a timeout after the look it was given (hangs were named after 4.2 s, not
+    2.1 s, in one soak run in two)."""
+    stacks = {procs["idle0"].pid: waiting_stack, procs["idle1"].pid: user_stack}
+    watch = HangWatch(timeout_s=2.0, multi_node=False,
+                      stack_of=lambda pid: stacks[pid](pid))
+    group = [procs["idle0"], procs["idle1"]]
+    assert run_watch(watch, group, 12) is not None
+    watch.look_again_at(time.monotonic() + 0.3)
+    started = time.monotonic()
+    again = run_watch(watch, group, 1.5)
+    assert again is not None, "the verdict set aside was not looked at again within 1.5 s"
+    assert time.monotonic() - started >= 0.25
+    assert [w.rank for w in again.culprits] == [1]  # type: ignore[attr-defined]
+
+
 def test_a_rank_awaiting_the_network_is_named_only_after_three_timeouts(
     procs: dict[str, Proc]
 ) -> None:
@@ -382,10 +402,10 @@ def test_a_rank_on_the_run_queue_counts_as_working(procs: dict[str, Proc]) -> No
     """A loaded host may give a working rank too little CPU in a sample to count; it is
     still on the run queue, which the watch reads too. A rank asleep is not."""
     deadline = time.monotonic() + 10
-    while not _tree_cpu(procs["busy"].pid)[2]:
+    while not tree_cpu(procs["busy"].pid)[2]:
         assert time.monotonic() < deadline, "a busy loop never seen running"
         time.sleep(0.05)
-    while any(_tree_cpu(procs["idle0"].pid)[1:]):  # still starting its interpreter
+    while any(tree_cpu(procs["idle0"].pid)[1:]):  # still starting its interpreter
         assert time.monotonic() < deadline, "a sleeping process seen running"
         time.sleep(0.05)
 

@@ -321,6 +321,14 @@ class HangWatch:
     def due_in(self) -> float:
         return max(0.0, self.next_sample - self.clock())
 
+    def look_again_at(self, when: float) -> None:
+        """The caller set a verdict aside for a reason that lapses at ``when`` (by this
+        watch's clock): look again then, not a whole timeout later. The worker API's hang
+        rule sets aside a culprit whose status moved within a timeout, and the agent sees a
+        status a beat late: without this, half the hangs were named after two timeouts."""
+        self.next_check = min(self.next_check, when)
+        self.next_sample = min(self.next_sample, when)
+
     def sample(self, group: Sequence[WorkerProcess]) -> Hang | None:
         now = self.clock()
         if now < self.next_sample:
@@ -334,7 +342,7 @@ class HangWatch:
             return None
         self.progress = {w.pid: p for w in live if (p := self.progress_of(w)) is not None}
         for worker in live:
-            cpu, in_io, running = _tree_cpu(worker.pid)
+            cpu, in_io, running = tree_cpu(worker.pid)
             nccl = self.progress.get(worker.pid)
             ops = nccl.operations if nccl is not None else -1
             seen = self.activity.get(worker.pid)
@@ -511,7 +519,7 @@ def _state(pid: int, stacks: dict[int, Stack], nccl: dict[int, str]) -> str:
     return "waiting" if stack.waiting else "own"
 
 
-def _tree_cpu(pid: int) -> tuple[float, bool, bool]:
+def tree_cpu(pid: int) -> tuple[float, bool, bool]:
     """CPU seconds of ``pid`` and its descendants, whether one is in uninterruptible I/O (a
     checkpoint write), and whether one's main thread is running or waits for a CPU; a
     process that is gone counts as nothing."""

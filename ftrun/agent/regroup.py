@@ -50,9 +50,10 @@ from typing import Any
 
 from ftrun import protocol as P
 from ftrun.agent import processes as local
-from ftrun.agent.hangs import HangWatch, announce_hang, name_after_abort
+from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch, announce_hang, name_after_abort
 from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.leader import RegroupLeader, StopJob
+from ftrun.agent.lingering import LingerWatch
 from ftrun.agent.members import LocalMember, MemberState
 from ftrun.agent.membership import Membership
 from ftrun.agent.nodes import health_refusal
@@ -131,6 +132,7 @@ class _RegroupRun:
         self.crash_seen: set[int] = set()  # pids whose failure the crash-loop rule saw
         # members' hangs: a watch per member epoch (see _watch_member_hangs)
         self.member_hangs: HangWatch | None = None
+        self.lingering = LingerWatch()  # members a later epoch left behind, asleep
         self.member_hangs_epoch = -1
         # member -> ((steps, collectives), when they last changed): a member whose counts
         # moved within the hang timeout is slow, not hung, however little CPU it uses
@@ -392,7 +394,8 @@ class _RegroupRun:
         restart path's verdict (see ftrun.agent.hangs), then the restart fallback. Members
         of the worker API: :meth:`_watch_member_hangs`."""
         if any(x.has_status for x in self.members.values()):
-            return self._watch_member_hangs()
+            outcome = self._watch_lingering()
+            return outcome if outcome is not None else self._watch_member_hangs()
         if self.hangs is None:
             return None
         initial = {x.process.pid: x for x in self.members.values() if x.live and x.initial}
@@ -408,6 +411,29 @@ class _RegroupRun:
             return self._fault(initial[hang.culprits[0].pid], f"hung: {hang.describe()}",
                                kill=True, happened=detected - hang.idle_s)
         return self._stop_job(StopJob(f"hung: {hang.describe()}"))
+
+    def _watch_lingering(self) -> Step:
+        """A member still inside a member epoch that ended and was followed, idle in its
+        own code for the hang timeout: hung (ftrun.agent.lingering), taken out before the
+        stuck rule's longer bound."""
+        latest = self.m.latest
+        if latest is None or self.config.hang_timeout_s == 0:
+            return None
+        # an epoch followed by one that only admits a joiner goes on until its members'
+        # next step boundary (the hang watch's); any older one, or one followed by an epoch
+        # that a fault made, ended
+        ended_below = latest.number - 1 if latest.has_joiners else latest.number
+        lingering = {x.id: (x.process, status.epoch) for x in self.members.values()
+                     if x.live and x.state is not MemberState.REMOVED
+                     and (status := self.m.statuses.get(x.id)) is not None
+                     and not status.finished and 0 <= status.epoch < ended_below}
+        timeout_s = self.member_hangs.timeout_s if self.member_hangs is not None \
+            else self.config.hang_timeout_s or HANG_FLOOR_S
+        found = self.lingering.observe(lingering, timeout_s)
+        if found is None:
+            return None
+        return self._fault(self.members[found.member], found.describe(), kill=True,
+                           happened=time.time() - found.idle_s)
 
     def _watch_member_hangs(self) -> Step:
         """A member that hangs in its own code while the others of its member epoch wait
@@ -453,8 +479,10 @@ class _RegroupRun:
         culprit = watched.get(hang.culprits[0].pid)
         if culprit is None:
             return None
-        if now - self.member_moved[culprit.id][1] < self.member_hangs.timeout_s:
-            return None  # it committed a step or issued a collective since: slow, not hung
+        moved_for = now - self.member_moved[culprit.id][1]
+        if moved_for < self.member_hangs.timeout_s:  # slow, not hung, unless it stays put
+            self.member_hangs.look_again_at(now + self.member_hangs.timeout_s - moved_for)
+            return None
         stack = hang.stacks.get(culprit.process.pid)
         where = stack.where if stack is not None else "in its own code"
         waiting = [str(latest.rank_of(watched[w.pid].id)) for w in hang.waiting

@@ -93,7 +93,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol as P
 from ftrun.control.store import StoreError
-from ftrun.worker import group, settings
+from ftrun.worker import group, settings, sockets
 from ftrun.worker.errors import RegroupError, RegroupTimeoutError
 from ftrun.worker.group import ResilientProcessGroup
 from ftrun.worker.membership import Membership
@@ -131,6 +131,8 @@ class FaultTolerance:
         self.member_id = member.member_id if member is not None else ""
         self.managed = member is not None
         self._membership: Membership | None = None
+        # the TCP connections the current member epoch's backend made (see _retire_backend)
+        self._epoch_connections: frozenset[sockets.Connection] = frozenset()
         if env is not None and member is not None:
             self._connect(env, member, settings.regroup_timeout_s(
                 regroup_timeout_s, collective_timeout_s=collective_timeout_s,
@@ -358,6 +360,12 @@ class FaultTolerance:
         release a waiting peer. The last reference is dropped on a helper thread because
         the backend's destructor joins its own threads.
         """
+        # first, its connections, by hand: dropping the backend closes them only once the
+        # reducers are renewed and its destructor joined its threads, seconds on a loaded
+        # node, while a survivor waited on this one in the failed collective (bench_recovery:
+        # one recovery in ten took 5.4 s, until the stuck rule took that survivor out)
+        made, self._epoch_connections = self._epoch_connections, frozenset()
+        sockets.shutdown_connections(lambda own, peer: (own, peer) in made)
         old = self.process_group.backend
         self.process_group.swap(group.solo_backend(self._timeout))
         self._renew_reducers()  # the old reducer holds the failed step's work
@@ -381,10 +389,14 @@ class FaultTolerance:
             return False
         membership.members = tuple(m.id for m in epoch.members)
         try:
-            client = membership.group_client(number, self._timeout.total_seconds())
-            store = dist.PrefixStore(P.pg_prefix(membership.prefix, number), client)
-            backend = group.make_backend(store, rank, size, self._timeout)
-            membership.built()
+            with sockets.opened() as made:
+                try:
+                    client = membership.group_client(number, self._timeout.total_seconds())
+                    store = dist.PrefixStore(P.pg_prefix(membership.prefix, number), client)
+                    backend = group.make_backend(store, rank, size, self._timeout)
+                finally:  # built or failed: the heartbeat stops watching the build
+                    membership.built()
+            self._epoch_connections = frozenset(made)
             self.process_group.swap(backend)
             membership.epoch = number
             membership.entered(number)

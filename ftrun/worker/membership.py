@@ -220,9 +220,9 @@ class Membership:
         otherwise holds every other member in the build until its timeout. The heartbeat
         does that while the group is being built (:meth:`built` ends that); the
         ``restartable`` watch, for the whole epoch, through :attr:`group_connections`."""
-        before = sockets.connections()
-        client = self._connect(request_s)
-        self.group_connections = frozenset(sockets.connections() - before)
+        with sockets.opened() as made:
+            client = self._connect(request_s)
+        self.group_connections = frozenset(made)
         self._building = number
         return client
 

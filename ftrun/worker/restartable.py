@@ -425,9 +425,11 @@ class _Runner:
         if self._ended.is_set() or membership.ended(epoch.number) is not None:
             raise EpochEnded(f"member epoch {epoch.number} ended before its group was built")
         store = dist.PrefixStore(P.pg_prefix(membership.prefix, epoch.number), client)
-        dist.init_process_group(group.backend_name(), store=store, rank=rank,
-                                world_size=epoch.world_size, timeout=self.timeout)
-        membership.built()
+        try:
+            dist.init_process_group(group.backend_name(), store=store, rank=rank,
+                                    world_size=epoch.world_size, timeout=self.timeout)
+        finally:  # built or failed: the heartbeat stops watching the build either way
+            membership.built()
         membership.entered(epoch.number)
         if self.server:  # where this node's copies are, for the buddies and the restorers
             membership.store.set_record(records.server_key(epoch.number, self.env.node_rank),

@@ -55,6 +55,18 @@ def connections() -> set[Connection]:
     return found
 
 
+@contextlib.contextmanager
+def opened() -> Iterator[set[Connection]]:
+    """The TCP connections this process opened inside the block: the set it yields is
+    filled in as the block ends (also when it raises)."""
+    before = connections()
+    made: set[Connection] = set()
+    try:
+        yield made
+    finally:
+        made |= connections() - before
+
+
 def shutdown_connections(match: Match) -> int:
     """Shut down every TCP connection of this process that ``match`` selects; returns how
     many. Descriptors that close meanwhile, or are not connected, are passed over."""
