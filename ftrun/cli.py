@@ -50,6 +50,7 @@ from ftrun.config import (
 )
 from ftrun.control.auth import TokenError, load_secret
 from ftrun.exitcodes import ExitCode, exit_at_once
+from ftrun.host import jobenv
 
 SUBCOMMANDS = ("doctor", "report", "inject", "status")
 
@@ -194,11 +195,12 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
     )
     parser.add_argument("training_script", help="The script (or module, or program) to run.")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    # Precedence: an explicit flag, then PET_<DEST> (torchrun's fallback), then Slurm's.
-    slurm = _slurm_defaults(environ)
+    # Precedence: an explicit flag, then PET_<DEST> (torchrun's fallback), then Slurm's or
+    # a Kubernetes pod's.
+    derived = jobenv.flag_defaults(environ)
     for action in parser._actions:
-        if action.dest in slurm:
-            action.default = slurm[action.dest]
+        if action.dest in derived:
+            action.default = derived[action.dest]
     for action in parser._actions:
         pet = environ.get(f"PET_{action.dest.upper()}")
         if pet is None or action.dest in ("help", "version", "training_script"):
@@ -210,41 +212,15 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
     return parser
 
 
-SLURM_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
-
-
-def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, str]:
-    """Flag defaults from the srun step ftrun runs in ({} outside one).
-
-    Slurm knows every node up front, so its job maps onto the static rendezvous: node rank
-    from the step, the control store on the first host of the node list. Slurm's warning
-    signals (``--signal=USR1@90``) are forwarded too, so a script can checkpoint before a
-    preemption or time limit.
-    """
-    from ftrun.host.slurm import SlurmEnvironmentError, slurm_launch_defaults
-
-    try:
-        found = slurm_launch_defaults(environ)
-    except SlurmEnvironmentError as error:
-        raise ConfigError(f"Slurm environment: {error}") from None
-    if not found:
-        return {}
-    defaults = {"signals_to_handle": SLURM_SIGNALS, "rdzv_id": found["rdzv_id"]}
-    if "nproc_per_node" in found:
-        defaults["nproc_per_node"] = found["nproc_per_node"]
-    if int(found["nnodes"]) > 1:
-        host, port = parse_endpoint(found["rdzv_endpoint"], DEFAULT_RDZV_PORT)
-        defaults.update(
-            nnodes=found["nnodes"], node_rank=found["node_rank"], master_addr=host,
-            master_port=str(port or DEFAULT_RDZV_PORT),
-        )
-    return defaults
-
-
 def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchConfig:
     """Parse and validate a launch command line. Raises ConfigError on any bad input."""
     ns = build_parser(environ).parse_args(list(argv))
     _refuse_unsupported(ns)
+    pod = jobenv.pod_defaults(environ)
+    if pod:
+        ns.nnodes = jobenv.pod_nodes(pod, nnodes=ns.nnodes, standby_nodes=ns.standby_nodes)
+        jobenv.await_pod_names(pod, {"rdzv_endpoint": ns.rdzv_endpoint,
+                                     "local_addr": ns.local_addr}, environ)
 
     nnodes_min, nnodes_max = parse_nnodes(ns.nnodes)
     nproc = parse_nproc_per_node(ns.nproc_per_node)

@@ -165,7 +165,7 @@ def test_real_node_json_is_fast_and_matches_the_machine() -> None:
                 "gpu.memory", "gpu.thermal", "gpu.pcie", "gpu.nvlink", "gpu.persistence",
                 "gpu.mig", "gpu.processes", "host.shm", "host.memlock", "host.nofile",
                 "host.hostname", "net.nccl_ifname", "net.gloo_ifname", "net.ports",
-                "rdzv.endpoint", "slurm"]
+                "rdzv.endpoint", "slurm", "kubernetes"]
     assert list(run.checks) == expected
     assert run.status("python") == "pass"
     # Under CI load the torch check's child may not have imported torch within the default
@@ -180,6 +180,7 @@ def test_real_node_json_is_fast_and_matches_the_machine() -> None:
     assert str(soft) in run.detail("host.nofile")
     assert run.status("host.nofile") == ("warn" if soft < doctor.NOFILE_WARN else "pass")
     assert run.status("slurm") == "skip"
+    assert run.status("kubernetes") == "skip"
     assert run.status("rdzv.endpoint") == "skip"
     if not HAS_NVML:  # this machine: no NVIDIA driver is a finding, not a failure
         assert run.status("gpu") == "skip"
@@ -499,6 +500,27 @@ def test_slurm_inconsistent_environment_fails() -> None:
     run = run_doctor(*ONLY_SLURM, env=_slurm_env(SLURM_JOB_NODELIST="gpu[03-"))
     assert run.status("slurm") == "fail", run
     assert "does not expand" in run.detail("slurm")
+
+
+def test_kubernetes_pod_says_what_it_derived_and_which_names_do_not_resolve() -> None:
+    """A JobSet pod: the check derives the job's shape as the launcher does and says from
+    which variable; the headless Service's names do not resolve on this machine (warn, not
+    fail: a pod without an address yet resolves once it has one); a malformed variable
+    fails, named; outside a job pod the check is skipped."""
+    pod = {"JOBSET_NAME": "llama", "HOSTNAME": "llama-workers-1-0", "JOBSET_REPLICAS": "3",
+           "JOBSET_JOB_INDEX": "1", "JOBSET_RESTART_ATTEMPT": "0", "FTRUN_STANDBY_NODES": "1"}
+    run = run_doctor("--check", "kubernetes", env=pod)
+    assert run.status("kubernetes") == "warn", run
+    detail = run.detail("kubernetes")
+    assert "nodes 2: 3 pod(s) (JOBSET_REPLICAS) less 1 standing by" in detail
+    assert "rendezvous c10d at llama-workers-0-0.llama:29400" in detail
+    assert "llama-workers-0-0.llama (the first pod, the rendezvous store) does not " \
+           "resolve yet" in detail
+    run = run_doctor("--check", "kubernetes", env={**pod, "JOBSET_JOB_INDEX": "3"})
+    assert run.status("kubernetes") == "fail", run
+    assert "JOBSET_JOB_INDEX=3 is not below JOBSET_REPLICAS=3" in run.detail("kubernetes")
+    run = run_doctor("--check", "kubernetes", env={"HOSTNAME": "web-1"})
+    assert run.status("kubernetes") == "skip", run
 
 
 def test_slurm_real_srun(slurm_cluster: Any) -> None:

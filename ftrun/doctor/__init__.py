@@ -12,7 +12,7 @@ The package:
 * ``options``: :class:`Options` and the parsers of the command line;
 * the checks, one module per topic: ``python_torch`` (Python, torch, CUDA, NCCL, the shim),
   ``gpu`` (NVML), ``host`` (limits, hostname), ``network`` (interfaces, ports, rendezvous
-  endpoint), ``slurm``;
+  endpoint), ``slurm``, ``kubernetes``;
 * ``runner``: runs the checks in parallel under a deadline, prints the report, and is the
   ``ftrun doctor`` command (:data:`app`, :func:`main`).
 * ``gate``: the health gate, the quick subset a node passes before it joins a multi-node
@@ -34,6 +34,7 @@ from ftrun.doctor import gpu  # noqa: F401  gpu, gpu.* (NVML)
 from ftrun.doctor import host  # noqa: F401  host.shm, host.memlock, host.nofile, host.hostname
 from ftrun.doctor import network  # noqa: F401  net.*, rdzv.endpoint
 from ftrun.doctor import slurm  # noqa: F401  slurm
+from ftrun.doctor import kubernetes  # noqa: F401  kubernetes
 # isort: on
 
 from ftrun.doctor import runner

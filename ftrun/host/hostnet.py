@@ -15,7 +15,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-__all__ = ["is_local_address", "local_bind_address", "port_bind_error", "store_bind_address"]
+__all__ = ["is_local_address", "local_bind_address", "port_bind_error", "resolves",
+           "store_bind_address"]
 
 
 def is_local_address(host: str) -> bool:
@@ -26,6 +27,16 @@ def is_local_address(host: str) -> bool:
     here already does.
     """
     return local_bind_address(host) is not None
+
+
+def resolves(host: str) -> bool:
+    """Whether ``host`` resolves to any address (a pod's name resolves only once the pod
+    has one)."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return True
 
 
 def port_bind_error(port: int) -> OSError | None:
