@@ -2999,6 +2999,49 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_infra.py::test_the_watch_cost_benchmark_confirms_and_fires_watches_both_ways",
         ),
     ),
+    Mutation(
+        id="lingering-never-named",
+        section=CONTROL,
+        promise=(
+            "A member asleep in its own code inside an ended member epoch is named hung by its "
+            "agent after the hang timeout, not left to the stuck rule's 5 s floor"
+        ),
+        file="ftrun/agent/lingering.py",
+        find="            if idle_s < timeout_s or (member, seen.epoch) in self._looked \\",
+        replace="            if True or (member, seen.epoch) in self._looked \\",  # MUTATION: never idle long enough
+        tests=(
+            "tests/unit/test_lingering.py::test_a_member_asleep_in_its_code_is_named_once_idle_for_the_timeout",
+            "tests/test_sharded.py::test_a_member_that_never_leaves_the_ended_epoch_is_replaced_not_those_waiting",
+        ),
+    ),
+    Mutation(
+        id="hang-set-aside-waits-a-timeout",
+        section=CONTROL,
+        promise=(
+            "A hang verdict set aside because the culprit's status moved is looked at again when "
+            "that lapses, not a whole timeout later"
+        ),
+        file="ftrun/agent/hangs.py",
+        find="        self.next_check = min(self.next_check, when)",
+        replace="        return  # MUTATION: the next look stays a timeout away",
+        tests=(
+            "tests/test_hangs.py::test_a_verdict_set_aside_is_looked_at_again_when_its_reason_lapses",
+        ),
+    ),
+    Mutation(
+        id="epoch-connections-not-recorded",
+        section=CONTROL,
+        promise=(
+            "The worker API records its member epoch's backend connections as it builds them, so "
+            "that leaving the epoch shuts them at once"
+        ),
+        file="ftrun/worker/sockets.py",
+        find="        made |= connections() - before",
+        replace="        pass  # MUTATION: nothing recorded",
+        tests=(
+            "tests/test_epoch_connections.py::test_shutting_the_recorded_connections_releases_a_peer_in_a_collective",
+        ),
+    ),
 )
 
 #: Rows of tests/MUTATIONS.md with no entry here (promise -> why not executable).
