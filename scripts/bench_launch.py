@@ -16,10 +16,21 @@ For each repeat and launcher, one run of ``scripts/train_ddp.py`` on N workers m
   ``hang_verdict_s`` (ftrun only): the part of it until ftrun's hang verdict (the failure
   record's ``detected`` in its ``--events-file``); the rest is the restart.
 
-``ftrun_preload`` is ftrun with ``--preload torch,torch._dynamo`` (``--preload``): a per-node
-fork server imports them once, and every worker of every generation is forked from it.
-``torch._dynamo`` is there because DDP's constructor imports it (about as long as torch
-itself here); ``--preload MODULES`` names others.
+The ftrun variants (every run also gets ``--nproc-per-node N --max-restarts 1``, as torchrun
+does: without it neither launcher restarts this job, which does not use ftrun's worker API;
+and ftrun ``--events-file``, the measurement's own, for the hang verdicts):
+
+* ``ftrun``: ``ftrun --preload none``: every worker is spawned (a fresh Python that imports
+  torch itself), what ``ftrun`` measured here before its default became ``--preload auto``;
+  the flag keeps the historical figures comparable;
+* ``ftrun_preload``: ``ftrun --preload torch,torch._dynamo`` (``--preload``): a per-node
+  fork server imports them once, and every worker of every generation is forked from it.
+  ``torch._dynamo`` is there because DDP's constructor imports it (about as long as torch
+  itself here); ``--preload MODULES`` names others;
+* ``ftrun_defaults``: ``ftrun`` with no ftrun flag, what a user gets (today ``--preload
+  auto``, ``--recovery auto``, ``--hang-timeout auto``). The ``FTRUN_*`` and ``PET_*``
+  variables that would stand in for flags are taken out of its environment
+  (``config.defaults_env_dropped`` names any that were set).
 
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it its restarted
 workers read the dead generation's addresses from the shared store and do not recover on
@@ -31,9 +42,9 @@ counts as a failure to recover and gives no figure.
 
 JSON: {"torchrun": {"first_step_s": [...], "restart_s": [...], "hang_s": [...],
 "hang_verdict_s": [...], "failed_to_recover": n, "hang_failed_to_recover": n,
-"false_alarms": n}, "ftrun": {...},
-"ftrun_preload":
-{...}, "config": {...}}.
+"false_alarms": n}, "ftrun": {...} (with --preload none), "ftrun_preload": {...},
+"ftrun_defaults": {...} (no ftrun flag), "config": {...}} (``config.ftrun_flags``: each
+variant's ftrun flags).
 Note: on this sandbox about 3-8% of TCPStore connects stall exactly 5 s in a reverse-DNS
 lookup inside torch (of ``::ffff:127.0.0.1``); an outlier of ~5 s is that quirk. The test
 set-up (scripts/install_test_services.sh) adds that name to ``/etc/hosts``, which removes
@@ -60,8 +71,11 @@ from ftrun.report.events import read_events
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "scripts" / "train_ddp.py"
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+)")
-LAUNCHERS = ("torchrun", "ftrun", "ftrun_preload")
+LAUNCHERS = ("torchrun", "ftrun", "ftrun_preload", "ftrun_defaults")
 PRELOAD = "torch,torch._dynamo"  # DDP imports torch._dynamo when a model is wrapped
+#: Environment variables that stand in for flags (ftrun's FTRUN_*, torchrun's PET_*): taken
+#: out of ftrun_defaults' environment, so that its defaults are ftrun's own.
+FLAG_ENV_PREFIXES = ("FTRUN_", "PET_")
 
 
 def launcher_path(name: str) -> str:
@@ -70,9 +84,31 @@ def launcher_path(name: str) -> str:
 
 
 def launcher_argv(name: str, preload: str) -> list[str]:
+    """The launcher and the variant's own flags (see the module)."""
+    if name == "ftrun":  # spawned workers, as before --preload auto became the default
+        return [launcher_path("ftrun"), "--preload", "none"]
     if name == "ftrun_preload":
         return [launcher_path("ftrun"), "--preload", preload]
+    if name == "ftrun_defaults":
+        return [launcher_path("ftrun")]
     return [launcher_path(name)]
+
+
+def flag_env(environ: dict[str, str]) -> list[str]:
+    """The names in ``environ`` that would stand in for a launcher flag."""
+    return sorted(name for name in environ if name.startswith(FLAG_ENV_PREFIXES))
+
+
+def launcher_env(name: str) -> dict[str, str]:
+    """The launcher's environment: ours, with torchrun's restart work-around
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE, set for every launcher alike), and without the
+    flags' stand-ins for ftrun_defaults."""
+    env = dict(os.environ)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if name == "ftrun_defaults":
+        for variable in flag_env(env):
+            del env[variable]
+    return env
 
 
 class Run:
@@ -138,8 +174,7 @@ def measure(name: str, nproc: int, kill_after: int, timeout: float,
             preload: str, soak_s: float) -> dict[str, float | None]:
     """First step, then ``soak_s`` of fault-free training (a hang verdict there is a false
     alarm), then a worker SIGKILLed: the restart's first step."""
-    env = dict(os.environ)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env = launcher_env(name)
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as ckpt:
         events = Path(ckpt) / "events.jsonl"
         argv = [*launcher_argv(name, preload), "--nproc-per-node", str(nproc),
@@ -194,8 +229,7 @@ def measure_hang(name: str, nproc: int, hang_at: int, pg_timeout: float,
     """Seconds from a rank's hang to the restarted job's first step (or None), the hang
     verdicts beyond the one hang (false alarms), and seconds from the hang to ftrun's
     verdict (None for torchrun)."""
-    env = dict(os.environ)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env = launcher_env(name)
     with tempfile.TemporaryDirectory(prefix="bench_hang_") as scratch:
         events = Path(scratch) / "events.jsonl"
         argv = [*launcher_argv(name, preload), "--nproc-per-node", str(nproc),
@@ -315,6 +349,9 @@ def main() -> int:
         "hang_pg_timeout_s": None if args.no_hang else args.hang_pg_timeout,
         "cpus": os.cpu_count(), "preload": args.preload, "launchers": launchers,
         "soak_s": args.soak_s, "hosts_v4_mapped_loopback": hosts_v4_mapped_loopback(),
+        "ftrun_flags": {name: launcher_argv(name, args.preload)[1:]
+                        for name in LAUNCHERS if name != "torchrun"},
+        "defaults_env_dropped": flag_env(dict(os.environ)),
     }
     if args.json:
         print(json.dumps(results))
@@ -337,7 +374,9 @@ def main() -> int:
                       f"{entry['failed_to_recover']}/{args.repeats} "
                       f"(hang {entry['hang_failed_to_recover']}/{args.repeats})",
                       str(entry["false_alarms"]))
-    Console().print(table)
+    # Wide enough for every launcher's name and figures when the output is not a terminal
+    # (rich's fallback there is 80 columns, which cut the names).
+    Console(width=max(150, Console().width)).print(table)
     print(json.dumps(results))
     return 0
 

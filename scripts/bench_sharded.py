@@ -1,9 +1,11 @@
 """Recovery of a sharded (FSDP2) job: torchrun + disk checkpoints, ftrun restart + the same
-checkpoints, ftrun in-memory snapshots with in-process re-entry.
+checkpoints, ftrun in-memory snapshots with in-process re-entry, with tuned flags and with
+ftrun's defaults.
 
 The same job (``scripts/train_fsdp.py``: FSDP2 over gloo, 4 workers, a model sized so that
 a step takes >= 100 ms here) and the same fault (rank ``--victim-rank`` SIGKILLs itself
-inside the backward of step ``--kill-step``, once per job) under three recoveries:
+inside the backward of step ``--kill-step``, once per job) under four recoveries, run one
+after the other in each repeat, their order rotating (and reversed every other repeat):
 
 * ``torchrun_dcp``: ``torchrun --max-restarts 1``, ``torch.distributed.checkpoint`` to disk
   every ``--ckpt-every`` steps, the restarted job loads the newest one
@@ -14,11 +16,18 @@ inside the backward of step ``--kill-step``, once per job) under three recoverie
   every step (K = ``--snapshot-every``) in the agent's shared memory, the survivors re-enter
   the training function in process, a replacement restores from memory. With
   ``--spares`` (default 1) a warm spare takes the failed rank at once; the replacement then
-  becomes the next spare.
+  becomes the next spare;
+* ``ftrun_defaults``: ``ftrun --nproc-per-node N --recovery regroup`` and no other ftrun
+  flag (no ``--spares``: the replacement is started after the fault), the same job and
+  snapshots (``--snapshot-every`` is the job's own argument), measured like
+  ``ftrun_snapshot``: what a user gets who asks for regroup and nothing else. The
+  ``FTRUN_*`` and ``PET_*`` variables that would stand in for flags are taken out of its
+  environment (``settings.defaults_env_dropped`` names any that were set).
 
 Figures of one faulty run (the workers' own ``t=`` stamps and the victim's marker time):
 
-* ``recovery_s``: from the SIGKILL to the first step the recovered job commits;
+* ``recovery_s``: from the SIGKILL to the first step the recovered job commits (the same
+  for every variant);
 * ``steps_lost``: the last step committed before the fault minus the step the recovered job
   resumed from (0: only the interrupted step is computed again);
 * ``snapshot_overhead`` (ftrun_snapshot only): fault-free median step time with snapshots
@@ -52,7 +61,8 @@ groups).
 Prints a table, judged by the worst run, then (``--json``) one JSON object last:
 ``{"torchrun_dcp": {"recovery_s": [...], "steps_lost": [...], "recovery_s_max": x},
 "ftrun_restart": {...}, "ftrun_snapshot": {"recovery_s": [...], "steps_lost": [...],
-"snapshot_overhead": r, "recovery_s_max": x}}``,
+"snapshot_overhead": r, "recovery_s_max": x}, "ftrun_defaults": {"recovery_s": [...],
+"steps_lost": [...], "recovery_s_max": x}}``,
 plus ``step_s`` (the median step times behind the overhead), ``snapshot_cpu``,
 ``ftrun_snapshot_node_loss``, ``load_avg`` (1-minute load before and after), ``settings``
 and ``errors``.
@@ -84,6 +94,10 @@ SCRIPT = REPO / "scripts" / "train_fsdp.py"
 BIN = Path(sys.executable).parent
 STEP = re.compile(r"step=(\d+) loss=\S+ rank=(\d+) pid=(\d+) t=([\d.]+)")
 CPU = re.compile(r"cpu rank=(\d+) steps=(\d+) process_s=([\d.]+) threads=(\{.*\})")
+VARIANTS = ("torchrun_dcp", "ftrun_restart", "ftrun_snapshot", "ftrun_defaults")
+#: Environment variables that stand in for flags (ftrun's FTRUN_*, torchrun's PET_*): taken
+#: out of ftrun_defaults' environment, so that its defaults are ftrun's own.
+FLAG_ENV_PREFIXES = ("FTRUN_", "PET_")
 
 
 def launcher(name: str) -> str:
@@ -91,12 +105,22 @@ def launcher(name: str) -> str:
     return str(path) if path.exists() else shutil.which(name) or name
 
 
-def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+def flag_env(environ: dict[str, str]) -> list[str]:
+    """The names in ``environ`` that would stand in for a launcher flag."""
+    return sorted(name for name in environ if name.startswith(FLAG_ENV_PREFIXES))
+
+
+def run(cmd: list[str], timeout: float, env: dict[str, str | None] | None = None,
         agent_cpu: list[tuple[float, float]] | None = None) -> tuple[int, str]:
-    """Run ``cmd`` to its end (killed past ``timeout``); with ``agent_cpu``, append
-    (wall time, CPU seconds) of the launched process itself (ftrun's agent) every 0.2 s."""
+    """Run ``cmd`` to its end (killed past ``timeout``) with our environment changed by
+    ``env`` (a None value takes the variable out); with ``agent_cpu``, append (wall time,
+    CPU seconds) of the launched process itself (ftrun's agent) every 0.2 s."""
     full = dict(os.environ)
-    full.update(env or {})
+    for name, value in (env or {}).items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full, start_new_session=True)
     stop = threading.Event()
@@ -134,7 +158,7 @@ def job_args(args: argparse.Namespace) -> list[str]:
 
 
 def command(variant: str, args: argparse.Namespace, work: Path, *, fault: bool,
-            snapshot_every: int | None = None) -> tuple[list[str], dict[str, str]]:
+            snapshot_every: int | None = None) -> tuple[list[str], dict[str, str | None]]:
     job = job_args(args)
     if fault:
         job += ["--kill-rank", str(args.victim_rank), "--kill-step", str(args.kill_step),
@@ -150,6 +174,10 @@ def command(variant: str, args: argparse.Namespace, work: Path, *, fault: bool,
                  str(SCRIPT), *job, "--snapshot-every", "0", "--ckpt-dir", str(work / "ckpt"),
                  "--ckpt-every", str(args.ckpt_every)], {})
     every = args.snapshot_every if snapshot_every is None else snapshot_every
+    if variant == "ftrun_defaults":  # regroup and nothing else: no --spares
+        return ([launcher("ftrun"), *nproc, "--recovery", "regroup", str(SCRIPT), *job,
+                 "--snapshot-every", str(every)],
+                dict.fromkeys(flag_env(dict(os.environ))))
     return ([launcher("ftrun"), *nproc, "--recovery", "regroup", "--spares",
              str(args.spares), str(SCRIPT), *job, "--snapshot-every", str(every)], {})
 
@@ -427,7 +455,7 @@ def main() -> int:
         parser.error("need --overhead-steps > --warmup + 1, --node-loss-repeats >= 0, "
                      "--kill-step < --node-loss-steps and an even --nproc")
 
-    variants = ("torchrun_dcp", "ftrun_restart", "ftrun_snapshot")
+    variants = VARIANTS
     result: dict[str, Any] = {v: {"recovery_s": [], "steps_lost": []} for v in variants}
     errors: list[str] = []
     node_loss: dict[str, Any] = {"recovery_s": [], "steps_lost": [], "stages": []}
@@ -435,7 +463,11 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="bench_sharded_"))
     try:
         for repeat in range(args.repeats):
-            for variant in variants:
+            # The order rotates (and reverses every other repeat) so that no variant always
+            # runs first, or always right after the same other one, while the load drifts.
+            shift = repeat % len(variants)
+            order = variants[shift:] + variants[:shift]
+            for variant in reversed(order) if repeat % 2 else order:
                 got = faulty(variant, args, base, repeat)
                 if "error" in got:
                     errors.append(got["error"])
@@ -464,6 +496,7 @@ def main() -> int:
     result["load_avg"] = {"before": round(load_before, 2),
                           "after": round(os.getloadavg()[0], 2)}
     result["settings"] = {k: v for k, v in vars(args).items() if k != "json"}
+    result["settings"]["defaults_env_dropped"] = flag_env(dict(os.environ))
     result["errors"] = errors
 
     # judged by the worst run: a median hides the one recovery in three that hangs
