@@ -195,6 +195,22 @@ def test_bad_state_then_faults_while_snapshotting_twice_and_during_recovery(
 
 
 
+def test_two_ranks_that_hang_at_once_are_named_at_once(job_dir: Path) -> None:
+    """Ranks 1 and 2 both sleep in the training loop at the same step while 0 and 3 wait
+    for them in a collective: one verdict names both (the soak: named one after the other,
+    the second only once the first's epoch had ended, a double hang cost 5.4 s), and the
+    job recovers in process with the fault-free parameters."""
+    reference = _reference_digest(job_dir, [])
+    code, launch = _run(job_dir, ["--hang", "1:5:backward", "--hang", "2:5:backward"],
+                        "fault")
+    assert code == 0, launch.output[-3000:]
+    named = [line for line in launch.lines if "failed: hung in train_fsdp.py" in line]
+    assert len(named) == 2, launch.output[-3000:]
+    assert {"rank 1 " in line for line in named} == {True, False}
+    assert all("ranks 0,3 waited for it in a collective" in line for line in named), named
+    assert _digest(launch) == reference
+
+
 def test_a_member_that_never_leaves_the_ended_epoch_is_replaced_not_those_waiting(
         job_dir: Path) -> None:
     """The convergence issue's case, made deterministic. On a 2x2 mesh, rank 0 dies in the

@@ -50,10 +50,10 @@ from typing import Any
 
 from ftrun import protocol as P
 from ftrun.agent import processes as local
-from ftrun.agent.hangs import HANG_FLOOR_S, HangWatch, announce_hang, name_after_abort
+from ftrun.agent.hangs import HangWatch, announce_hang, name_after_abort
 from ftrun.agent.launcher import WorkerStartError
 from ftrun.agent.leader import RegroupLeader, StopJob
-from ftrun.agent.lingering import LingerWatch
+from ftrun.agent.memberhangs import MemberHangs, Seen
 from ftrun.agent.members import LocalMember, MemberState
 from ftrun.agent.membership import Membership
 from ftrun.agent.nodes import health_refusal
@@ -130,13 +130,9 @@ class _RegroupRun:
         self.first_failure: local.WorkerProcess | None = None
         self.replacement_failures = 0
         self.crash_seen: set[int] = set()  # pids whose failure the crash-loop rule saw
-        # members' hangs: a watch per member epoch (see _watch_member_hangs)
-        self.member_hangs: HangWatch | None = None
-        self.lingering = LingerWatch()  # members a later epoch left behind, asleep
-        self.member_hangs_epoch = -1
-        # member -> ((steps, collectives), when they last changed): a member whose counts
-        # moved within the hang timeout is slow, not hung, however little CPU it uses
-        self.member_moved: dict[str, tuple[tuple[int, int], float]] = {}
+        # members' hangs: this node's rules for them (ftrun.agent.memberhangs)
+        self.member_hangs = MemberHangs(hang_timeout_s=self.config.hang_timeout_s,
+                                        multi_node=self.multi)
         # Scripts without the worker API fall back to a restart: they get its hang watch.
         self.hangs = None if self.config.hang_timeout_s == 0 else HangWatch(
             timeout_s=self.config.hang_timeout_s, multi_node=self.multi)
@@ -394,8 +390,7 @@ class _RegroupRun:
         restart path's verdict (see ftrun.agent.hangs), then the restart fallback. Members
         of the worker API: :meth:`_watch_member_hangs`."""
         if any(x.has_status for x in self.members.values()):
-            outcome = self._watch_lingering()
-            return outcome if outcome is not None else self._watch_member_hangs()
+            return self._watch_member_hangs()
         if self.hangs is None:
             return None
         initial = {x.process.pid: x for x in self.members.values() if x.live and x.initial}
@@ -412,85 +407,19 @@ class _RegroupRun:
                                kill=True, happened=detected - hang.idle_s)
         return self._stop_job(StopJob(f"hung: {hang.describe()}"))
 
-    def _watch_lingering(self) -> Step:
-        """A member still inside a member epoch that ended and was followed, idle in its
-        own code for the hang timeout: hung (ftrun.agent.lingering), taken out before the
-        stuck rule's longer bound."""
-        latest = self.m.latest
-        if latest is None or self.config.hang_timeout_s == 0:
-            return None
-        # an epoch followed by one that only admits a joiner goes on until its members'
-        # next step boundary (the hang watch's); any older one, or one followed by an epoch
-        # that a fault made, ended
-        ended_below = latest.number - 1 if latest.has_joiners else latest.number
-        lingering = {x.id: (x.process, status.epoch) for x in self.members.values()
-                     if x.live and x.state is not MemberState.REMOVED
-                     and (status := self.m.statuses.get(x.id)) is not None
-                     and not status.finished and 0 <= status.epoch < ended_below}
-        timeout_s = self.member_hangs.timeout_s if self.member_hangs is not None \
-            else self.config.hang_timeout_s or HANG_FLOOR_S
-        found = self.lingering.observe(lingering, timeout_s)
-        if found is None:
-            return None
-        return self._fault(self.members[found.member], found.describe(), kill=True,
-                           happened=time.time() - found.idle_s)
-
     def _watch_member_hangs(self) -> Step:
-        """A member that hangs in its own code while the others of its member epoch wait
-        for it in a collective (every one idle for the hang timeout; ftrun.agent.hangs reads
-        the stacks): taken out and replaced in process. The stall rule needs collective
-        counts, which a sharded job's process groups (torch's own, ftrun.restartable) do not
-        report; this rule needs none. Only members inside the latest member epoch (it
-        formed: they built its group) are watched, each epoch afresh: the waits of a
-        recovery are not spells that make the hang timeout grow (carried over, it doubled at
-        every recovery of a soak). ftrun's own waits count as waiting (agent/stacks.py), so
-        a member waiting for its peers is never named; a hang nobody on this node can be
-        named for is left to the stall rule, the recovery deadline and the collective
-        timeout."""
-        latest = self.m.latest
-        if latest is None or self.config.hang_timeout_s == 0:
-            return None
-        if self.member_hangs_epoch != latest.number:
-            self.member_hangs_epoch = latest.number
-            self.member_hangs = HangWatch(timeout_s=self.config.hang_timeout_s,
-                                          multi_node=self.multi)
-        # inside the latest epoch, or inside the one before while the latest only admits a
-        # joiner (the members enter it at their next step boundary: one hung before it never
-        # does, and was watched by nobody)
-        current = {latest.number, latest.number - 1} if latest.has_joiners \
-            else {latest.number}
-        watched = {x.process.pid: x for x in self.members.values()
-                   if x.live and self._is_active(x) and not self._waiting(x)
-                   and (status := self.m.statuses.get(x.id)) is not None
-                   and status.epoch in current and not status.finished}
-        if not watched or self.member_hangs is None:
-            return None
-        now = time.monotonic()
-        for member in watched.values():
-            status = self.m.statuses[member.id]
-            counts = (status.steps, status.collectives)
-            if self.member_moved.get(member.id, ((-1, -1), 0.0))[0] != counts:
-                self.member_moved[member.id] = (counts, now)
-        for gone in self.member_moved.keys() - self.members.keys():
-            del self.member_moved[gone]  # a failed member's clock: never read again
-        hang = self.member_hangs.sample([x.process for x in watched.values()])
-        if hang is None or hang.kind != "hung" or not hang.culprits:
-            return None
-        culprit = watched.get(hang.culprits[0].pid)
-        if culprit is None:
-            return None
-        moved_for = now - self.member_moved[culprit.id][1]
-        if moved_for < self.member_hangs.timeout_s:  # slow, not hung, unless it stays put
-            self.member_hangs.look_again_at(now + self.member_hangs.timeout_s - moved_for)
-            return None
-        stack = hang.stacks.get(culprit.process.pid)
-        where = stack.where if stack is not None else "in its own code"
-        waiting = [str(latest.rank_of(watched[w.pid].id)) for w in hang.waiting
-                   if w.pid in watched]
-        ranks = f"rank{'s' if len(waiting) > 1 else ''} {','.join(waiting) or '?'}"
-        return self._fault(culprit, f"hung {where} for {hang.idle_s:.1f}s while {ranks} "
-                                    "waited for it in a collective",
-                           kill=True, happened=time.time() - hang.idle_s)
+        """A member of the worker API that hangs in its own code (ftrun.agent.memberhangs):
+        taken out and replaced in process."""
+        seen = {x.id: Seen(x.process, status, self._is_active(x) and not self._waiting(x))
+                for x in self.members.values()
+                if x.live and x.state is not MemberState.REMOVED
+                and (status := self.m.statuses.get(x.id)) is not None}
+        for hung in self.member_hangs.look(self.m.latest, seen):
+            outcome = self._fault(self.members[hung.member], hung.cause, kill=True,
+                                  happened=time.time() - hung.idle_s)
+            if outcome is not None:
+                return outcome
+        return None
 
     def _said_finished(self, member: LocalMember) -> bool:
         """The member left its training loop (``close()``): its process is only exiting."""

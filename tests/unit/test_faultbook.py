@@ -200,3 +200,24 @@ def test_a_kill_and_another_ranks_raise_ended_by_one_restart_are_two_faults() ->
     book = _restart_after({"rank": 2, "pid": 87, "returncode": 1}, 0, 81, raised)
     assert [(f.rank, f.pid, f.cause) for f in book.faults] == [
         (0, 81, f"killed by SIGTERM: {raised}")]
+
+
+def test_an_injected_hang_happened_at_its_injection_not_at_the_spell_estimate() -> None:
+    """A hang verdict dates the fault from the idle spell's start, known to a sample: here
+    0.3 s before the injection (the rank sat idle in its step's sleep). The record says the
+    injection, which is when the fault began, and its detection counts from there."""
+    book = FaultBook().replay([
+        {"ts": 1.0, "event": "started"},
+        {"ts": 10.0, "event": "inject", "spec": "hang rank=1", "rank": 1},
+        {"ts": 12.5, "event": "failure", "member": "0.1", "rank": 1, "generation": 0,
+         "cause": "hung in train.py:138 compute for 2.4s while rank 0 waited for it in a "
+                  "collective", "detected": 12.4, "happened": 9.7},
+        {"ts": 12.6, "event": "epoch", "generation": 0, "epoch": 1, "world_size": 1,
+         "joiners": [], "gone": [{"member": "0.1", "rank": 1}]},
+        {"ts": 12.9, "event": "formed", "generation": 0, "epoch": 1, "world_size": 1,
+         "step": 30},
+    ])
+    (record,) = book.faults
+    assert (record.happened, record.injected) == (10.0, "hang rank=1")
+    assert record.detection_s == pytest.approx(2.4)
+    assert record.recovery_s == pytest.approx(2.9)
