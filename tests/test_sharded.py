@@ -275,6 +275,10 @@ def test_a_recovery_that_never_commits_escalates_to_a_restart_that_restores_memo
     escalated = [line for line in launch.lines if "] recovery deadline passed" in line]
     assert len(escalated) == 1, launch.output[-3000:]
     assert escalated[0].endswith("escalating: restarting all (1/1)"), escalated
+    # where each member was when nobody could be named (rank 2 in its hang, the restore)
+    at = [i for i, line in enumerate(launch.lines) if "at the escalation (most recent" in line]
+    assert at and any("train_fsdp.py" in line for line in launch.lines[at[0]:]), \
+        launch.output[-3000:]
     assert any("restarting (1/1)" in line for line in launch.lines), launch.output[-3000:]
     after = find(launch.lines, RestoredAfterRestart)
     assert sorted(r.rank for r in after) == [0, 1, 2, 3], launch.output[-3000:]

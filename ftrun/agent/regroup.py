@@ -239,6 +239,8 @@ class _RegroupRun:
         if cause is not None:
             services.say(f"generation {generation.number} ended by node "
                          f"{cause.get('by', cause.get('node_rank'))}: {describe_cause(cause)}")
+            if cause.get("kind") == "escalate":
+                self._say_stacks("the escalation")
             self._stop_all(signal.SIGTERM, "remote failure")
             return GenerationResult(Outcome.REMOTE_FAILED, self._exits(), cause)
         return None
@@ -257,6 +259,8 @@ class _RegroupRun:
         ``kind`` says which: ``refused`` and ``crash loop`` end the job, see agent/loop.py)."""
         self.services.say(verdict.reason, style="red")
         cause = {"kind": "regroup", "reason": verdict.reason, **verdict.cause}
+        if cause.get("kind") == "escalate":
+            self._say_stacks("the escalation")
         self._end_job_generation(cause)
         self._stop_all(signal.SIGTERM, verdict.reason)
         return GenerationResult(Outcome.FAILED, self._exits(), cause)
@@ -441,6 +445,21 @@ class _RegroupRun:
             return None
         cause = describe_returncode(code)
         return self._fault(member, cause, final=self._crash_loop(member, cause))
+
+    def _say_stacks(self, when: str) -> None:
+        """Where each live member of this node is, said before the workers stop: a recovery
+        that passed its deadline named nobody, and these stacks are what tells why."""
+        if stack_source() != "py-spy":
+            return
+        for member in self.members.values():
+            if not member.live or member.process.is_frozen():
+                continue
+            stack = read_stack(member.process.pid, timeout_s=2.0)
+            if stack is not None:
+                rank = self.m.rank_of(member.id)
+                label = f"rank {rank}" if rank is not None else f"member {member.id}"
+                self.services.say(f"{label} (member {member.id}, pid {member.process.pid}) "
+                                  f"at {when} (most recent call last):\n{stack.text()}")
 
     def _stack_before_kill(self, member: LocalMember, cause: str) -> Stack | None:
         """Where a member the leader took out as stuck or stalled was (its Python stack,
