@@ -21,7 +21,9 @@ R ``backward`` of step S, while the snapshot of step S is being ``capture``d (in
 registered loader's ``state_dict``: before that rank's file exists), or while the snapshot
 of step S is being ``restore``d (inside its ``load_state_dict``: during a recovery), or
 just before it builds its device ``mesh`` at an entry that starts from step S (the other
-members wait in the mesh's group build for its address);
+members wait in the mesh's group build for its address), or just before its ``group``
+build, the default process group's (S counts this process's builds, 1 its first; the
+others fail their build, which leaves torch's group numbering one up);
 ``--hang R:S:WHERE`` (repeatable, once per job, marker ``hung-<i>``) makes rank R sleep
 forever there instead (alive, its heartbeat beating: a member that never commits);
 with ``--hang-until-restart`` every process that reaches a ``--hang`` (a replacement too)
@@ -68,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-dir", type=Path, default=None)
     parser.add_argument("--kill", action="append", default=[], metavar="R:S:WHERE",
-                        help="WHERE: backward, capture or restore")
+                        help="WHERE: backward, capture, restore, mesh or group")
     parser.add_argument("--hang", action="append", default=[], metavar="R:S:WHERE",
                         help="as --kill, but the rank sleeps forever")
     parser.add_argument("--hang-until-restart", action="store_true",
@@ -323,6 +325,17 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGUSR1, lambda *_: INJECTED.append("hang"))
     signal.signal(signal.SIGUSR2, lambda *_: INJECTED.append("raise"))
+    builds = [0]
+    build = dist.init_process_group
+
+    def init_process_group(*pargs: Any, **kwargs: Any) -> Any:  # --kill R:S:group
+        builds[0] += 1
+        marker = due_kill(args, int(kwargs.get("rank", -1)), builds[0], "group")
+        if marker is not None:
+            die(marker)
+        return build(*pargs, **kwargs)
+
+    dist.init_process_group = init_process_group
     ftrun.restartable(train, snapshot_every=args.snapshot_every)(args)
 
 

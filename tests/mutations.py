@@ -3042,6 +3042,21 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_epoch_connections.py::test_shutting_the_recorded_connections_releases_a_peer_in_a_collective",
         ),
     ),
+    Mutation(
+        id="group-names-carried-over",
+        section=CONTROL,
+        promise=(
+            "Survivors of a failed group build and fresh members meet under the same torch "
+            "group name in the next member epoch"
+        ),
+        file="ftrun/worker/reentry.py",
+        find='    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():',
+        replace="    if False:  # MUTATION: torch's group numbering carried over",
+        tests=(
+            "tests/test_reentry_groups.py::test_a_survivor_of_a_failed_build_and_a_fresh_peer_meet_under_one_name",
+            "tests/test_sharded.py::test_survivors_of_a_failed_group_build_meet_fresh_members_under_one_name",
+        ),
+    ),
 )
 
 #: Rows of tests/MUTATIONS.md with no entry here (promise -> why not executable).

@@ -258,6 +258,26 @@ def test_a_member_lost_while_the_mesh_is_built_ends_the_build_not_the_job(
     assert _snapshot_dirs_of(launch.proc.pid) == []
 
 
+def test_survivors_of_a_failed_group_build_meet_fresh_members_under_one_name(
+        job_dir: Path) -> None:
+    """The long soak's one escalation, made deterministic. Rank 3 dies in the backward of
+    step index 5; in the member epoch that recovers it, rank 1 dies just before its group
+    build, so the others' builds of the default group fail. torch had counted those builds:
+    in the next epoch the survivors met under group name 1 and the fresh replacements under
+    0, each waiting for the other's keys, and the epoch formed and stood still until the
+    recovery deadline restarted every worker. Now every member numbers its groups afresh
+    (ftrun.worker.reentry.forget_group_names): the job recovers in process, twice, with the
+    fault-free parameters."""
+    reference = _reference_digest(job_dir, [])
+    code, launch = _run(job_dir, ["--kill", "3:5:backward", "--kill", "1:2:group"], "fault")
+    assert code == 0, launch.output[-3000:]
+    assert len(find(launch.lines, Victim)) == 2, launch.output[-3000:]
+    assert not any("recovery deadline passed" in line or "restarting" in line
+                   for line in launch.lines), launch.output[-3000:]
+    assert _digest(launch) == reference
+    assert _snapshot_dirs_of(launch.proc.pid) == []
+
+
 def test_a_recovery_that_never_commits_escalates_to_a_restart_that_restores_memory(
         job_dir: Path) -> None:
     """The escalation ladder, end to end: rank 1 dies at step index 3; in the member epoch

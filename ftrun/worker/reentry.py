@@ -1,9 +1,11 @@
 """What leaving a training function and entering it again needs of the process itself:
-torch's DTensor caches of old meshes dropped, and a spare's one-time warm-up (used by
+torch's DTensor caches of old meshes dropped, its group numbering started afresh, and a
+spare's one-time warm-up (used by
 :mod:`ftrun.worker.restartable`; the connections to peers are cut by
 :mod:`ftrun.worker.sockets`).
 
-Errors: :func:`forget_meshes` swallows what it cannot do (a cache this torch lacks);
+Errors: :func:`forget_meshes` and :func:`forget_group_names` swallow what they cannot do
+(a cache or counter this torch lacks);
 :func:`warm_up` raises what torch raises, and its caller says it in one line.
 """
 
@@ -39,6 +41,25 @@ def forget_meshes() -> None:
     for clear in clears:
         with contextlib.suppress(AttributeError):
             clear()
+
+
+def forget_group_names() -> None:
+    """Number this process's next default group as a fresh process would.
+
+    torch names every process group from a per-process counter
+    (``distributed_c10d._world.group_count``) and meets its peers under that name in the
+    store; it sets the counter back to 0 only when it destroys a default group that exists.
+    A build that failed (a member died as the epoch formed) leaves the counter one up, so in
+    the next member epoch the survivors met under group 1 and a fresh replacement under
+    group 0, each waiting for keys the other never wrote until the collective timeout (the
+    long soak: an FSDP2+TP epoch formed, then stood still 36 s until the recovery deadline).
+    A private attribute of torch 2.13: left alone where it does not exist; never while a
+    default group exists."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
 
 
 def warm_up() -> None:

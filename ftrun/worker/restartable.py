@@ -96,7 +96,7 @@ from ftrun.snapshot.writer import Held, SnapshotBusyError, SnapshotWriter, Where
 from ftrun.worker import group, settings, sockets
 from ftrun.worker.errors import RegroupError
 from ftrun.worker.membership import POLL_S, Membership
-from ftrun.worker.reentry import forget_meshes, warm_up
+from ftrun.worker.reentry import forget_group_names, forget_meshes, warm_up
 
 T = TypeVar("T")
 
@@ -425,6 +425,7 @@ class _Runner:
         if self._ended.is_set() or membership.ended(epoch.number) is not None:
             raise EpochEnded(f"member epoch {epoch.number} ended before its group was built")
         store = dist.PrefixStore(P.pg_prefix(membership.prefix, epoch.number), client)
+        forget_group_names()  # every member of the epoch meets under the same names
         try:
             dist.init_process_group(group.backend_name(), store=store, rank=rank,
                                     world_size=epoch.world_size, timeout=self.timeout)
@@ -471,6 +472,7 @@ class _Runner:
         self._epoch = -1
         with contextlib.suppress(RuntimeError, ValueError, AssertionError):
             dist.destroy_process_group()
+        forget_group_names()  # also after a build that failed: no group to destroy then
         forget_meshes()
         gc.collect()
 
