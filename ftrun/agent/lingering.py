@@ -27,6 +27,7 @@ import ftrun
 from ftrun.agent.hangs import IDLE_CPU_FRACTION, SAMPLE_S, tree_cpu
 from ftrun.agent.processes import WorkerProcess
 from ftrun.agent.stacks import Stack, read_stack, stack_source
+from ftrun.shim import ShimError
 
 #: Frames under this directory are ftrun's own machinery: a member idle there is the stuck
 #: rule's.
@@ -60,8 +61,10 @@ class LingerWatch:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  stack_of: Callable[[int], Stack | None] | None = None,
-                 cpu_of: Callable[[int], tuple[float, bool, bool]] = tree_cpu) -> None:
+                 cpu_of: Callable[[int], tuple[float, bool, bool]] = tree_cpu,
+                 in_nccl: Callable[[WorkerProcess], bool] | None = None) -> None:
         self.clock = clock
+        self.in_nccl = in_nccl or inside_nccl
         if stack_of is None:  # where py-spy cannot attach, the stuck rule decides
             stack_of = read_stack if stack_source() == "py-spy" else (lambda pid: None)
         self.stack_of = stack_of
@@ -97,6 +100,12 @@ class LingerWatch:
             if idle_s < timeout_s or (member, seen.epoch) in self._looked \
                     or process.is_frozen() or process.poll() is not None:
                 continue
+            if self.in_nccl(process):
+                # blocked in an NCCL call (its Python stack shows the script's line that
+                # made it): the agent's abort releases it, and a late one is the stuck
+                # rule's; named here, it took a survivor out while its node was still
+                # waiting for another node's abort (test_regroup_nccl, under load)
+                continue
             stack = self.stack_of(process.pid)
             if stack is None or not _in_own_code(stack):
                 self._looked.add((member, seen.epoch))  # the stuck rule's: not read again
@@ -111,3 +120,15 @@ def _in_own_code(stack: Stack) -> bool:
     if not stack.frames or stack.waiting or stack.awaits_network or stack.forming_group:
         return False
     return not stack.frames[0].filename.startswith(_FTRUN_DIR)
+
+
+def inside_nccl(process: WorkerProcess) -> bool:
+    """Whether a thread of ``process`` is inside an NCCL call, by its shim page (any
+    communicator, aborted ones too: a call can still be unwinding); False without a shim."""
+    shim = process.shim
+    if shim is None:
+        return False
+    try:
+        return any(c.inflight > 0 for c in shim.communicators())
+    except (ShimError, OSError, ValueError):
+        return False

@@ -21,6 +21,7 @@ class FakeProcess:
     pid: int
     frozen: bool = False
     exited: int | None = None
+    shim: None = None  # no NCCL shim: never inside an NCCL call
 
     def poll(self) -> int | None:
         return self.exited
@@ -155,3 +156,18 @@ def test_the_timeout_is_the_callers() -> None:
     watch, clock, _, _ = watch_for()
     found, at = run(watch, clock, {"0.1": (FakeProcess(11), 3)}, until=20, timeout_s=6.0)
     assert found is not None and 6.0 <= at <= 6.0 + SAMPLE_S
+
+
+def test_a_member_blocked_in_an_nccl_call_is_left_to_the_abort() -> None:
+    """Its Python stack shows the script's line that made the call, so only the shim page
+    tells it from a sleep: while a call is in flight it is not named; once the call has
+    returned and it stays idle in its code, it is."""
+    member = FakeProcess(11)
+    blocked = [True]
+    clock, cpu = Clock(), Cpu()
+    watch = LingerWatch(clock=clock, stack_of=own, cpu_of=cpu,
+                        in_nccl=lambda process: blocked[0])
+    assert run(watch, clock, {"0.1": (member, 3)}, until=6)[0] is None
+    blocked[0] = False
+    found, _ = run(watch, clock, {"0.1": (member, 3)}, until=1)
+    assert found is not None and found.member == "0.1"
