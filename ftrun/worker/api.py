@@ -410,7 +410,11 @@ class FaultTolerance:
                 membership.synced = True
                 membership.report()
         except RuntimeError:
-            if membership.ended(number) is not None:
+            # a peer that died while the epoch was entered (its state sent to a joiner, its
+            # group built) fails the others at once, before its agent has seen the death:
+            # the end is waited for as for a failed step (the soak: a joiner whose source
+            # was SIGKILLed mid-broadcast raised the reset as its own error and exited)
+            if membership.explains_fault(self._fault_grace_s, number):
                 return False
             raise
         for callback in self._callbacks:

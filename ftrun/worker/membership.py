@@ -307,12 +307,14 @@ class Membership:
         """Why member epoch ``number`` ended (a valid record only), or None."""
         return (store or self.store).first_record(P.end_key(number))
 
-    def explains_fault(self, grace_s: float) -> bool:
-        """A collective failed: did the agents end the current member epoch (or do they
-        within ``grace_s``)? Otherwise the error is the script's own."""
+    def explains_fault(self, grace_s: float, epoch: int | None = None) -> bool:
+        """A collective failed: did the agents end member epoch ``epoch`` (default: the
+        current one), or do they within ``grace_s``? Otherwise the error is the script's
+        own."""
+        number = self.epoch if epoch is None else epoch
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            if self.ended(self.epoch) is not None:
+            if self.ended(number) is not None:
                 return True
             time.sleep(POLL_S * 4)
         return False
